@@ -1,0 +1,49 @@
+"""impel: one PyTorch training loop on a CPU, one GPU, many GPUs or many machines.
+
+Names are resolved lazily so that ``import impel`` (and the ``impel`` CLI's help) stay fast and never import
+deepspeed or transformers.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "Accelerator": "impel.accelerator",
+    "ProcessState": "impel.state",
+    "PartialState": "impel.state",
+    "DataLoaderConfiguration": "impel.plugins",
+    "GradientAccumulationPlugin": "impel.plugins",
+    "DistributedDataParallelKwargs": "impel.plugins",
+    "GradScalerKwargs": "impel.plugins",
+    "InitProcessGroupKwargs": "impel.plugins",
+    "AutocastKwargs": "impel.plugins",
+    "RunConfig": "impel.config",
+    "ConfigError": "impel.config",
+    "set_seed": "impel.seeding",
+    "skip_first_batches": "impel.data",
+    "send_to_device": "impel.data",
+    "gather": "impel.collectives",
+    "gather_object": "impel.collectives",
+    "reduce": "impel.collectives",
+    "broadcast": "impel.collectives",
+    "broadcast_object_list": "impel.collectives",
+    "pad_across_processes": "impel.collectives",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'impel' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -1,0 +1,448 @@
+"""The Accelerator: the one object a training loop talks to.
+
+It resolves the run config (defaults < file < launch flags < these arguments), joins the process group, picks a
+Strategy and forwards to it. Every difference between single device, DDP, FSDP2 and DeepSpeed is the strategy's;
+accumulation bookkeeping is :mod:`impel.accumulation`, data sharding :mod:`impel.data`, collectives
+:mod:`impel.collectives`.
+
+Example::
+
+    acc = Accelerator(mixed_precision="bf16")
+    model, optim, loader, scheduler = acc.prepare(model, optim, loader, scheduler)
+    for batch in loader:
+        loss = model(**batch).loss
+        acc.backward(loss)
+        optim.step(); scheduler.step(); optim.zero_grad()
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import gc
+import logging
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from . import collectives, env
+from .accumulation import GradientState
+from .config import ConfigError, RunConfig, merge_code_arguments
+from .data import DataLoaderShard, shard_dataloader, skip_first_batches
+from .model import ForwardContext, is_prepared, patch_forward, unpatch_forward
+from .optimizer import AcceleratedOptimizer, AcceleratedScheduler
+from .plugins import DataLoaderConfiguration, GradientAccumulationPlugin, Handlers
+from .state import ProcessState
+from .strategies.base import Strategy, load_strategy
+
+logger = logging.getLogger("impel")
+
+try:
+    from torch.optim.lr_scheduler import LRScheduler as _LRScheduler
+except ImportError:  # pragma: no cover - torch < 2.0
+    from torch.optim.lr_scheduler import _LRScheduler  # type: ignore[attr-defined,no-redef]
+
+_PREPARABLE = "torch.nn.Module, torch.optim.Optimizer, torch.utils.data.DataLoader, torch.optim.lr_scheduler.LRScheduler"
+
+
+class Accelerator:
+    """Runs one training loop unchanged on CPU, one GPU, several GPUs or several machines."""
+
+    def __init__(self, device_placement: bool = True, split_batches: bool | None = None,
+                 mixed_precision: str | None = None, gradient_accumulation_steps: int | None = None,
+                 cpu: bool | None = None, dataloader_config: DataLoaderConfiguration | None = None,
+                 step_scheduler_with_optimizer: bool = True,
+                 gradient_accumulation_plugin: GradientAccumulationPlugin | None = None,
+                 kwargs_handlers: Sequence[Any] | None = None) -> None:
+        if gradient_accumulation_plugin is not None and gradient_accumulation_steps not in (None, 1):
+            raise ConfigError("pass either gradient_accumulation_steps or gradient_accumulation_plugin, not both")
+        if gradient_accumulation_plugin is not None:
+            gradient_accumulation_steps = gradient_accumulation_plugin.num_steps
+        self.config: RunConfig = merge_code_arguments(
+            env.read_launch_config(),
+            {"mixed_precision": mixed_precision, "gradient_accumulation_steps": gradient_accumulation_steps,
+             "use_cpu": cpu or None})
+        self.handlers = Handlers.collect(kwargs_handlers)
+        self.dataloader_config = dataloader_config or DataLoaderConfiguration()
+        if split_batches is not None:
+            self.dataloader_config.split_batches = bool(split_batches)
+        self.device_placement = device_placement
+        self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
+        init = self.handlers.init
+        cpu_only = self.config.use_cpu or self.config.distributed_type == "MULTI_CPU"
+        self.state = ProcessState(cpu=cpu_only, backend=init.backend if init else None,
+                                  timeout=init.timeout if init else None,
+                                  init_method=init.init_method if init else None)
+        self._check_topology()
+        self.distributed_type = self._resolve_distributed_type()
+        self._warn_unused_handlers()
+        plugin = gradient_accumulation_plugin or GradientAccumulationPlugin(self.config.gradient_accumulation_steps)
+        self.gradient_state = GradientState(plugin)
+        self.strategy: Strategy = load_strategy(self.distributed_type, self.state, self.config, self.handlers)
+        self._models: list[nn.Module] = []
+        self._optimizers: list[AcceleratedOptimizer] = []
+        self._schedulers: list[AcceleratedScheduler] = []
+        self._dataloaders: list[DataLoaderShard] = []
+
+    # --- configuration checks ---------------------------------------------------------------------------------
+    def _check_topology(self) -> None:
+        wanted = self.config.num_processes
+        launched = env.read_launch_config() or {}
+        if "num_processes" in launched and wanted is not None and wanted != self.state.num_processes:
+            raise ConfigError(f"the launch config says num_processes={wanted} but this job has WORLD_SIZE="
+                              f"{self.state.num_processes}; relaunch with impel launch or fix the config")
+
+    def _resolve_distributed_type(self) -> str:
+        asked = self.config.distributed_type
+        world = self.state.num_processes
+        plain = "NO" if world == 1 else ("MULTI_GPU" if self.state.device.type == "cuda" else "MULTI_CPU")
+        if asked in (None, "NO", "MULTI_CPU", "MULTI_GPU"):
+            if asked == "NO" and world > 1:
+                raise ConfigError(f"distributed_type='NO' but {world} processes were launched; set "
+                                  "distributed_type to MULTI_CPU/MULTI_GPU or launch one process")
+            if asked == "MULTI_GPU" and world > 1 and self.state.device.type != "cuda":
+                raise ConfigError("distributed_type='MULTI_GPU' but no CUDA device is visible; use MULTI_CPU "
+                                  "(--cpu) or run on GPU machines")
+            return plain
+        return asked
+
+    def _warn_unused_handlers(self) -> None:
+        h = self.handlers
+        if h.scaler is not None and self.config.mixed_precision != "fp16":
+            logger.warning("GradScalerKwargs has no effect with mixed_precision=%r (only 'fp16' scales "
+                           "gradients)", self.config.mixed_precision)
+        if h.ddp is not None and self.distributed_type not in ("MULTI_CPU", "MULTI_GPU"):
+            logger.warning("DistributedDataParallelKwargs has no effect with distributed_type=%r",
+                           self.distributed_type)
+        if h.autocast is not None and self.config.mixed_precision == "no":
+            logger.warning("AutocastKwargs has no effect with mixed_precision='no'")
+
+    # --- properties -------------------------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.state.device
+
+    @property
+    def num_processes(self) -> int:
+        return self.state.num_processes
+
+    @property
+    def process_index(self) -> int:
+        return self.state.process_index
+
+    @property
+    def local_process_index(self) -> int:
+        return self.state.local_process_index
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.state.is_main_process
+
+    @property
+    def is_local_main_process(self) -> bool:
+        return self.state.is_local_main_process
+
+    @property
+    def is_last_process(self) -> bool:
+        return self.state.is_last_process
+
+    @property
+    def use_distributed(self) -> bool:
+        return self.state.use_distributed
+
+    @property
+    def mixed_precision(self) -> str:
+        return self.config.mixed_precision
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self.gradient_state.num_steps
+
+    @property
+    def sync_gradients(self) -> bool:
+        return self.gradient_state.sync_gradients
+
+    @property
+    def optimizer_step_was_skipped(self) -> bool:
+        return any(opt.step_was_skipped for opt in self._optimizers)
+
+    @property
+    def split_batches(self) -> bool:
+        return self.dataloader_config.split_batches
+
+    @property
+    def even_batches(self) -> bool:
+        return self.dataloader_config.even_batches
+
+    @property
+    def scaler(self) -> Any:
+        return self.strategy.precision.scaler
+
+    # --- prepare ----------------------------------------------------------------------------------------------
+    def prepare(self, *args: Any, device_placement: Sequence[bool] | None = None) -> Any:
+        """Prepare models, optimizers, dataloaders and schedulers, in any order; returns them in the same order."""
+        if device_placement is not None and len(device_placement) != len(args):
+            raise ConfigError(f"device_placement has {len(device_placement)} entries for {len(args)} objects")
+        places = list(device_placement) if device_placement is not None else [self.device_placement] * len(args)
+        kinds = [self._kind(obj) for obj in args]
+        result: list[Any] = list(args)
+        models = [i for i, k in enumerate(kinds) if k == "model" and not is_prepared(args[i])]
+        optims = [i for i, k in enumerate(kinds) if k == "optimizer" and not isinstance(args[i], AcceleratedOptimizer)]
+        if models or optims:
+            wrapped_models, wrapped_optims = self.strategy.setup(
+                [args[i] for i in models], [args[i] for i in optims], all(places[i] for i in models))
+            for i, model in zip(models, wrapped_models):
+                result[i] = self._finish_model(model)
+            for i, opt in zip(optims, wrapped_optims):
+                result[i] = self._finish_optimizer(opt)
+        for i, kind in enumerate(kinds):
+            if kind == "dataloader" and not isinstance(args[i], DataLoaderShard):
+                result[i] = self.prepare_data_loader(args[i], device_placement=places[i])
+        for i, kind in enumerate(kinds):
+            if kind == "scheduler" and not isinstance(args[i], AcceleratedScheduler):
+                result[i] = self.prepare_scheduler(args[i])
+        return result[0] if len(result) == 1 else tuple(result)
+
+    @staticmethod
+    def _kind(obj: Any) -> str:
+        if isinstance(obj, nn.Module):
+            return "model"
+        if isinstance(obj, torch.optim.Optimizer):
+            return "optimizer"
+        if isinstance(obj, (DataLoader, DataLoaderShard)):
+            return "dataloader"
+        if isinstance(obj, (_LRScheduler, AcceleratedScheduler)) or (
+                hasattr(obj, "step") and isinstance(getattr(obj, "optimizer", None), torch.optim.Optimizer)):
+            return "scheduler"
+        raise TypeError(f"prepare() got {type(obj).__module__}.{type(obj).__qualname__}, which it cannot prepare; "
+                        f"it accepts {_PREPARABLE}")
+
+    def _finish_model(self, model: nn.Module) -> nn.Module:
+        inner = self.strategy.unwrap_model(model)
+        autocast = self.strategy.precision.autocast if self.strategy.precision.dtype is not None else None
+        if inner is model:
+            patch_forward(model, ForwardContext(self.strategy, self.gradient_state, autocast, track=True))
+        else:
+            patch_forward(inner, ForwardContext(self.strategy, self.gradient_state, autocast, track=False))
+            patch_forward(model, ForwardContext(self.strategy, self.gradient_state, None, track=True))
+        self._models.append(model)
+        return model
+
+    def _finish_optimizer(self, optimizer: torch.optim.Optimizer) -> AcceleratedOptimizer:
+        wrapped = AcceleratedOptimizer(optimizer, self.strategy, self.gradient_state)
+        self._optimizers.append(wrapped)
+        return wrapped
+
+    def prepare_model(self, model: nn.Module, device_placement: bool | None = None) -> nn.Module:
+        return self.prepare(model, device_placement=None if device_placement is None else [device_placement])
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> AcceleratedOptimizer:
+        return self.prepare(optimizer)
+
+    def prepare_data_loader(self, data_loader: DataLoader, device_placement: bool | None = None) -> DataLoaderShard:
+        if isinstance(data_loader, DataLoaderShard):
+            return data_loader
+        place = self.device_placement if device_placement is None else device_placement
+        seed = self._shared_seed(data_loader)
+        shard = shard_dataloader(data_loader, world=self.num_processes, rank=self.process_index,
+                                 device=self.device if place else None, config=self.dataloader_config,
+                                 gradient_state=self.gradient_state, seed=seed,
+                                 seed_source=self._epoch_seed_source(data_loader))
+        self._dataloaders.append(shard)
+        return shard
+
+    def _shared_seed(self, loader: DataLoader) -> int:
+        gen = getattr(loader.sampler, "generator", None) or loader.generator
+        seed = gen.initial_seed() if gen is not None else torch.initial_seed()
+        return int(collectives.broadcast(seed, from_process=0)) if self.use_distributed else int(seed)
+
+    def _epoch_seed_source(self, loader: DataLoader) -> Callable[[int], int]:
+        gen = getattr(loader.sampler, "generator", None)
+
+        def draw(epoch: int) -> int:
+            seed = int(torch.empty((), dtype=torch.int64).random_(generator=gen).item())
+            return int(collectives.broadcast(seed, from_process=0)) if self.use_distributed else seed
+
+        return draw
+
+    def prepare_scheduler(self, scheduler: Any) -> AcceleratedScheduler:
+        if isinstance(scheduler, AcceleratedScheduler):
+            return scheduler
+        target = getattr(scheduler, "optimizer", None)
+        opts = [o for o in self._optimizers if o is target or o.optimizer is target]
+        wrapped = AcceleratedScheduler(scheduler, opts, self.gradient_state, self.step_scheduler_with_optimizer)
+        self._schedulers.append(wrapped)
+        return wrapped
+
+    # --- the training step ------------------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """Backward through the strategy; divides the loss by the accumulation group's length."""
+        gs = self.gradient_state
+        if gs.num_steps > 1:
+            gs.begin_auto()
+            loss = loss / gs.loss_divisor
+        self.strategy.backward(loss, **kwargs)
+        gs.end_auto()
+
+    @contextlib.contextmanager
+    def accumulate(self, *models: nn.Module) -> Iterator[None]:
+        """One micro-step: gradients sync (and the optimizer steps) only when it ends a group."""
+        gs = self.gradient_state
+        gs.begin()
+        gs.in_context, gs.open = True, False
+        try:
+            yield
+        finally:
+            gs.in_context = False
+
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module) -> Iterator[None]:
+        """Skip the cross-rank gradient reduction for backward passes of forwards run inside this block."""
+        self.gradient_state.manual_no_sync += 1
+        try:
+            yield
+        finally:
+            self.gradient_state.manual_no_sync -= 1
+
+    @contextlib.contextmanager
+    def autocast(self, autocast_handler: Any = None) -> Iterator[None]:
+        precision = self.strategy.precision
+        if precision.dtype is None:
+            yield
+            return
+        with precision.autocast(None if autocast_handler is None else autocast_handler.enabled):
+            yield
+
+    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor | None:
+        """Clip at a group boundary (gradients unscaled first) and return the total norm; None mid-group."""
+        if not self.sync_gradients:
+            return None
+        return self.strategy.clip_grad_norm_(parameters, max_norm, norm_type, self._optimizers)
+
+    def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
+        if self.sync_gradients:
+            self.strategy.clip_grad_value_(parameters, clip_value, self._optimizers)
+
+    def unscale_gradients(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+        targets = self._optimizers if optimizer is None else [optimizer]
+        for opt in targets:
+            self.strategy.unscale_gradients(opt.optimizer if isinstance(opt, AcceleratedOptimizer) else opt)
+
+    # --- collectives ------------------------------------------------------------------------------------------
+    def gather(self, tensor: Any) -> Any:
+        return collectives.gather(tensor)
+
+    def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
+        """Gather across ranks and drop the samples ``even_batches`` duplicated in the last batch."""
+        as_objects = use_gather_object
+        if not as_objects:
+            try:
+                data = collectives.gather(input_data)
+            except TypeError:
+                as_objects = True
+        if as_objects:
+            data = collectives.gather_object(input_data)
+        remainder = self.gradient_state.remainder
+        if remainder < 0:
+            return data
+        return data[:remainder] if as_objects else collectives.truncate(data, remainder)
+
+    def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
+        return collectives.reduce(tensor, reduction, scale)
+
+    def pad_across_processes(self, tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
+        return collectives.pad_across_processes(tensor, dim, pad_index, pad_first)
+
+    def broadcast(self, data: Any, from_process: int = 0) -> Any:
+        return collectives.broadcast(data, from_process)
+
+    def broadcast_object_list(self, object_list: list[Any], from_process: int = 0) -> list[Any]:
+        return collectives.broadcast_object_list(object_list, from_process)
+
+    def wait_for_everyone(self) -> None:
+        self.state.wait_for_everyone()
+
+    # --- process control --------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def main_process_first(self) -> Iterator[None]:
+        with self._first(self.is_main_process):
+            yield
+
+    @contextlib.contextmanager
+    def local_main_process_first(self) -> Iterator[None]:
+        with self._first(self.is_local_main_process):
+            yield
+
+    @contextlib.contextmanager
+    def _first(self, leader: bool) -> Iterator[None]:
+        if not leader:
+            self.wait_for_everyone()
+        yield
+        if leader:
+            self.wait_for_everyone()
+
+    def on_main_process(self, function: Callable[..., Any]) -> Callable[..., Any]:
+        return self._only(function, lambda: self.is_main_process)
+
+    def on_local_main_process(self, function: Callable[..., Any]) -> Callable[..., Any]:
+        return self._only(function, lambda: self.is_local_main_process)
+
+    def on_last_process(self, function: Callable[..., Any]) -> Callable[..., Any]:
+        return self._only(function, lambda: self.is_last_process)
+
+    def on_process(self, function: Callable[..., Any] | None = None, process_index: int | None = None) -> Any:
+        if function is None:
+            return functools.partial(self.on_process, process_index=process_index)
+        if process_index is None:
+            raise ConfigError("on_process needs process_index=N")
+        return self._only(function, lambda: self.process_index == process_index)
+
+    @staticmethod
+    def _only(function: Callable[..., Any], predicate: Callable[[], bool]) -> Callable[..., Any]:
+        @functools.wraps(function)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            return function(*args, **kwargs) if predicate() else None
+
+        return wrapper
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        if self.is_main_process:
+            print(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> Iterator[Any]:
+        """Yield this rank's contiguous share of a list, tuple, dict of sequences or tensor."""
+        from .splitting import split_for_rank
+
+        yield split_for_rank(inputs, self.num_processes, self.process_index, apply_padding)
+
+    # --- models and memory ------------------------------------------------------------------------------------
+    def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True) -> nn.Module:
+        inner = self.strategy.unwrap_model(model)
+        if not keep_fp32_wrapper:
+            unpatch_forward(inner)
+        return inner
+
+    def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
+        return self.strategy.model_state_dict(model)
+
+    def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
+        return skip_first_batches(dataloader, num_batches)
+
+    def free_memory(self, *objects: Any) -> list[Any]:
+        """Drop impel's references to prepared objects and release cached device memory."""
+        self._models.clear()
+        self._optimizers.clear()
+        self._schedulers.clear()
+        self._dataloaders.clear()
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return [None] * len(objects)
+
+    clear = free_memory
+
+    def end_training(self) -> None:
+        self.strategy.teardown()
+        self.wait_for_everyone()

@@ -1,0 +1,92 @@
+"""Gradient accumulation bookkeeping: which micro-step we are in and whether it ends a group.
+
+A micro-step begins when ``accumulate()`` is entered, or, for loops that do not use it, at the first training
+forward of a prepared model (or at ``backward()``) after the previous backward. It syncs (all-reduces and lets
+the optimizer step) when its group is full or when the prepared dataloader it reads from is on its last batch.
+Groups are normally ``num_steps`` long; the last group of an epoch is as long as the batches that remain, and the
+loss is divided by that group's real length, so a short final group still produces a mean gradient.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from .plugins import GradientAccumulationPlugin
+
+
+class GradientState:
+    """Shared by the Accelerator, the prepared model, optimizer, scheduler and dataloaders."""
+
+    def __init__(self, plugin: GradientAccumulationPlugin) -> None:
+        self.plugin = plugin
+        self.num_steps = plugin.num_steps
+        self.sync_gradients = True
+        self.group_size = plugin.num_steps
+        self.micro_in_group = 0
+        self.in_context = False  # inside accumulate()
+        self.open = False  # an automatic micro-step has begun and has not seen its backward yet
+        self.manual_no_sync = 0  # depth of user no_sync() blocks
+        self.active_dataloaders: list[Any] = []
+
+    # --- dataloader link --------------------------------------------------------------------------------------
+    @property
+    def active_dataloader(self) -> Any:
+        return self.active_dataloaders[-1] if self.active_dataloaders else None
+
+    @property
+    def end_of_dataloader(self) -> bool:
+        dl = self.active_dataloader
+        return bool(dl is not None and dl.end_of_dataloader)
+
+    @property
+    def remainder(self) -> int:
+        """Real samples in the current global batch when it is the padded last one, else -1."""
+        dl = self.active_dataloader
+        return dl.remainder if dl is not None and dl.end_of_dataloader else -1
+
+    # --- micro-steps ------------------------------------------------------------------------------------------
+    def begin(self) -> None:
+        if self.num_steps == 1:
+            self.sync_gradients = True
+            self.group_size = 1
+            return
+        if self.micro_in_group == 0:
+            self.group_size = self._next_group_size()
+        self.micro_in_group += 1
+        at_end = self.plugin.sync_with_dataloader and self.end_of_dataloader
+        self.sync_gradients = self.micro_in_group >= self.group_size or at_end
+        if self.sync_gradients:
+            self.micro_in_group = 0
+
+    def _next_group_size(self) -> int:
+        dl = self.active_dataloader
+        if dl is None or not self.plugin.sync_with_dataloader:
+            return self.num_steps
+        remaining = dl.remaining_batches()
+        return self.num_steps if remaining is None else max(1, min(self.num_steps, remaining))
+
+    def begin_auto(self) -> None:
+        """Open a micro-step for loops that do not use ``accumulate()``; a no-op while one is open."""
+        if not self.in_context and not self.open:
+            self.begin()
+            self.open = True
+
+    def end_auto(self) -> None:
+        if not self.in_context:
+            self.open = False
+
+    @property
+    def loss_divisor(self) -> int:
+        return self.group_size
+
+    @property
+    def grad_sync_enabled(self) -> bool:
+        if self.manual_no_sync:
+            return False
+        return self.sync_gradients or self.plugin.sync_each_batch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"micro_in_group": self.micro_in_group, "group_size": self.group_size}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.micro_in_group = int(state.get("micro_in_group", 0))
+        self.group_size = int(state.get("group_size", self.num_steps))

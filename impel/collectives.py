@@ -1,0 +1,132 @@
+"""Cross-rank operations on tensors and nested containers, built on torch.distributed (no home-made collectives).
+
+Every function is a no-op copy on one process, so a loop calls them unconditionally.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.distributed as dist
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def recursively_apply(fn: Callable[[torch.Tensor], Any], data: Any) -> Any:
+    """Apply ``fn`` to every tensor in nested lists, tuples, namedtuples and mappings."""
+    if isinstance(data, torch.Tensor):
+        return fn(data)
+    if isinstance(data, (list, tuple)):
+        items = [recursively_apply(fn, d) for d in data]
+        return type(data)(*items) if hasattr(data, "_fields") else type(data)(items)
+    if isinstance(data, Mapping):
+        out = {k: recursively_apply(fn, v) for k, v in data.items()}
+        try:
+            return type(data)(out)
+        except TypeError:
+            return out
+    raise TypeError(f"cannot apply a collective to {type(data).__name__}; pass tensors or lists/tuples/dicts of "
+                    "tensors (use gather_object for other Python objects)")
+
+
+def _gather_one(tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.ndim == 0:
+        tensor = tensor[None]
+    if not _distributed():
+        return tensor
+    tensor = tensor.contiguous()
+    out = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, tensor)
+    return torch.cat(out, dim=0)
+
+
+def gather(data: Any) -> Any:
+    """Concatenate each tensor across ranks along dim 0 (0-d tensors become 1-d); shapes must match."""
+    if _distributed():
+        _check_same_shapes(data)
+    return recursively_apply(_gather_one, data)
+
+
+def _check_same_shapes(data: Any) -> None:
+    shapes: list[Any] = []
+    recursively_apply(lambda t: shapes.append(tuple(t.shape)), data)
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, shapes)
+    if any(s != everyone[0] for s in everyone):
+        raise ValueError(f"gather needs the same shapes on every rank, got {everyone}; call "
+                         "pad_across_processes first")
+
+
+def gather_object(obj: Any) -> list[Any]:
+    """Gather picklable objects; lists are flattened one level (as Accelerate does)."""
+    if not _distributed():
+        return list(obj) if isinstance(obj, list) else [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    if all(isinstance(o, list) for o in out):
+        return [x for o in out for x in o]
+    return out
+
+
+def reduce(data: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
+    """Sum (or average) tensors across ranks; ``reduction`` is 'sum', 'mean' or 'none'."""
+    if reduction not in ("sum", "mean", "none"):
+        raise ValueError(f"reduction={reduction!r} is not supported; use 'sum', 'mean' or 'none'")
+
+    def one(t: torch.Tensor) -> torch.Tensor:
+        t = t.clone()
+        if _distributed() and reduction != "none":
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+            if reduction == "mean":
+                t = t / dist.get_world_size()
+        return t * scale if scale != 1.0 else t
+
+    return recursively_apply(one, data)
+
+
+def broadcast(data: Any, from_process: int = 0) -> Any:
+    """Tensors are broadcast in place; other objects are sent pickled. Returns the received value."""
+    if not _distributed():
+        return data
+    try:
+        return recursively_apply(lambda t: (dist.broadcast(t, src=from_process), t)[1], data)
+    except TypeError:
+        box = [data]
+        dist.broadcast_object_list(box, src=from_process)
+        return box[0]
+
+
+def broadcast_object_list(object_list: list[Any], from_process: int = 0) -> list[Any]:
+    if _distributed():
+        dist.broadcast_object_list(object_list, src=from_process)
+    return object_list
+
+
+def pad_across_processes(data: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
+    """Pad each tensor along ``dim`` to the largest size any rank holds, so it can be gathered."""
+
+    def one(t: torch.Tensor) -> torch.Tensor:
+        if not _distributed() or t.ndim == 0 or dim >= t.ndim:
+            return t
+        size = torch.tensor([t.shape[dim]], device=t.device)
+        sizes = [torch.empty_like(size) for _ in range(dist.get_world_size())]
+        dist.all_gather(sizes, size)
+        target = int(max(s.item() for s in sizes))
+        if target == t.shape[dim]:
+            return t
+        new_shape = list(t.shape)
+        new_shape[dim] = target
+        out = t.new_full(new_shape, pad_index)
+        index = [slice(None)] * t.ndim
+        index[dim] = slice(target - t.shape[dim], target) if pad_first else slice(0, t.shape[dim])
+        out[tuple(index)] = t
+        return out
+
+    return recursively_apply(one, data)
+
+
+def truncate(data: Any, length: int) -> Any:
+    """Keep the first ``length`` rows of each gathered tensor (drops even-batches padding)."""
+    return recursively_apply(lambda t: t[:length], data)

@@ -1,0 +1,1 @@
+"""CLI subcommands, one module each; nothing here imports torch at import time."""

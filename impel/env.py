@@ -1,0 +1,81 @@
+"""The only module that reads or writes ``os.environ``.
+
+torchrun exports RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE / MASTER_ADDR / MASTER_PORT; ``impel launch``
+adds one JSON variable, ``IMPEL_CONFIG``, holding the validated run config. Ranks never re-parse flags.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping, MutableMapping
+
+CONFIG_VAR = "IMPEL_CONFIG"
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where this process sits in the job, as torchrun describes it."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    master_addr: str | None = None
+    master_port: int | None = None
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def _int(environ: Mapping[str, str], name: str, default: int) -> int:
+    raw = environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} is not an integer; unset it or fix the launcher") from None
+
+
+def read_topology(environ: Mapping[str, str] | None = None) -> Topology:
+    """Read torchrun's variables; without them this is a single process."""
+    env = os.environ if environ is None else environ
+    world = _int(env, "WORLD_SIZE", 1)
+    rank = _int(env, "RANK", 0)
+    local_rank = _int(env, "LOCAL_RANK", rank if world > 1 else 0)
+    local_world = _int(env, "LOCAL_WORLD_SIZE", world)
+    port = env.get("MASTER_PORT")
+    topo = Topology(rank, world, local_rank, local_world, env.get("MASTER_ADDR"), int(port) if port else None)
+    if world < 1 or not 0 <= rank < world:
+        raise ValueError(f"RANK={rank} WORLD_SIZE={world} is not a valid placement; launch with torchrun or impel launch")
+    return topo
+
+
+def read_launch_config(environ: Mapping[str, str] | None = None) -> dict[str, Any] | None:
+    """The run config ``impel launch`` validated and exported, or None when not launched by impel."""
+    env = os.environ if environ is None else environ
+    raw = env.get(CONFIG_VAR)
+    if not raw:
+        return None
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{CONFIG_VAR} is not valid JSON ({exc}); relaunch with impel launch or unset it") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{CONFIG_VAR} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def write_launch_config(config: Mapping[str, Any], environ: MutableMapping[str, str] | None = None) -> None:
+    env = os.environ if environ is None else environ
+    env[CONFIG_VAR] = json.dumps(dict(config), sort_keys=True)
+
+
+def get(name: str, default: str | None = None) -> str | None:
+    return os.environ.get(name, default)
+
+
+def set_default(name: str, value: str) -> None:
+    os.environ.setdefault(name, value)

@@ -1,0 +1,125 @@
+"""Prepared optimizer and scheduler.
+
+The optimizer's ``step()`` and ``zero_grad()`` are no-ops on micro-steps that do not end an accumulation group,
+apply the fp16 scaler through the strategy, and record whether the step was skipped. The scheduler steps once
+per optimizer step that really happened: not once per rank, not on skipped fp16 steps, not on micro-steps.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .accumulation import GradientState
+
+
+class AcceleratedOptimizer(torch.optim.Optimizer):
+    """Wraps a user's optimizer; everything not overridden reads through to it."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, strategy: Any, gradient_state: GradientState) -> None:
+        # Deliberately no super().__init__: this object is a view on ``optimizer``, which owns the state.
+        self.optimizer = optimizer
+        self.strategy = strategy
+        self.gradient_state = gradient_state
+        self.step_was_skipped = False
+        self.steps_taken = 0
+
+    # torch.optim.Optimizer fields, read through
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.optimizer.state = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.optimizer.defaults = value
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self.optimizer.add_param_group(param_group)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self.gradient_state.sync_gradients:
+            self.strategy.zero_grad(self.optimizer, set_to_none=set_to_none)
+
+    def step(self, closure: Callable[[], Any] | None = None) -> None:  # type: ignore[override]
+        if not self.gradient_state.sync_gradients:
+            return None
+        stepped = self.strategy.optimizer_step(self.optimizer, closure)
+        self.step_was_skipped = not stepped
+        if stepped:
+            self.steps_taken += 1
+        return None
+
+    def train(self) -> None:
+        if hasattr(self.optimizer, "train"):
+            self.optimizer.train()
+
+    def eval(self) -> None:
+        if hasattr(self.optimizer, "eval"):
+            self.optimizer.eval()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return self.__dict__.copy()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    def __repr__(self) -> str:
+        return f"AcceleratedOptimizer({self.optimizer!r})"
+
+
+class AcceleratedScheduler:
+    """Steps the wrapped scheduler once per real optimizer step (see module docstring)."""
+
+    def __init__(self, scheduler: Any, optimizers: Sequence[AcceleratedOptimizer], gradient_state: GradientState,
+                 step_with_optimizer: bool = True) -> None:
+        self.scheduler = scheduler
+        self.optimizers = list(optimizers)
+        self.gradient_state = gradient_state
+        self.step_with_optimizer = step_with_optimizer
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        if self.step_with_optimizer and self.gradient_state.plugin.adjust_scheduler:
+            if not self.gradient_state.sync_gradients:
+                return
+            if any(opt.step_was_skipped for opt in self.optimizers):
+                return
+        self.scheduler.step(*args, **kwargs)
+
+    def get_last_lr(self) -> list[float]:
+        return self.scheduler.get_last_lr()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.scheduler.load_state_dict(state_dict)
+
+    def get_lr(self) -> Any:
+        return self.scheduler.get_lr()
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "scheduler":
+            raise AttributeError(name)
+        return getattr(self.scheduler, name)

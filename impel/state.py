@@ -1,0 +1,127 @@
+"""Process topology: ranks, world size, device, and process-group initialisation from torchrun's variables.
+
+``python script.py`` without torchrun's variables is one process. With several ranks impel always joins a real
+process group (nccl on CUDA, gloo on CPU): it never trains independent replicas by accident.
+"""
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import env
+from .config import ConfigError
+
+logger = logging.getLogger("impel")
+
+DEFAULT_TIMEOUT = timedelta(minutes=10)
+
+
+def pick_device(local_rank: int, cpu: bool) -> torch.device:
+    """cuda:LOCAL_RANK, else mps, else cpu; ``cpu=True`` forces the CPU."""
+    if not cpu and torch.cuda.is_available():
+        if local_rank >= torch.cuda.device_count():
+            raise RuntimeError(f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} CUDA devices are visible; "
+                               "launch fewer processes per node or fix CUDA_VISIBLE_DEVICES")
+        return torch.device("cuda", local_rank)
+    mps = getattr(torch.backends, "mps", None)
+    if not cpu and mps is not None and mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+class ProcessState:
+    """One per process: where this rank is, which device it uses, and the default process group.
+
+    Example::
+
+        state = ProcessState()
+        print(state.process_index, state.num_processes, state.device)
+    """
+
+    _shared: dict[str, Any] = {}
+
+    def __init__(self, cpu: bool = False, backend: str | None = None, timeout: timedelta | None = None,
+                 init_method: str | None = None) -> None:
+        self.__dict__ = self._shared
+        if self._shared.get("initialized"):
+            if cpu and self.device.type != "cpu":
+                raise ConfigError(f"cpu=True but this process already runs on {self.device}; "
+                                  "create the first Accelerator with cpu=True")
+            return
+        topo = env.read_topology()
+        self.topology = topo
+        self.device = pick_device(topo.local_rank, cpu)
+        self.backend: str | None = None
+        self.timeout = timeout or DEFAULT_TIMEOUT
+        if topo.distributed:
+            self.backend = backend or ("nccl" if self.device.type == "cuda" else "gloo")
+            self._init_group(init_method)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.initialized = True
+
+    def _init_group(self, init_method: str | None) -> None:
+        topo = self.topology
+        if dist.is_initialized():
+            if dist.get_world_size() != topo.world_size:
+                raise RuntimeError(f"a process group of size {dist.get_world_size()} exists but WORLD_SIZE="
+                                   f"{topo.world_size}; destroy it or launch consistently")
+            return
+        if init_method is None and (topo.master_addr is None or topo.master_port is None):
+            raise RuntimeError(f"WORLD_SIZE={topo.world_size} but MASTER_ADDR/MASTER_PORT are not set; "
+                               "launch with `impel launch` or torchrun")
+        kwargs: dict[str, Any] = {"backend": self.backend, "timeout": self.timeout,
+                                  "rank": topo.rank, "world_size": topo.world_size}
+        if init_method:
+            kwargs["init_method"] = init_method
+        if self.backend == "nccl":
+            kwargs["device_id"] = self.device
+        dist.init_process_group(**kwargs)
+        logger.debug("rank %d/%d joined a %s process group", topo.rank, topo.world_size, self.backend)
+
+    # --- topology -------------------------------------------------------------------------------------------
+    @property
+    def num_processes(self) -> int:
+        return self.topology.world_size
+
+    @property
+    def process_index(self) -> int:
+        return self.topology.rank
+
+    @property
+    def local_process_index(self) -> int:
+        return self.topology.local_rank
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.topology.rank == 0
+
+    @property
+    def is_local_main_process(self) -> bool:
+        return self.topology.local_rank == 0
+
+    @property
+    def is_last_process(self) -> bool:
+        return self.topology.rank == self.topology.world_size - 1
+
+    @property
+    def use_distributed(self) -> bool:
+        return self.topology.world_size > 1
+
+    def wait_for_everyone(self) -> None:
+        if self.use_distributed:
+            dist.barrier()
+
+    @classmethod
+    def _reset(cls) -> None:
+        """Forget the state (tests only); destroys the process group if this state created one."""
+        if cls._shared.get("initialized") and dist.is_initialized():
+            dist.destroy_process_group()
+        cls._shared.clear()
+
+
+PartialState = ProcessState

@@ -1,0 +1,8 @@
+"""One process, one device: the base contract as is."""
+from __future__ import annotations
+
+from .base import Strategy
+
+
+class SingleDeviceStrategy(Strategy):
+    name = "NO"
