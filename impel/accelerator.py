@@ -318,11 +318,16 @@ class Accelerator:
         """Clip at a group boundary (gradients unscaled first) and return the total norm; None mid-group."""
         if not self.sync_gradients:
             return None
-        return self.strategy.clip_grad_norm_(parameters, max_norm, norm_type, self._optimizers)
+        return self.strategy.clip_grad_norm_(parameters, max_norm, norm_type, self._inner_optimizers())
 
     def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
         if self.sync_gradients:
-            self.strategy.clip_grad_value_(parameters, clip_value, self._optimizers)
+            self.strategy.clip_grad_value_(parameters, clip_value, self._inner_optimizers())
+
+    def _inner_optimizers(self) -> list[torch.optim.Optimizer]:
+        # The scaler keys its unscale bookkeeping by optimizer identity, and the strategy steps the inner one:
+        # unscaling the wrapper would unscale twice (once here, again in scaler.step).
+        return [opt.optimizer for opt in self._optimizers]
 
     def unscale_gradients(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         targets = self._optimizers if optimizer is None else [optimizer]

@@ -81,8 +81,7 @@ def merge_code_arguments(launched: Mapping[str, Any] | None, code: Mapping[str, 
     ``mixed_precision="fp16"`` launched with ``--mixed_precision bf16`` is ambiguous, and guessing loses data.
     """
     launched = dict(launched or {})
-    known = {f.name for f in fields(RunConfig)}
-    base = {k: v for k, v in launched.items() if k in known}
+    base = dict(launched)  # unknown launched keys fail in from_dict, with a did-you-mean
     for key, value in code.items():
         if value is None:
             continue

@@ -197,6 +197,15 @@ class IterableShard(IterableDataset):
         if hasattr(self.dataset, "set_epoch"):
             self.dataset.set_epoch(epoch)
 
+    def __len__(self) -> int:
+        """Samples this rank yields per epoch; a TypeError when the dataset has no length (as in a DataLoader)."""
+        full, rest = divmod(len(self.dataset), self.per_rank_batch * self.world)
+        mine = full * self.per_rank_batch
+        if rest and not self.drop_last:
+            per_rank = math.ceil(rest / self.world)
+            mine += per_rank if self.even_batches else max(0, min(per_rank, rest - self.rank * per_rank))
+        return mine
+
     def __iter__(self) -> Iterator[Any]:
         g, b, r = self.per_rank_batch * self.world, self.per_rank_batch, self.rank
         skip, self.skip = self.skip, 0
@@ -238,10 +247,27 @@ class DataLoaderShard:
         self.gradient_state = gradient_state
         self.total_batch_size = per_rank_batch * getattr(shard, "world", 1)
         self.original = original
-        self.epoch = 0
-        self.position = 0  # batches of this epoch consumed (including skipped ones)
+        # epoch and position live in one shared record, so a skip_first_batches() view advances the original
+        self._progress = {"epoch": 0, "position": 0}
         self.end_of_dataloader = False
         self._skip_next = 0
+
+    @property
+    def epoch(self) -> int:
+        return self._progress["epoch"]
+
+    @epoch.setter
+    def epoch(self, value: int) -> None:
+        self._progress["epoch"] = value
+
+    @property
+    def position(self) -> int:
+        """Batches of the current epoch consumed, skipped ones included."""
+        return self._progress["position"]
+
+    @position.setter
+    def position(self, value: int) -> None:
+        self._progress["position"] = value
 
     # --- DataLoader look-alike ------------------------------------------------------------------------------
     @property

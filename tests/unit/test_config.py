@@ -1,0 +1,139 @@
+"""Run config: validation, one-way merge of code arguments over the launched config, unknown keys."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from impel import Accelerator, ConfigError, RunConfig
+from impel import env
+from impel.config import defaults, merge_code_arguments
+
+
+def test_defaults():
+    cfg = RunConfig().validate()
+    assert cfg.to_dict() == defaults() == {"distributed_type": None, "mixed_precision": "no",
+                                           "gradient_accumulation_steps": 1, "use_cpu": False, "num_processes": None}
+
+
+def test_round_trip_through_a_dict():
+    cfg = RunConfig(distributed_type="MULTI_CPU", mixed_precision="bf16", gradient_accumulation_steps=4,
+                    use_cpu=True, num_processes=2)
+    assert RunConfig.from_dict(cfg.to_dict()) == cfg
+
+
+@pytest.mark.parametrize("key,value,fragment", [
+    ("mixed_precision", "fp32", "mixed_precision='fp32' is not allowed; use one of 'no', 'fp16', 'bf16'"),
+    ("distributed_type", "TPU", "distributed_type='TPU' is not allowed; use one of 'NO', 'MULTI_CPU'"),
+    ("gradient_accumulation_steps", 0, "gradient_accumulation_steps=0 must be an integer >= 1"),
+    ("num_processes", -2, "num_processes=-2 must be an integer >= 1"),
+    ("use_cpu", "yes", "use_cpu='yes' must be true or false"),
+])
+def test_validation_names_the_value_and_the_fix(key, value, fragment):
+    with pytest.raises(ConfigError) as err:
+        RunConfig.from_dict({key: value})
+    assert fragment in str(err.value)
+
+
+def test_config_error_is_a_value_error():
+    assert issubclass(ConfigError, ValueError)
+
+
+@pytest.mark.parametrize("key,suggestion", [("mixed_precison", "mixed_precision"),
+                                            ("gradient_accumulation_step", "gradient_accumulation_steps"),
+                                            ("num_process", "num_processes"), ("usecpu", "use_cpu")])
+def test_unknown_keys_suggest_the_closest_one(key, suggestion):
+    with pytest.raises(ConfigError) as err:
+        RunConfig.from_dict({key: 1})
+    assert f"unknown config key {key!r}; did you mean {suggestion!r}?" in str(err.value)
+
+
+def test_unknown_key_without_a_close_match_has_no_suggestion():
+    with pytest.raises(ConfigError) as err:
+        RunConfig.from_dict({"zzz": 1})
+    assert str(err.value) == "unknown config key 'zzz'"
+
+
+def test_unknown_code_argument_suggests_the_closest_key():
+    with pytest.raises(ConfigError, match="did you mean 'mixed_precision'"):
+        merge_code_arguments(None, {"mixed_precison": "bf16"})
+
+
+def test_code_argument_contradicting_the_launched_value_names_both():
+    with pytest.raises(ConfigError) as err:
+        merge_code_arguments({"mixed_precision": "bf16"}, {"mixed_precision": "fp16"})
+    msg = str(err.value)
+    assert "mixed_precision='fp16'" in msg and "mixed_precision='bf16'" in msg
+
+
+def test_contradicting_accumulation_steps_name_both():
+    with pytest.raises(ConfigError) as err:
+        merge_code_arguments({"gradient_accumulation_steps": 4}, {"gradient_accumulation_steps": 2})
+    assert "gradient_accumulation_steps=2" in str(err.value) and "gradient_accumulation_steps=4" in str(err.value)
+
+
+def test_agreeing_or_missing_code_arguments_are_fine():
+    launched = {"mixed_precision": "bf16", "gradient_accumulation_steps": 2}
+    cfg = merge_code_arguments(launched, {"mixed_precision": "bf16", "gradient_accumulation_steps": None,
+                                          "use_cpu": True})
+    assert (cfg.mixed_precision, cfg.gradient_accumulation_steps, cfg.use_cpu) == ("bf16", 2, True)
+
+
+def test_code_arguments_fill_what_was_not_launched():
+    cfg = merge_code_arguments(None, {"mixed_precision": "fp16", "gradient_accumulation_steps": 3})
+    assert (cfg.mixed_precision, cfg.gradient_accumulation_steps) == ("fp16", 3)
+    cfg = merge_code_arguments({"distributed_type": None}, {"distributed_type": "MULTI_CPU"})
+    assert cfg.distributed_type == "MULTI_CPU"
+
+
+def test_merged_values_are_validated():
+    with pytest.raises(ConfigError, match="'fp32'"):
+        merge_code_arguments({}, {"mixed_precision": "fp32"})
+    with pytest.raises(ConfigError, match="'fp32'"):
+        merge_code_arguments({"mixed_precision": "fp32"}, {})
+
+
+def test_accelerator_reads_the_launched_config(monkeypatch):
+    monkeypatch.setenv(env.CONFIG_VAR, json.dumps({"mixed_precision": "bf16", "gradient_accumulation_steps": 3}))
+    acc = Accelerator(cpu=True)
+    assert acc.mixed_precision == "bf16"
+    assert acc.gradient_accumulation_steps == 3
+
+
+def test_accelerator_argument_contradicting_the_launch_raises(monkeypatch):
+    monkeypatch.setenv(env.CONFIG_VAR, json.dumps({"mixed_precision": "bf16"}))
+    with pytest.raises(ConfigError) as err:
+        Accelerator(cpu=True, mixed_precision="fp16")
+    assert "'fp16'" in str(err.value) and "'bf16'" in str(err.value)
+
+
+def test_launched_num_processes_must_match_the_world(monkeypatch):
+    monkeypatch.setenv(env.CONFIG_VAR, json.dumps({"num_processes": 2}))
+    with pytest.raises(ConfigError, match="num_processes=2.*WORLD_SIZE=1"):
+        Accelerator(cpu=True)
+
+
+def test_launched_distributed_type_no_is_fine_on_one_process(monkeypatch):
+    monkeypatch.setenv(env.CONFIG_VAR, json.dumps({"distributed_type": "NO"}))
+    assert Accelerator(cpu=True).distributed_type == "NO"
+
+
+def test_launch_config_round_trip_and_errors():
+    environ: dict[str, str] = {}
+    env.write_launch_config({"mixed_precision": "bf16"}, environ)
+    assert env.read_launch_config(environ) == {"mixed_precision": "bf16"}
+    assert env.read_launch_config({}) is None
+    with pytest.raises(ValueError, match="not valid JSON"):
+        env.read_launch_config({env.CONFIG_VAR: "{bad"})
+    with pytest.raises(ValueError, match="JSON object"):
+        env.read_launch_config({env.CONFIG_VAR: "[1]"})
+
+
+def test_topology_from_the_environment():
+    assert env.read_topology({}) == env.Topology()
+    topo = env.read_topology({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "29500"})
+    assert (topo.rank, topo.world_size, topo.local_rank, topo.master_port, topo.distributed) == (1, 2, 1, 29500, True)
+    with pytest.raises(ValueError, match="RANK=2 WORLD_SIZE=2"):
+        env.read_topology({"RANK": "2", "WORLD_SIZE": "2"})
+    with pytest.raises(ValueError, match="WORLD_SIZE='two'"):
+        env.read_topology({"WORLD_SIZE": "two"})
