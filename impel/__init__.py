@@ -21,6 +21,7 @@ _EXPORTS = {
     "InitProcessGroupKwargs": "impel.plugins",
     "AutocastKwargs": "impel.plugins",
     "RunConfig": "impel.config",
+    "DistributedType": "impel.config",
     "ConfigError": "impel.config",
     "set_seed": "impel.seeding",
     "skip_first_batches": "impel.data",

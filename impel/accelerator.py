@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader
 
 from . import collectives, env
 from .accumulation import GradientState
-from .config import ConfigError, RunConfig, merge_code_arguments
+from .config import ConfigError, DistributedType, RunConfig, merge_code_arguments
 from .data import DataLoaderShard, shard_dataloader, skip_first_batches
 from .model import ForwardContext, is_prepared, patch_forward, unpatch_forward
 from .optimizer import AcceleratedOptimizer, AcceleratedScheduler
@@ -93,7 +93,7 @@ class Accelerator:
             raise ConfigError(f"the launch config says num_processes={wanted} but this job has WORLD_SIZE="
                               f"{self.state.num_processes}; relaunch with impel launch or fix the config")
 
-    def _resolve_distributed_type(self) -> str:
+    def _resolve_distributed_type(self) -> DistributedType:
         asked = self.config.distributed_type
         world = self.state.num_processes
         plain = "NO" if world == 1 else ("MULTI_GPU" if self.state.device.type == "cuda" else "MULTI_CPU")
@@ -104,8 +104,8 @@ class Accelerator:
             if asked == "MULTI_GPU" and world > 1 and self.state.device.type != "cuda":
                 raise ConfigError("distributed_type='MULTI_GPU' but no CUDA device is visible; use MULTI_CPU "
                                   "(--cpu) or run on GPU machines")
-            return plain
-        return asked
+            return DistributedType(plain)
+        return DistributedType(asked)
 
     def _warn_unused_handlers(self) -> None:
         h = self.handlers

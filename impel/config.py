@@ -7,10 +7,25 @@ one contradicts a launched value. Key names are Accelerate's, so its config file
 from __future__ import annotations
 
 import difflib
+import enum
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any, Mapping
 
 DISTRIBUTED_TYPES = ("NO", "MULTI_CPU", "MULTI_GPU", "FSDP", "DEEPSPEED")
+
+
+class DistributedType(str, enum.Enum):
+    """How the run is distributed; members compare equal to their names (``DistributedType.FSDP == "FSDP"``)."""
+
+    NO = "NO"
+    MULTI_CPU = "MULTI_CPU"
+    MULTI_GPU = "MULTI_GPU"
+    FSDP = "FSDP"
+    DEEPSPEED = "DEEPSPEED"
+
+    def __str__(self) -> str:
+        return self.value
+
 MIXED_PRECISIONS = ("no", "fp16", "bf16")
 
 

@@ -8,11 +8,13 @@ and produces full state dicts. New strategies register a dotted path in ``REGIST
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import torch
 from torch import nn
 
+from ..config import ConfigError
 from ..precision import Precision, make_precision
 
 if TYPE_CHECKING:
@@ -111,7 +113,8 @@ def load_strategy(distributed_type: str, state: "ProcessState", config: "RunConf
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
         if exc.name and exc.name.startswith("impel.strategies"):
-            raise NotImplementedError(f"distributed_type={distributed_type!r} is not available in this impel "
-                                      "version; use NO, MULTI_CPU or MULTI_GPU") from None
+            available = sorted(k for k, v in REGISTRY.items() if importlib.util.find_spec(v.partition(":")[0]))
+            raise ConfigError(f"distributed_type={distributed_type!r} is not available in this impel version; "
+                              f"use one of {available}") from None
         raise
     return getattr(module, cls_name)(state, config, handlers)

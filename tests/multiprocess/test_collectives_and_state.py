@@ -132,3 +132,25 @@ def test_mixed_precision_trains_under_ddp_and_tracks_fp32(precision):
         # half-precision matmuls (8 / 11 mantissa bits): every step's loss stays within 2% of fp32's
         assert max(abs(a - b) / b for a, b in zip(losses, ref_losses)) < 0.02
     assert all(torch.equal(a, b) for a, b in zip(results[0][2], results[1][2]))
+
+
+def _barrier_with_missing_peer():
+    import time
+    from datetime import timedelta
+
+    from impel import Accelerator, InitProcessGroupKwargs
+
+    acc = Accelerator(cpu=True, kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=3))])
+    if acc.process_index == 1:
+        time.sleep(12)  # never reaches the collective in time
+        return "slept"
+    try:
+        acc.wait_for_everyone()
+    except RuntimeError as exc:
+        return f"raised: {exc}"
+    return "passed"
+
+
+def test_process_group_timeout_is_configurable():
+    r0, r1 = run_on_ranks(_barrier_with_missing_peer, 2, timeout=60)
+    assert r0.startswith("raised") and r1 == "slept"
