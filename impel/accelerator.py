@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from . import collectives, env
-from .accumulation import GradientState
+from .accumulation import GradientState, MicroStep
 from .config import ConfigError, DistributedType, RunConfig, merge_code_arguments
 from .data import DataLoaderShard, shard_dataloader, skip_first_batches
 from .model import ForwardContext, is_prepared, patch_forward, unpatch_forward
@@ -191,7 +191,7 @@ class Accelerator:
         optims = [i for i, k in enumerate(kinds) if k == "optimizer" and not isinstance(args[i], AcceleratedOptimizer)]
         if models or optims:
             wrapped_models, wrapped_optims = self.strategy.setup(
-                [args[i] for i in models], [args[i] for i in optims], all(places[i] for i in models))
+                [args[i] for i in models], [args[i] for i in optims], [places[i] for i in models])
             for i, model in zip(models, wrapped_models):
                 result[i] = self._finish_model(model)
             for i, opt in zip(optims, wrapped_optims):
@@ -285,16 +285,9 @@ class Accelerator:
         self.strategy.backward(loss, **kwargs)
         gs.end_auto()
 
-    @contextlib.contextmanager
-    def accumulate(self, *models: nn.Module) -> Iterator[None]:
+    def accumulate(self, *models: nn.Module) -> "MicroStep":
         """One micro-step: gradients sync (and the optimizer steps) only when it ends a group."""
-        gs = self.gradient_state
-        gs.begin()
-        gs.in_context, gs.open = True, False
-        try:
-            yield
-        finally:
-            gs.in_context = False
+        return MicroStep(self.gradient_state)
 
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module) -> Iterator[None]:

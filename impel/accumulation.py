@@ -90,3 +90,21 @@ class GradientState:
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.micro_in_group = int(state.get("micro_in_group", 0))
         self.group_size = int(state.get("group_size", self.num_steps))
+
+
+class MicroStep:
+    """``with accelerator.accumulate(model):`` as a plain class: it runs on every micro-step, so no generator."""
+
+    __slots__ = ("state",)
+
+    def __init__(self, state: GradientState) -> None:
+        self.state = state
+
+    def __enter__(self) -> None:
+        state = self.state
+        state.begin()
+        state.in_context = True
+        state.open = False
+
+    def __exit__(self, *exc: object) -> None:
+        self.state.in_context = False

@@ -24,7 +24,7 @@ from .plugins import DataLoaderConfiguration
 def send_to_device(obj: Any, device: torch.device, non_blocking: bool = False) -> Any:
     """Move every tensor inside dicts, lists, tuples, namedtuples and ``.to``-able objects to ``device``."""
     if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=non_blocking)
+        return obj if obj.device == device else obj.to(device, non_blocking=non_blocking)
     if isinstance(obj, (list, tuple)):
         moved = [send_to_device(o, device, non_blocking) for o in obj]
         return type(obj)(*moved) if hasattr(obj, "_fields") else type(obj)(moved)

@@ -46,9 +46,12 @@ class Strategy:
 
     # --- wrapping -------------------------------------------------------------------------------------------
     def setup(self, models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
-              device_placement: bool) -> tuple[list[nn.Module], list[torch.optim.Optimizer]]:
-        """Wrap the models and optimizers handed to one ``prepare`` call; return them in the same order."""
-        wrapped = [self.wrap_model(m, device_placement) for m in models]
+              device_placement: Sequence[bool]) -> tuple[list[nn.Module], list[torch.optim.Optimizer]]:
+        """Wrap the models and optimizers handed to one ``prepare`` call; return them in the same order.
+
+        ``device_placement[i]`` says whether model i is moved to the device.
+        """
+        wrapped = [self.wrap_model(m, place) for m, place in zip(models, device_placement)]
         return wrapped, [self.wrap_optimizer(o) for o in optimizers]
 
     def wrap_model(self, model: nn.Module, device_placement: bool) -> nn.Module:

@@ -1,0 +1,93 @@
+"""Helpers shared by the benchmark modules and ``run.py`` (modules starting with ``_`` are not benchmarks).
+
+A benchmark module in this folder defines ``NAME`` (used for ``results/<NAME>.json``), ``DESCRIPTION`` and
+``run(quick: bool = False) -> dict``. The dict is written to JSON (floats rounded); its ``rows`` entry (a list of flat dicts
+with the same keys) is what ``run.py`` prints as a table.
+"""
+from __future__ import annotations
+
+import os
+
+# Must happen before torch is imported anywhere: intra-op threads would turn a 0.3 ms step into a scheduling test.
+# Forced, not defaulted: the benchmarks' figures are defined for one thread.
+os.environ["OMP_NUM_THREADS"] = "1"
+os.environ["MKL_NUM_THREADS"] = "1"
+
+import json  # noqa: E402
+import platform  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any, Sequence  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+
+
+def environment() -> dict[str, Any]:
+    import torch
+
+    info: dict[str, Any] = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+    }
+    try:
+        import impel
+
+        info["impel"] = impel.__version__
+    except ImportError:  # pragma: no cover - the benchmarks run from a checkout with impel installed
+        info["impel"] = None
+    return info
+
+
+def format_table(rows: Sequence[dict[str, Any]]) -> str:
+    """A plain-text table; columns are the keys of the first row, floats get 3 decimals."""
+    if not rows:
+        return "(no rows)"
+    cols = list(rows[0])
+
+    def cell(v: Any) -> str:
+        if v is None:
+            return "-"
+        if isinstance(v, bool):
+            return "yes" if v else "NO"
+        if isinstance(v, float):
+            return f"{v:.3f}"
+        return str(v)
+
+    body = [[cell(r.get(c)) for c in cols] for r in rows]
+    widths = [max(len(c), *(len(b[i]) for b in body)) for i, c in enumerate(cols)]
+    numeric = [all(isinstance(r.get(c), (int, float)) or r.get(c) is None for r in rows) for c in cols]
+
+    def line(values: Sequence[str]) -> str:
+        return "  ".join(v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric)).rstrip()
+
+    out = [line(cols), line(["-" * w for w in widths])]
+    out.extend(line(b) for b in body)
+    return "\n".join(out)
+
+
+def _rounded(obj: Any, digits: int = 6) -> Any:
+    if isinstance(obj, float):
+        return round(obj, digits)
+    if isinstance(obj, dict):
+        return {k: _rounded(v, digits) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_rounded(v, digits) for v in obj]
+    return obj
+
+
+def write_json(name: str, payload: dict[str, Any], directory: Path = RESULTS) -> Path:
+    """Write ``<directory>/<name>.json`` atomically (through a ``.tmp`` file, which git ignores).
+
+    Floats are rounded to 6 decimals (nanoseconds, for the millisecond figures the benchmarks report).
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{name}.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(_rounded(payload), indent=2) + "\n")
+    os.replace(tmp, path)
+    return path
