@@ -282,6 +282,7 @@ class Accelerator:
         if gs.num_steps > 1:
             gs.begin_auto()
             loss = loss / gs.loss_divisor
+            gs.saw_backward = True
         self.strategy.backward(loss, **kwargs)
         gs.end_auto()
 

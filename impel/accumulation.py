@@ -8,9 +8,13 @@ loss is divided by that group's real length, so a short final group still produc
 """
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from .plugins import GradientAccumulationPlugin
+
+
+logger = logging.getLogger("impel")
 
 
 class GradientState:
@@ -26,6 +30,8 @@ class GradientState:
         self.open = False  # an automatic micro-step has begun and has not seen its backward yet
         self.manual_no_sync = 0  # depth of user no_sync() blocks
         self.active_dataloaders: list[Any] = []
+        self.saw_backward = True  # accelerator.backward() ran in the current micro-step
+        self.warned_direct_backward = False
 
     # --- dataloader link --------------------------------------------------------------------------------------
     @property
@@ -49,6 +55,7 @@ class GradientState:
             self.sync_gradients = True
             self.group_size = 1
             return
+        self.saw_backward = False
         if self.micro_in_group == 0:
             self.group_size = self._next_group_size()
         self.micro_in_group += 1
@@ -73,6 +80,16 @@ class GradientState:
     def end_auto(self) -> None:
         if not self.in_context:
             self.open = False
+
+    def on_optimizer_step(self) -> None:
+        """The prepared optimizer's step ends an automatic micro-step even if backward bypassed impel."""
+        if self.num_steps > 1 and not self.saw_backward and not self.warned_direct_backward:
+            self.warned_direct_backward = True
+            logger.warning("gradient_accumulation_steps=%d but this micro-step's backward did not go through "
+                           "accelerator.backward(loss): the loss was not divided by the group length, so the "
+                           "accumulated gradient is a sum; call accelerator.backward(loss) instead of "
+                           "loss.backward()", self.num_steps)
+        self.end_auto()
 
     @property
     def loss_divisor(self) -> int:

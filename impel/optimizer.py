@@ -63,7 +63,10 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
             self.strategy.zero_grad(self.optimizer, set_to_none=set_to_none)
 
     def step(self, closure: Callable[[], Any] | None = None) -> None:  # type: ignore[override]
-        if not self.gradient_state.sync_gradients:
+        gs = self.gradient_state
+        if gs.num_steps > 1:
+            gs.on_optimizer_step()
+        if not gs.sync_gradients:
             return None
         stepped = self.strategy.optimizer_step(self.optimizer, closure)
         self.step_was_skipped = not stepped

@@ -52,10 +52,11 @@ def test_ddp_matches_single_process_global_batch(optimizer):
     assert max_abs_diff(results[0], results[1]) == 0.0
 
 
+@pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("use_accumulate", [True, False])
-def test_accumulation_on_two_ranks_matches_one_big_batch(use_accumulate):
-    # 2 ranks x 4 micro-steps x batch 1 = one step of batch 8 on one process, 5 times
+def test_accumulation_matches_one_big_batch(world, use_accumulate):
+    # 4 micro-steps of a global batch of 2 (1 rank x 2, or 2 ranks x 1) = one step of batch 8, 5 times over
     ref = reference_train(make_mlp(), make_regression(), batch_size=8, steps=5)
-    results = run_on_ranks(_train, 2, args=(1, 5, 4, "sgd", use_accumulate))
+    results = run_on_ranks(_train, world, args=(2 // world, 5, 4, "sgd", use_accumulate))
     for r in results:
         assert max_abs_diff(r, ref) <= 1e-6

@@ -247,3 +247,24 @@ def test_eval_forward_does_not_open_a_micro_step():
     assert not acc.sync_gradients
     acc.backward(model(x).sum())
     assert acc.sync_gradients
+
+
+def test_direct_loss_backward_still_ends_micro_steps_and_warns(caplog):
+    """A loop that calls loss.backward() itself keeps its accumulation groups and is told about the loss scale."""
+    import logging
+
+    from impel import Accelerator
+
+    acc = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = acc.prepare(model, opt)
+    syncs = []
+    with caplog.at_level(logging.WARNING, logger="impel"):
+        for _ in range(4):
+            model(torch.ones(1, 2)).sum().backward()
+            syncs.append(acc.sync_gradients)
+            opt.step()
+            opt.zero_grad()
+    assert syncs == [False, True, False, True]
+    assert sum("accelerator.backward(loss)" in r.getMessage() for r in caplog.records) == 1
