@@ -252,22 +252,12 @@ class DataLoaderShard:
         self.end_of_dataloader = False
         self._skip_next = 0
 
-    @property
-    def epoch(self) -> int:
-        return self._progress["epoch"]
-
-    @epoch.setter
-    def epoch(self, value: int) -> None:
-        self._progress["epoch"] = value
-
-    @property
-    def position(self) -> int:
-        """Batches of the current epoch consumed, skipped ones included."""
-        return self._progress["position"]
-
-    @position.setter
-    def position(self, value: int) -> None:
-        self._progress["position"] = value
+    epoch = property(lambda self: self._progress["epoch"],
+                     lambda self, value: self._progress.__setitem__("epoch", value),
+                     doc="The epoch the next (or current) pass uses for its shuffle.")
+    position = property(lambda self: self._progress["position"],
+                        lambda self, value: self._progress.__setitem__("position", value),
+                        doc="Batches of the current epoch consumed, skipped ones included.")
 
     # --- DataLoader look-alike ------------------------------------------------------------------------------
     @property
