@@ -281,8 +281,7 @@ class Accelerator:
         gs = self.gradient_state
         if gs.num_steps > 1:
             gs.begin_auto()
-            loss = loss / gs.loss_divisor
-            gs.saw_backward = True
+            loss = gs.scale_loss(loss)
         self.strategy.backward(loss, **kwargs)
         gs.end_auto()
 

@@ -95,6 +95,11 @@ class GradientState:
     def loss_divisor(self) -> int:
         return self.group_size
 
+    def scale_loss(self, loss: Any) -> Any:
+        """Divide by the group's real length and note that this micro-step's backward went through impel."""
+        self.saw_backward = True
+        return loss / self.group_size
+
     @property
     def grad_sync_enabled(self) -> bool:
         if self.manual_no_sync:

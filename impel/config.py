@@ -11,9 +11,6 @@ import enum
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any, Mapping
 
-DISTRIBUTED_TYPES = ("NO", "MULTI_CPU", "MULTI_GPU", "FSDP", "DEEPSPEED")
-
-
 class DistributedType(str, enum.Enum):
     """How the run is distributed; members compare equal to their names (``DistributedType.FSDP == "FSDP"``)."""
 
@@ -26,6 +23,8 @@ class DistributedType(str, enum.Enum):
     def __str__(self) -> str:
         return self.value
 
+
+DISTRIBUTED_TYPES = tuple(t.value for t in DistributedType)
 MIXED_PRECISIONS = ("no", "fp16", "bf16")
 
 
@@ -95,12 +94,11 @@ def merge_code_arguments(launched: Mapping[str, Any] | None, code: Mapping[str, 
     A code argument that contradicts a value the launcher set raises, naming both: a script that hard-codes
     ``mixed_precision="fp16"`` launched with ``--mixed_precision bf16`` is ambiguous, and guessing loses data.
     """
-    launched = dict(launched or {})
-    base = dict(launched)  # unknown launched keys fail in from_dict, with a did-you-mean
+    base = dict(launched or {})  # unknown launched keys fail in from_dict, with a did-you-mean
     for key, value in code.items():
         if value is None:
             continue
-        if key in base and base[key] is not None and base[key] != value and key in launched:
+        if base.get(key) is not None and base[key] != value:
             raise ConfigError(
                 f"Accelerator({key}={value!r}) contradicts the launched config ({key}={base[key]!r}); "
                 f"remove the argument from the code or change the launch flag / config file")

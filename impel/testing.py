@@ -1,6 +1,7 @@
 """Run a function on N CPU ranks over gloo: for impel's own tests and for users' tests.
 
-Each rank is a fresh process (forked from a server that preloaded torch) with torchrun's variables set (127.0.0.1, a free port, OMP_NUM_THREADS=1).
+Each rank is a fresh process, forked from a server that preloaded torch, with torchrun's variables set
+(127.0.0.1, a free port, OMP_NUM_THREADS=1).
 The whole job is bounded by ``timeout``: a dead or hung rank fails the call instead of hanging the test run.
 
 Example::
