@@ -1,15 +1,19 @@
 """The run config: typed dataclasses, validation with clear messages, and the one-way merge.
 
 Precedence: defaults < YAML file < launch flags < arguments in code. ``impel launch`` resolves the first three and
-exports the result as JSON (see :mod:`impel.env`); the Accelerator merges its own arguments on top and raises when
-one contradicts a launched value. Key names are Accelerate's, so its config files load unchanged.
+exports the *explicitly set* keys as JSON (see :mod:`impel.env`); the Accelerator merges its own arguments on top
+and raises when one contradicts a launched value. Key names are Accelerate's, so its config files load unchanged.
+
+Every field carries its schema in ``metadata`` (kind, choices, minimum, help, the questionnaire's prompt, the CLI
+flag name): the CLI flags, the questionnaire and validation are all derived from these dataclasses.
 """
 from __future__ import annotations
 
 import difflib
 import enum
-from dataclasses import MISSING, asdict, dataclass, field, fields
-from typing import Any, Mapping
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, Iterable, Mapping
+
 
 class DistributedType(str, enum.Enum):
     """How the run is distributed; members compare equal to their names (``DistributedType.FSDP == "FSDP"``)."""
@@ -26,62 +30,356 @@ class DistributedType(str, enum.Enum):
 
 DISTRIBUTED_TYPES = tuple(t.value for t in DistributedType)
 MIXED_PRECISIONS = ("no", "fp16", "bf16")
+SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
+OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 
 
 class ConfigError(ValueError):
     """A config value is wrong; the message names the value and the fix."""
 
 
-def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        allowed = ", ".join(repr(c) for c in choices)
-        raise ConfigError(f"{name}={value!r} is not allowed; use one of {allowed}")
-
-
-def _positive_int(name: str, value: Any, minimum: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{name}={value!r} must be an integer >= {minimum}")
-
-
-def did_you_mean(key: str, known: list[str] | tuple[str, ...]) -> str:
+def did_you_mean(key: str, known: Iterable[str]) -> str:
     close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
     return f"; did you mean {close[0]!r}?" if close else ""
 
 
+def option(default: Any, kind: str, help: str, *, choices: tuple | None = None, minimum: float | None = None,
+           question: str | None = None, flag: str | None = None, aliases: Mapping[Any, Any] | None = None) -> Any:
+    """A config field with its schema. ``kind`` is one of str, int, float, bool."""
+    meta = {"kind": kind, "help": help, "choices": choices, "min": minimum, "question": question, "flag": flag,
+            "aliases": dict(aliases or {})}
+    return field(default=default, metadata=meta)
+
+
+_TRUE = ("true", "yes", "1", "on", "y")
+_FALSE = ("false", "no", "0", "off", "n", "none")
+
+
+def coerce(name: str, value: Any, meta: Mapping[str, Any], from_text: bool = False) -> Any:
+    """Check (and, for text from flags or prompts, convert) one value against its field schema."""
+    if value is None:
+        return None
+    value = meta["aliases"].get(value, value) if _hashable(value) else value
+    kind, choices = meta["kind"], meta["choices"]
+    if from_text and isinstance(value, str):
+        value = _parse_text(name, value, kind, choices)
+    if choices is not None:
+        if value is False and "no" in choices:  # YAML 1.1 reads an unquoted `no` as false
+            value = "no"
+        if value is False and "none" in choices:
+            value = "none"
+        if isinstance(value, str):
+            value = next((c for c in choices if isinstance(c, str) and c.lower() == value.lower()), value)
+        if value not in choices or isinstance(value, bool) != any(isinstance(c, bool) for c in choices):
+            allowed = ", ".join(repr(c) for c in choices)
+            raise ConfigError(f"{name}={value!r} is not allowed; use one of {allowed}")
+        return value
+    if kind == "bool":
+        if not isinstance(value, bool):
+            raise ConfigError(f"{name}={value!r} must be true or false")
+    elif kind == "int":
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{name}={value!r} must be an integer" + _min_text(meta))
+    elif kind == "float":
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{name}={value!r} must be a number" + _min_text(meta))
+        value = float(value)
+    elif kind == "str":
+        if not isinstance(value, str):
+            raise ConfigError(f"{name}={value!r} must be a string")
+    if meta["min"] is not None and value < meta["min"]:
+        what = {"int": "an integer", "float": "a number"}.get(kind, "a value")
+        raise ConfigError(f"{name}={value!r} must be {what}{_min_text(meta)}")
+    return value
+
+
+def _hashable(value: Any) -> bool:
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True
+
+
+def _min_text(meta: Mapping[str, Any]) -> str:
+    return f" >= {meta['min']:g}" if meta["min"] is not None else ""
+
+
+def _parse_text(name: str, raw: str, kind: str, choices: tuple | None) -> Any:
+    text = raw.strip()
+    if choices is not None and any(isinstance(c, int) and not isinstance(c, bool) for c in choices):
+        kind = "int"
+    try:
+        if kind == "bool":
+            if text.lower() in _TRUE:
+                return True
+            if text.lower() in _FALSE:
+                return False
+            raise ValueError
+        if kind == "int":
+            return int(text)
+        if kind == "float":
+            return float(text)
+    except ValueError:
+        expected = {"bool": "true or false", "int": "an integer", "float": "a number"}[kind]
+        raise ConfigError(f"{name}={raw!r} must be {expected}") from None
+    return text
+
+
+# --- sections ------------------------------------------------------------------------------------------------
 @dataclass
-class RunConfig:
-    """Everything a rank needs to know about the run (the core fields; strategy sections plug in later)."""
+class FSDPConfig:
+    """The ``fsdp_config`` section. YAML keys and flags carry an ``fsdp_`` prefix (``fsdp_sharding_strategy``)."""
 
-    distributed_type: str | None = field(default=None, metadata={"choices": DISTRIBUTED_TYPES,
-                                          "help": "how to distribute; None picks NO, MULTI_CPU or MULTI_GPU"})
-    mixed_precision: str = field(default="no", metadata={"choices": MIXED_PRECISIONS,
-                                                          "help": "autocast dtype for the forward pass"})
-    gradient_accumulation_steps: int = field(default=1, metadata={"min": 1,
-                                                                  "help": "micro-steps per optimizer step"})
-    use_cpu: bool = field(default=False, metadata={"help": "train on the CPU even when a GPU is present"})
-    num_processes: int | None = field(default=None, metadata={"min": 1, "help": "total number of ranks"})
+    PREFIX = "fsdp_"
 
-    def validate(self) -> "RunConfig":
-        if self.distributed_type is not None:
-            _choice("distributed_type", self.distributed_type, DISTRIBUTED_TYPES)
-        _choice("mixed_precision", self.mixed_precision, MIXED_PRECISIONS)
-        _positive_int("gradient_accumulation_steps", self.gradient_accumulation_steps)
-        if not isinstance(self.use_cpu, bool):
-            raise ConfigError(f"use_cpu={self.use_cpu!r} must be true or false")
-        if self.num_processes is not None:
-            _positive_int("num_processes", self.num_processes)
+    version: int = option(2, "int", "FSDP version; 1 is accepted and runs on FSDP2 with the same options",
+                          choices=(1, 2))
+    sharding_strategy: str | None = option(
+        None, "str", "how parameters, gradients and optimizer states are sharded", choices=SHARDING_STRATEGIES,
+        question="Sharding strategy", aliases={1: "FULL_SHARD", 2: "SHARD_GRAD_OP", 3: "NO_SHARD",
+                                               4: "HYBRID_SHARD", 5: "HYBRID_SHARD_ZERO2",
+                                               "_HYBRID_SHARD_ZERO2": "HYBRID_SHARD_ZERO2"})
+    reshard_after_forward: bool | None = option(
+        None, "bool", "free gathered parameters after forward (FSDP2's name for FULL_SHARD vs SHARD_GRAD_OP)")
+    offload_params: bool = option(False, "bool", "keep parameters, gradients and optimizer states on the CPU "
+                                  "(all or nothing)", question="Offload parameters to the CPU")
+    auto_wrap_policy: str | None = option(
+        None, "str", "which submodules become their own FSDP unit (default: transformer layers when the model "
+        "names them, else the root only)", choices=("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP"),
+        question="Auto wrap policy")
+    transformer_layer_cls_to_wrap: str | None = option(
+        None, "str", "comma-separated layer class names to wrap (default: detected from the model)",
+        question="Layer classes to wrap (comma-separated, empty = detect)")
+    min_num_params: int = option(100_000_000, "int", "SIZE_BASED_WRAP: parameters per unit", minimum=1,
+                                 question="Minimum parameters per unit")
+    backward_prefetch: str | None = option(
+        "BACKWARD_PRE", "str", "when the next unit's parameters are gathered in backward",
+        choices=("BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH"), question="Backward prefetch")
+    forward_prefetch: bool = option(False, "bool", "gather the next unit's parameters during forward",
+                                    question="Forward prefetch")
+    state_dict_type: str = option("SHARDED_STATE_DICT", "str", "checkpoint format",
+                                  choices=("FULL_STATE_DICT", "SHARDED_STATE_DICT"), question="State dict type")
+    use_orig_params: bool = option(True, "bool", "FSDP2 always trains the original parameters; false is an error")
+    sync_module_states: bool = option(True, "bool", "broadcast rank 0's weights at prepare")
+    cpu_ram_efficient_loading: bool = option(
+        False, "bool", "only rank 0 reads real weights; the others build on the meta device (turns on "
+        "sync_module_states)", question="CPU-RAM-efficient loading")
+    activation_checkpointing: bool = option(False, "bool", "recompute each wrapped unit's activations in backward",
+                                            question="Activation checkpointing")
+
+    def validate(self) -> "FSDPConfig":
+        _validate_fields(self)
+        if not self.use_orig_params:
+            raise ConfigError("fsdp_use_orig_params=false has no FSDP2 equivalent (FSDP2 always trains the original "
+                              "parameters); set it to true or remove it")
+        if self.cpu_ram_efficient_loading and not self.sync_module_states:
+            raise ConfigError("fsdp_cpu_ram_efficient_loading=true needs fsdp_sync_module_states=true (the other "
+                              "ranks receive rank 0's weights); remove fsdp_sync_module_states or set it to true")
+        implied = {"FULL_SHARD": True, "HYBRID_SHARD": True, "SHARD_GRAD_OP": False, "HYBRID_SHARD_ZERO2": False}
+        want = implied.get(self.sharding_strategy or "")
+        if self.reshard_after_forward is not None and want is not None and want != self.reshard_after_forward:
+            raise ConfigError(f"fsdp_reshard_after_forward={self.reshard_after_forward} contradicts "
+                              f"fsdp_sharding_strategy={self.sharding_strategy!r}; set only one of them")
         return self
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+    @property
+    def resolved_sharding_strategy(self) -> str:
+        if self.sharding_strategy is not None:
+            return self.sharding_strategy
+        return "SHARD_GRAD_OP" if self.reshard_after_forward is False else "FULL_SHARD"
+
+
+@dataclass
+class DeepSpeedConfig:
+    """The ``deepspeed_config`` section; None means "take it from the DeepSpeed JSON, else DeepSpeed's default"."""
+
+    PREFIX = ""
+
+    zero_stage: int | None = option(None, "int", "ZeRO stage", choices=(0, 1, 2, 3), question="ZeRO stage")
+    offload_optimizer_device: str | None = option(None, "str", "where optimizer states live",
+                                                  choices=OFFLOAD_DEVICES, question="Offload the optimizer to")
+    offload_param_device: str | None = option(None, "str", "where parameters live (ZeRO-3)", choices=OFFLOAD_DEVICES,
+                                              question="Offload parameters to")
+    offload_optimizer_nvme_path: str | None = option(None, "str", "NVMe directory for optimizer offload",
+                                                     question="NVMe path for the optimizer")
+    offload_param_nvme_path: str | None = option(None, "str", "NVMe directory for parameter offload",
+                                                 question="NVMe path for parameters")
+    gradient_clipping: float | None = option(None, "float", "max gradient norm", minimum=0.0,
+                                             question="Gradient clipping (empty = none)")
+    zero3_init_flag: bool | None = option(None, "bool", "partition ZeRO-3 models at construction",
+                                          question="Partition models at construction (zero3_init_flag)")
+    zero3_save_16bit_model: bool | None = option(None, "bool", "save_model gathers 16-bit weights under ZeRO-3",
+                                                 question="Save 16-bit weights under ZeRO-3")
+    deepspeed_config_file: str | None = option(None, "str", "DeepSpeed JSON for every other setting",
+                                               question="DeepSpeed JSON file (empty = none)")
+    deepspeed_multinode_launcher: str = option("standard", "str", "impel starts every node with torchrun",
+                                               choices=("standard",))
+
+    def validate(self) -> "DeepSpeedConfig":
+        if self.zero_stage is not None and self.zero_stage not in (0, 1, 2, 3):
+            raise ConfigError(f"zero_stage={self.zero_stage!r} is not a DeepSpeed ZeRO stage; use 0, 1, 2 or 3")
+        _validate_fields(self)
+        for what in ("optimizer", "param"):
+            if getattr(self, f"offload_{what}_device") == "nvme" and not getattr(self, f"offload_{what}_nvme_path"):
+                raise ConfigError(f"offload_{what}_device='nvme' needs offload_{what}_nvme_path; set it to a "
+                                  "directory on the NVMe drive")
+        if self.offload_param_device not in (None, "none") and self.zero_stage not in (None, 3):
+            raise ConfigError(f"offload_param_device={self.offload_param_device!r} needs zero_stage=3 (got "
+                              f"zero_stage={self.zero_stage}); use offload_optimizer_device or ZeRO-3")
+        return self
+
+
+SECTIONS: dict[str, type] = {"fsdp_config": FSDPConfig, "deepspeed_config": DeepSpeedConfig}
+
+
+def _validate_fields(obj: Any) -> None:
+    prefix = getattr(obj, "PREFIX", "")
+    for f in fields(obj):
+        if "kind" in f.metadata:
+            setattr(obj, f.name, coerce(prefix + f.name, getattr(obj, f.name), f.metadata))
+
+
+def section_keys(cls: type) -> dict[str, str]:
+    """YAML key -> field name for one section."""
+    return {cls.PREFIX + f.name: f.name for f in fields(cls)}
+
+
+def _section_from_dict(name: str, cls: type, data: Any) -> Any:
+    if data is None:
+        return None
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{name} must be a mapping of keys to values, got {data!r}")
+    keys = section_keys(cls)
+    for key in data:
+        if key not in keys:
+            raise ConfigError(f"unknown {name} key {key!r}{did_you_mean(key, keys)}")
+    return cls(**{keys[k]: v for k, v in data.items()}).validate()
+
+
+# --- the run config --------------------------------------------------------------------------------------------
+@dataclass
+class RunConfig:
+    """Everything the launcher and the ranks need to know about the run."""
+
+    compute_environment: str = option("LOCAL_MACHINE", "str", "impel runs on machines you start it on",
+                                      choices=("LOCAL_MACHINE",))
+    distributed_type: str | None = option(None, "str", "how to distribute; empty picks NO, MULTI_CPU or MULTI_GPU",
+                                          choices=DISTRIBUTED_TYPES, question="Which kind of distribution")
+    mixed_precision: str = option("no", "str", "autocast dtype for the forward pass", choices=MIXED_PRECISIONS,
+                                  question="Mixed precision")
+    gradient_accumulation_steps: int = option(1, "int", "micro-steps per optimizer step", minimum=1,
+                                              question="Gradient accumulation steps")
+    use_cpu: bool = option(False, "bool", "train on the CPU even when a GPU is present", flag="cpu",
+                           question="Train on the CPU only")
+    num_processes: int | None = option(None, "int", "total number of ranks over all machines", minimum=1,
+                                       question="How many processes in total")
+    num_machines: int = option(1, "int", "number of machines", minimum=1, question="How many machines")
+    machine_rank: int = option(0, "int", "this machine's rank (0 runs the rendezvous)", minimum=0,
+                               question="Rank of this machine")
+    main_process_ip: str | None = option(None, "str", "address of the machine of rank 0",
+                                         question="IP address of the machine of rank 0")
+    main_process_port: int | None = option(None, "int", "port on the machine of rank 0 (default: a free one on "
+                                           "one machine, 29500 on several)", minimum=1,
+                                           question="Port on the machine of rank 0")
+    rdzv_backend: str = option("static", "str", "rendezvous: static (fixed ranks) or c10d (elastic)",
+                               choices=("static", "c10d"), question="Rendezvous backend")
+    same_network: bool = option(True, "bool", "all machines share a network (informational, as in Accelerate)")
+    gpu_ids: str | None = option(None, "str", "GPUs to use on each machine: 'all' or ids such as '0,1'")
+    num_cpu_threads_per_process: int | None = option(None, "int", "OMP_NUM_THREADS for each rank", minimum=1)
+    max_restarts: int = option(0, "int", "restarts of the whole job after a rank fails", minimum=0)
+    monitor_interval: float = option(0.1, "float", "seconds between checks of the ranks' health", minimum=0.0)
+    debug: bool = option(False, "bool", "accepted for Accelerate files; impel always checks gather shapes")
+    fsdp_config: FSDPConfig | None = field(default=None, metadata={"section": FSDPConfig})
+    deepspeed_config: DeepSpeedConfig | None = field(default=None, metadata={"section": DeepSpeedConfig})
+
+    def __post_init__(self) -> None:
+        self.explicit: dict[str, Any] = {}
+
+    def validate(self) -> "RunConfig":
+        _validate_fields(self)
+        for name in SECTIONS:
+            section = getattr(self, name)
+            if section is not None:
+                section.validate()
+        self._check_combination()
+        return self
+
+    def _check_combination(self) -> None:
+        kind = self.distributed_type
+        for name, owner in (("fsdp_config", "FSDP"), ("deepspeed_config", "DEEPSPEED")):
+            if getattr(self, name) is not None and kind != owner:
+                flag = "--use_fsdp" if owner == "FSDP" else "--use_deepspeed"
+                raise ConfigError(f"{name} is set but distributed_type={kind!r}; set distributed_type: {owner} "
+                                  f"({flag}) or remove {name}")
+        if self.use_cpu and kind == "MULTI_GPU":
+            raise ConfigError("use_cpu=true contradicts distributed_type='MULTI_GPU'; use MULTI_CPU or drop --cpu")
+        if self.num_processes is not None and self.num_processes % self.num_machines:
+            raise ConfigError(f"num_processes={self.num_processes} is not a multiple of num_machines="
+                              f"{self.num_machines}; every machine runs the same number of processes")
+        if self.machine_rank >= self.num_machines:
+            raise ConfigError(f"machine_rank={self.machine_rank} must be below num_machines={self.num_machines}")
+        if self.num_machines > 1 and not self.main_process_ip:
+            raise ConfigError(f"num_machines={self.num_machines} needs main_process_ip (the address of the machine "
+                              "of rank 0); pass --main_process_ip")
+        if kind == "NO" and self.num_processes not in (None, 1):
+            raise ConfigError(f"distributed_type='NO' runs one process, not num_processes={self.num_processes}; "
+                              "set distributed_type to MULTI_CPU/MULTI_GPU/FSDP/DEEPSPEED or num_processes: 1")
+
+    @property
+    def fsdp(self) -> FSDPConfig:
+        return self.fsdp_config if self.fsdp_config is not None else FSDPConfig().validate()
+
+    @property
+    def deepspeed(self) -> DeepSpeedConfig:
+        return self.deepspeed_config if self.deepspeed_config is not None else DeepSpeedConfig().validate()
+
+    def to_dict(self, explicit_only: bool = False) -> dict[str, Any]:
+        """The config with Accelerate's YAML keys; ``explicit_only`` keeps only keys set by a file or a flag."""
+        if explicit_only:
+            return to_plain(self.explicit)
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name in SECTIONS:
+                value = None if value is None else {value.PREFIX + s.name: getattr(value, s.name)
+                                                    for s in fields(value)}
+            out[f.name] = value
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "RunConfig":
+        """Build and validate from Accelerate-style keys; unknown keys raise with a did-you-mean."""
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"a config must be a mapping of keys to values, got {type(data).__name__}")
         known = [f.name for f in fields(cls)]
         for key in data:
             if key not in known:
                 raise ConfigError(f"unknown config key {key!r}{did_you_mean(key, known)}")
-        return cls(**dict(data)).validate()
+        values = {k: v for k, v in data.items() if k not in SECTIONS}
+        # Accelerate writes empty sections (`fsdp_config: {}`) for every distributed type: empty means absent
+        sections = {k: _section_from_dict(k, SECTIONS[k], v) if v else None for k, v in data.items() if k in SECTIONS}
+        cfg = cls(**values, **sections)
+        cfg.explicit = {k: v for k, v in data.items() if not (k in SECTIONS and not v)}
+        cfg.validate()
+        cfg.explicit = _normalised_explicit(cfg, cfg.explicit)
+        return cfg
+
+
+def _normalised_explicit(cfg: RunConfig, explicit: Mapping[str, Any]) -> dict[str, Any]:
+    """The explicitly given keys, with the validated (coerced) values."""
+    full = cfg.to_dict()
+    out: dict[str, Any] = {}
+    for key, value in explicit.items():
+        if key in SECTIONS:
+            out[key] = {k: full[key][k] for k in value}
+        else:
+            out[key] = full[key]
+    return out
+
+
+def to_plain(data: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in data.items()}
 
 
 def defaults() -> dict[str, Any]:
@@ -93,14 +391,27 @@ def merge_code_arguments(launched: Mapping[str, Any] | None, code: Mapping[str, 
 
     A code argument that contradicts a value the launcher set raises, naming both: a script that hard-codes
     ``mixed_precision="fp16"`` launched with ``--mixed_precision bf16`` is ambiguous, and guessing loses data.
+    Sections (``fsdp_config``) merge key by key.
     """
-    base = dict(launched or {})  # unknown launched keys fail in from_dict, with a did-you-mean
+    base: dict[str, Any] = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in (launched or {}).items()}
     for key, value in code.items():
         if value is None:
             continue
-        if base.get(key) is not None and base[key] != value:
-            raise ConfigError(
-                f"Accelerator({key}={value!r}) contradicts the launched config ({key}={base[key]!r}); "
-                f"remove the argument from the code or change the launch flag / config file")
-        base[key] = value
+        if isinstance(value, Mapping):
+            section = base.setdefault(key, {}) or {}
+            base[key] = section
+            for sub, sub_value in value.items():
+                _merge_one(section, sub, sub_value, f"{key}.")
+        else:
+            _merge_one(base, key, value, "")
     return RunConfig.from_dict(base)
+
+
+def _merge_one(target: dict[str, Any], key: str, value: Any, where: str) -> None:
+    if value is None:
+        return
+    if target.get(key) is not None and target[key] != value:
+        raise ConfigError(
+            f"the code sets {where}{key}={value!r} but the launched config says {where}{key}={target[key]!r}; "
+            "remove the argument from the code or change the launch flag / config file")
+    target[key] = value

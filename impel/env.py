@@ -71,3 +71,29 @@ def read_launch_config(environ: Mapping[str, str] | None = None) -> dict[str, An
 def write_launch_config(config: Mapping[str, Any], environ: MutableMapping[str, str] | None = None) -> None:
     env = os.environ if environ is None else environ
     env[CONFIG_VAR] = json.dumps(dict(config), sort_keys=True)
+
+
+def default_config_path(environ: Mapping[str, str] | None = None) -> str:
+    """Where ``impel config`` writes and ``impel launch`` reads: $IMPEL_CONFIG_FILE, else the XDG cache."""
+    env = os.environ if environ is None else environ
+    explicit = env.get("IMPEL_CONFIG_FILE")
+    if explicit:
+        return os.path.expanduser(explicit)
+    cache = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "impel", "default_config.yaml")
+
+
+def launch_environment(config: Mapping[str, Any], threads: int | None, gpu_ids: str | None) -> dict[str, str]:
+    """The variables ``impel launch`` sets for its ranks (merged into a copy of this process's environment)."""
+    out = dict(os.environ)
+    out[CONFIG_VAR] = json.dumps(dict(config), sort_keys=True)
+    if threads is not None:
+        out["OMP_NUM_THREADS"] = str(threads)
+    if gpu_ids not in (None, "all"):
+        out["CUDA_VISIBLE_DEVICES"] = str(gpu_ids)
+    return out
+
+
+def apply_environment(values: Mapping[str, str]) -> None:
+    """Make ``values`` this process's environment (torchrun's agent passes it on to the ranks it starts)."""
+    os.environ.update(values)

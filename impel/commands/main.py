@@ -1,18 +1,42 @@
-"""The ``impel`` command. Subcommands arrive with the launcher issue; ``--version`` works now."""
+"""The ``impel`` command: config, launch, env, test.
+
+Bad input (a ConfigError) prints one paragraph naming the problem and the fix and exits with code 2, without a
+Python traceback and before any process starts. ``impel --help`` and ``impel config show`` never import torch.
+"""
 from __future__ import annotations
 
 import argparse
 import sys
 
+from . import config, env, launch, test
 
-def main(argv: list[str] | None = None) -> int:
+
+def build_parser() -> argparse.ArgumentParser:
     from .. import __version__
 
-    parser = argparse.ArgumentParser(prog="impel", description="Run one PyTorch training loop anywhere.")
+    parser = argparse.ArgumentParser(prog="impel", description="Run one PyTorch training loop anywhere: one CPU, "
+                                     "one GPU, many GPUs or many machines, with DDP, FSDP2 or DeepSpeed.")
     parser.add_argument("--version", action="version", version=f"impel {__version__}")
-    parser.parse_args(argv)
-    parser.print_help()
-    return 0
+    sub = parser.add_subparsers(dest="command", metavar="{config,launch,env,test}")
+    for module in (config, launch, env, test):
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ..config import ConfigError
+
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    handler = getattr(ns, "handler", None)
+    if handler is None:
+        parser.print_help()
+        return 0
+    try:
+        return handler(ns)
+    except ConfigError as exc:
+        print(f"impel {ns.command}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -12,8 +12,11 @@ from impel.config import defaults, merge_code_arguments
 
 def test_defaults():
     cfg = RunConfig().validate()
-    assert cfg.to_dict() == defaults() == {"distributed_type": None, "mixed_precision": "no",
-                                           "gradient_accumulation_steps": 1, "use_cpu": False, "num_processes": None}
+    assert cfg.to_dict() == defaults()
+    assert {k: defaults()[k] for k in ("distributed_type", "mixed_precision", "gradient_accumulation_steps",
+                                       "use_cpu", "num_processes", "num_machines", "fsdp_config")} == {
+        "distributed_type": None, "mixed_precision": "no", "gradient_accumulation_steps": 1, "use_cpu": False,
+        "num_processes": None, "num_machines": 1, "fsdp_config": None}
 
 
 def test_round_trip_through_a_dict():

@@ -1,0 +1,96 @@
+"""``impel config`` (questionnaire), ``config default``, ``config show`` and ``config validate``.
+
+``config show`` and ``config validate`` never import torch; ``config default`` does, to count GPUs.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from .. import env
+from ..config import ConfigError, RunConfig
+from ..config_file import dump_yaml, file_document, read_config_file, write_config_file
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser("config", help="write, show or check the default config file",
+                              description="Without a subcommand: answer questions (from a terminal or piped "
+                                          "on stdin) and write the config file.")
+    p.add_argument("--config_file", default=None, metavar="FILE", help="where to write (default: "
+                   "$IMPEL_CONFIG_FILE or ~/.cache/impel/default_config.yaml)")
+    p.set_defaults(handler=questionnaire)
+    sub = p.add_subparsers(dest="config_command", metavar="{default,show,validate}")
+    d = sub.add_parser("default", help="write a config for the hardware this machine has, asking nothing")
+    d.add_argument("--config_file", default=argparse.SUPPRESS, metavar="FILE")
+    d.add_argument("--mixed_precision", default=None, choices=("no", "fp16", "bf16"))
+    d.add_argument("--overwrite", action="store_true", help="replace an existing file")
+    d.set_defaults(handler=write_default)
+    s = sub.add_parser("show", help="print the config file and the resolved config")
+    s.add_argument("--config_file", default=argparse.SUPPRESS, metavar="FILE")
+    s.set_defaults(handler=show)
+    v = sub.add_parser("validate", help="check a config file and exit 0 (valid) or 2 (invalid)")
+    v.add_argument("file", metavar="FILE")
+    v.set_defaults(handler=validate)
+
+
+def _path(ns: argparse.Namespace) -> str:
+    return getattr(ns, "config_file", None) or env.default_config_path()
+
+
+def _gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def questionnaire(ns: argparse.Namespace) -> int:
+    from .questionnaire import Prompter, run_questionnaire
+
+    def default_processes(kind: str) -> int:
+        return 2 if kind == "MULTI_CPU" else max(_gpu_count(), 1)
+
+    answers = run_questionnaire(Prompter(), default_processes)
+    path = write_config_file(answers, _path(ns))
+    print(f"\nWrote {path}:\n{dump_yaml(file_document(answers))}Run a script with it: impel launch script.py")
+    return 0
+
+
+def write_default(ns: argparse.Namespace) -> int:
+    path = _path(ns)
+    if os.path.exists(path) and not ns.overwrite:
+        raise ConfigError(f"{path} already exists; pass --overwrite to replace it, --config_file to write "
+                          "elsewhere, or edit it with `impel config`")
+    gpus = _gpu_count()
+    answers: dict[str, Any] = {"compute_environment": "LOCAL_MACHINE",
+                               "distributed_type": "MULTI_GPU" if gpus > 1 else "NO",
+                               "num_processes": max(gpus, 1), "num_machines": 1, "machine_rank": 0,
+                               "use_cpu": gpus == 0}
+    if ns.mixed_precision:
+        answers["mixed_precision"] = ns.mixed_precision
+    write_config_file(answers, path)
+    print(f"Wrote {path} ({gpus} GPU(s) seen):\n{dump_yaml(file_document(answers))}", end="")
+    return 0
+
+
+def show(ns: argparse.Namespace) -> int:
+    path = _path(ns)
+    if os.path.isfile(path) or getattr(ns, "config_file", None):
+        explicit = read_config_file(path)
+        print(f"# {path}\n{dump_yaml(file_document(explicit)) if explicit else '{}'}")
+    else:
+        explicit = {}
+        print(f"# no config file at {path}; impel launch uses the defaults (write one with `impel config`)\n")
+    print("# resolved (defaults filled in; flags to impel launch override these)")
+    print(dump_yaml(RunConfig.from_dict(explicit).to_dict()), end="")
+    return 0
+
+
+def validate(ns: argparse.Namespace) -> int:
+    explicit = read_config_file(ns.file)
+    cfg = RunConfig.from_dict(explicit)
+    summary = ", ".join(f"{k}={getattr(cfg, k)}" for k in ("distributed_type", "num_processes", "num_machines",
+                                                           "mixed_precision") if k in explicit)
+    print(f"{ns.file}: valid" + (f" ({summary})" if summary else ""))
+    return 0
+

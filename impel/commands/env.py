@@ -1,0 +1,61 @@
+"""``impel env``: versions, devices and the resolved default config, ready to paste into a bug report."""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+from importlib import metadata
+from typing import Any
+
+from .. import env
+from ..config import ConfigError, RunConfig
+from ..config_file import dump_yaml, read_config_file
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser("env", help="print versions, devices and the default config for a bug report")
+    p.add_argument("--config_file", default=None, metavar="FILE")
+    p.set_defaults(handler=main)
+
+
+def _version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _devices() -> list[str]:
+    import torch
+
+    lines = [f"torch: {torch.__version__} (CUDA build {torch.version.cuda or 'none'})",
+             f"CUDA available: {torch.cuda.is_available()}"]
+    for i in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(i)
+        lines.append(f"GPU {i}: {props.name}, {props.total_memory / 2**30:.1f} GiB, "
+                     f"capability {props.major}.{props.minor}")
+    mps = getattr(torch.backends, "mps", None)
+    if mps is not None and mps.is_available():
+        lines.append("MPS available: True")
+    lines.append(f"CPU cores: {os.cpu_count()}")
+    return lines
+
+
+def main(ns: argparse.Namespace) -> int:
+    from .. import __version__
+
+    lines = [f"impel: {__version__}", f"Python: {sys.version.split()[0]} ({platform.platform()})"]
+    lines += _devices()
+    for dist in ("deepspeed", "transformers", "accelerate", "safetensors", "numpy"):
+        lines.append(f"{dist}: {_version(dist)}")
+    path = ns.config_file or env.default_config_path()
+    try:
+        explicit = read_config_file(path) if (ns.config_file or os.path.isfile(path)) else {}
+        where = path if explicit or ns.config_file else f"{path} (absent: defaults)"
+        config = dump_yaml(RunConfig.from_dict(explicit).to_dict())
+    except ConfigError as exc:
+        where, config = path, f"invalid: {exc}\n"
+    print("\n".join(f"- {line}" for line in lines))
+    print(f"- config file: {where}\n\n```yaml\n{config}```")
+    return 0

@@ -1,0 +1,99 @@
+"""Launch flags derived from the config dataclasses (never written twice), and the file < flag resolution.
+
+Every field of :class:`impel.config.RunConfig` and of its sections becomes a flag named as Accelerate names it:
+``--mixed_precision``, ``--cpu`` (``use_cpu``), ``--fsdp_sharding_strategy``, ``--zero_stage``. Accelerate's
+shortcuts ``--multi_gpu``, ``--use_fsdp`` and ``--use_deepspeed`` set ``distributed_type``. Flags that are not
+given do not exist in the result, so a flag beats the file and an absent flag leaves the file's value.
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import fields
+from typing import Any, Iterator
+
+from ..config import SECTIONS, ConfigError, RunConfig, coerce
+
+_SHORTCUTS = {"multi_gpu": "MULTI_GPU", "use_fsdp": "FSDP", "use_deepspeed": "DEEPSPEED"}
+_DEST = "cfg__"  # namespace attribute prefix: cfg__<section>__<key>
+
+
+def config_fields() -> Iterator[tuple[str | None, str, str, Any]]:
+    """(section or None, YAML key, flag name, field metadata) for every config field."""
+    for f in fields(RunConfig):
+        if f.name in SECTIONS:
+            cls = SECTIONS[f.name]
+            for sub in fields(cls):
+                key = cls.PREFIX + sub.name
+                yield f.name, key, key, sub.metadata
+        else:
+            yield None, f.name, f.metadata.get("flag") or f.name, f.metadata
+
+
+def _metavar(meta: Any) -> str:
+    if meta["choices"] is not None:
+        return "{" + ",".join(str(c) for c in meta["choices"]) + "}"
+    return {"bool": "BOOL", "int": "INT", "float": "NUM", "str": "TEXT"}[meta["kind"]]
+
+
+def add_config_flags(parser: argparse.ArgumentParser) -> None:
+    groups = {None: parser.add_argument_group("run config (flag > --config_file > defaults)"),
+              "fsdp_config": parser.add_argument_group("FSDP (with --use_fsdp)"),
+              "deepspeed_config": parser.add_argument_group("DeepSpeed (with --use_deepspeed)")}
+    groups[None].add_argument("--config_file", default=None, metavar="FILE",
+                              help="YAML config (default: $IMPEL_CONFIG_FILE or ~/.cache/impel/default_config.yaml)")
+    for flag, kind in _SHORTCUTS.items():
+        groups[None].add_argument(f"--{flag}", action="store_true", default=argparse.SUPPRESS,
+                                  help=f"distributed_type: {kind}")
+    for section, key, flag, meta in config_fields():
+        extra: dict[str, Any] = {"nargs": "?", "const": "true"} if meta["kind"] == "bool" else {}
+        groups[section].add_argument(f"--{flag}", dest=f"{_DEST}{section or ''}__{key}", default=argparse.SUPPRESS,
+                                     metavar=_metavar(meta), help=meta["help"], **extra)
+
+
+def explicit_from_flags(ns: argparse.Namespace) -> dict[str, Any]:
+    """The config keys given as flags, converted from text and checked one by one."""
+    metas = {(s, k): (flag, m) for s, k, flag, m in config_fields()}
+    out: dict[str, Any] = {}
+    for attr, raw in vars(ns).items():
+        if not attr.startswith(_DEST):
+            continue
+        section, key = attr[len(_DEST):].split("__", 1)
+        flag, meta = metas[(section or None, key)]
+        value = coerce(f"--{flag}", raw, meta, from_text=True)
+        if section:
+            out.setdefault(section, {})[key] = value
+        else:
+            out[key] = value
+    shortcuts = [flag for flag in _SHORTCUTS if getattr(ns, flag, False)]
+    if len(shortcuts) > 1:
+        raise ConfigError(f"{' and '.join('--' + s for s in shortcuts)} were both given; pick one strategy")
+    if shortcuts:
+        kind = _SHORTCUTS[shortcuts[0]]
+        if out.get("distributed_type", kind) != kind:
+            raise ConfigError(f"--{shortcuts[0]} contradicts --distributed_type {out['distributed_type']}; "
+                              "pass one of them")
+        out["distributed_type"] = kind
+    return out
+
+
+def merge_file_and_flags(from_file: dict[str, Any], from_flags: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """Flags over file, key by key (sections too). Returns the merged keys and notes to show the user.
+
+    When a flag switches the strategy away from the file's, the file's section for the old strategy no longer
+    applies; it is dropped with a note rather than raising, so ``--use_deepspeed`` works over an FSDP file.
+    """
+    merged: dict[str, Any] = {k: (dict(v) if isinstance(v, dict) else v) for k, v in from_file.items()}
+    notes: list[str] = []
+    new_kind = from_flags.get("distributed_type")
+    if new_kind is not None and new_kind != from_file.get("distributed_type"):
+        for section, owner in (("fsdp_config", "FSDP"), ("deepspeed_config", "DEEPSPEED")):
+            if section in merged and owner != new_kind:
+                notes.append(f"distributed_type {new_kind} from the flags replaces the file's "
+                             f"{from_file.get('distributed_type')}: its {section} is not used")
+                del merged[section]
+    for key, value in from_flags.items():
+        if isinstance(value, dict):
+            merged.setdefault(key, {}).update(value)
+        else:
+            merged[key] = value
+    return merged, notes

@@ -1,0 +1,188 @@
+"""``impel launch``: resolve and validate the whole config, then hand the ranks to torchrun's elastic agent.
+
+Nothing starts until the config (file < flags) validates, the script exists and the strategy's engine is
+installed. The ranks receive the explicitly set keys as one JSON variable (``IMPEL_CONFIG``); torchrun
+(``torch.distributed.run``, called in-process) starts, watches and restarts them.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from .. import env
+from ..config import ConfigError, RunConfig
+from ..config_file import read_config_file
+from .flags import add_config_flags, explicit_from_flags, merge_file_and_flags
+
+
+def add_script_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-m", "--module", action="store_true",
+                        help="run the script argument as a module (python -m)")
+    parser.add_argument("script", metavar="script.py", help="the training script (or module with -m)")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser("launch", help="run a training script on every rank of the configured job",
+                              description="Run a script under the config file, with flags overriding it.")
+    add_config_flags(p)
+    add_script_arguments(p)
+    p.set_defaults(handler=main)
+
+
+@dataclass
+class LaunchPlan:
+    """Everything resolved before a process starts."""
+
+    config: RunConfig
+    explicit: dict[str, Any]
+    nproc_per_node: int
+    command: list[str]
+    torchrun_args: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def single_process(self) -> bool:
+        return self.config.num_machines == 1 and self.nproc_per_node == 1 and self.config.max_restarts == 0
+
+
+def resolve_config(ns: argparse.Namespace) -> tuple[RunConfig, dict[str, Any], list[str]]:
+    """defaults < file < flags, validated; the explicit keys are what the ranks receive."""
+    path = ns.config_file or env.default_config_path()
+    from_file = read_config_file(path) if (ns.config_file or os.path.isfile(path)) else {}
+    merged, notes = merge_file_and_flags(from_file, explicit_from_flags(ns))
+    config = RunConfig.from_dict(merged)
+    return config, config.to_dict(explicit_only=True), notes
+
+
+def _check_engines(config: RunConfig, explicit: dict[str, Any]) -> None:
+    if config.distributed_type == "DEEPSPEED":
+        if not deepspeed_available():
+            raise ConfigError("distributed_type=DEEPSPEED needs DeepSpeed, which is not installed; run "
+                              "pip install 'impel[deepspeed]' or use FSDP (--use_fsdp)")
+        path = config.deepspeed.deepspeed_config_file
+        if path is not None:
+            explicit["deepspeed_config"]["deepspeed_config_file"] = _check_json(path)
+
+
+def deepspeed_available() -> bool:
+    return importlib.util.find_spec("deepspeed") is not None
+
+
+def _check_json(path: str) -> str:
+    if not os.path.isfile(path):
+        raise ConfigError(f"deepspeed_config_file={path!r} does not exist; pass the path of a DeepSpeed JSON file")
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"deepspeed_config_file={path!r} is not valid JSON ({exc}); fix the file") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"deepspeed_config_file={path!r} must hold a JSON object")
+    return os.path.abspath(path)
+
+
+def _count_devices(config: RunConfig) -> int:
+    """Default processes per machine: one per visible GPU for GPU strategies, else one."""
+    if config.use_cpu or config.distributed_type in (None, "NO", "MULTI_CPU"):
+        return 1
+    import torch
+
+    count = torch.cuda.device_count()
+    if config.gpu_ids not in (None, "all"):
+        count = len([g for g in str(config.gpu_ids).split(",") if g.strip()])
+    return max(count, 1)
+
+
+def _script_command(ns: argparse.Namespace) -> list[str]:
+    if ns.module:
+        if importlib.util.find_spec(ns.script.split(".")[0]) is None:
+            raise ConfigError(f"module {ns.script!r} cannot be found; check the name or install its package")
+        return ["-m", ns.script, *ns.script_args]
+    if not os.path.isfile(ns.script):
+        raise ConfigError(f"script {ns.script!r} does not exist (working directory {os.getcwd()}); check the path, "
+                          "or pass -m for a module")
+    return [ns.script, *ns.script_args]
+
+
+def plan_launch(ns: argparse.Namespace) -> LaunchPlan:
+    """Resolve and check everything; raises ConfigError before any process exists."""
+    config, explicit, notes = resolve_config(ns)
+    command = _script_command(ns)
+    _check_engines(config, explicit)
+    if config.gpu_ids not in (None, "all") and config.use_cpu:
+        raise ConfigError(f"gpu_ids={config.gpu_ids!r} has no effect with use_cpu=true; remove one of them")
+    if config.num_processes is None:
+        nproc = _count_devices(config)
+    else:
+        nproc = config.num_processes // config.num_machines
+    plan = LaunchPlan(config, explicit, nproc, command, notes=notes)
+    plan.torchrun_args = torchrun_arguments(plan)
+    return plan
+
+
+def torchrun_arguments(plan: LaunchPlan) -> list[str]:
+    cfg = plan.config
+    args = ["--nnodes", str(cfg.num_machines), "--nproc_per_node", str(plan.nproc_per_node),
+            "--max_restarts", str(cfg.max_restarts), "--monitor_interval", str(cfg.monitor_interval)]
+    if cfg.num_machines == 1 and cfg.main_process_port is None:
+        # One machine and no port asked for: the agent binds a free port itself (c10d); static with port 0 hangs.
+        args += ["--rdzv_backend", "c10d", "--rdzv_endpoint", "127.0.0.1:0", "--rdzv_id", uuid.uuid4().hex]
+    else:
+        host = cfg.main_process_ip or "127.0.0.1"
+        port = cfg.main_process_port or 29500
+        if cfg.rdzv_backend == "static":
+            args += ["--rdzv_backend", "static", "--master_addr", host, "--master_port", str(port),
+                     "--node_rank", str(cfg.machine_rank)]
+        else:
+            args += ["--rdzv_backend", "c10d", "--rdzv_endpoint", f"{host}:{port}", "--rdzv_id", "impel"]
+    if plan.command[0] == "-m":
+        args.append("--module")
+        return args + plan.command[1:]
+    return args + plan.command
+
+
+def main(ns: argparse.Namespace) -> int:
+    plan = plan_launch(ns)
+    for note in plan.notes:
+        print(f"impel launch: {note}", file=sys.stderr)
+    variables = env.launch_environment(plan.explicit, plan.config.num_cpu_threads_per_process, plan.config.gpu_ids)
+    if plan.single_process:
+        return _run_single(plan, variables)
+    return run_torchrun(plan.torchrun_args, variables)
+
+
+def _run_single(plan: LaunchPlan, variables: dict[str, str]) -> int:
+    """One process, no restarts: run it directly (torchrun's agent would only add start-up time)."""
+    proc = subprocess.Popen([sys.executable, *plan.command], env=variables)
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        return proc.wait()
+
+
+def run_torchrun(arguments: list[str], variables: dict[str, str]) -> int:
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    env.apply_environment(variables)
+    try:
+        torchrun.run(torchrun.parse_args(arguments))
+    except ChildFailedError as exc:
+        rank, failure = exc.get_first_failure()
+        code = failure.exitcode
+        why = f"signal {failure.signal_name()}" if code < 0 else f"exit code {code}"
+        print(f"impel launch: rank {rank} failed with {why} (its output is above); the job stopped", file=sys.stderr)
+        return 128 - code if code < 0 else code
+    except SignalException as exc:
+        print(f"impel launch: stopped by {exc.sigval.name}", file=sys.stderr)
+        return 128 + int(exc.sigval)
+    return 0
