@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import difflib
 import enum
+from collections.abc import Iterable, Mapping
 from dataclasses import MISSING, dataclass, field, fields
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 
 class DistributedType(str, enum.Enum):
@@ -84,9 +85,8 @@ def coerce(name: str, value: Any, meta: Mapping[str, Any], from_text: bool = Fal
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{name}={value!r} must be a number" + _min_text(meta))
         value = float(value)
-    elif kind == "str":
-        if not isinstance(value, str):
-            raise ConfigError(f"{name}={value!r} must be a string")
+    elif kind == "str" and not isinstance(value, str):
+        raise ConfigError(f"{name}={value!r} must be a string")
     if meta["min"] is not None and value < meta["min"]:
         what = {"int": "an integer", "float": "a number"}.get(kind, "a value")
         raise ConfigError(f"{name}={value!r} must be {what}{_min_text(meta)}")
@@ -168,7 +168,7 @@ class FSDPConfig:
     activation_checkpointing: bool = option(False, "bool", "recompute each wrapped unit's activations in backward",
                                             question="Activation checkpointing")
 
-    def validate(self) -> "FSDPConfig":
+    def validate(self) -> FSDPConfig:
         _validate_fields(self)
         if not self.use_orig_params:
             raise ConfigError("fsdp_use_orig_params=false has no FSDP2 equivalent (FSDP2 always trains the original "
@@ -216,7 +216,7 @@ class DeepSpeedConfig:
     deepspeed_multinode_launcher: str = option("standard", "str", "impel starts every node with torchrun",
                                                choices=("standard",))
 
-    def validate(self) -> "DeepSpeedConfig":
+    def validate(self) -> DeepSpeedConfig:
         if self.zero_stage is not None and self.zero_stage not in (0, 1, 2, 3):
             raise ConfigError(f"zero_stage={self.zero_stage!r} is not a DeepSpeed ZeRO stage; use 0, 1, 2 or 3")
         _validate_fields(self)
@@ -296,7 +296,7 @@ class RunConfig:
     def __post_init__(self) -> None:
         self.explicit: dict[str, Any] = {}
 
-    def validate(self) -> "RunConfig":
+    def validate(self) -> RunConfig:
         _validate_fields(self)
         for name in SECTIONS:
             section = getattr(self, name)
@@ -348,7 +348,7 @@ class RunConfig:
         return out
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "RunConfig":
+    def from_dict(cls, data: Mapping[str, Any]) -> RunConfig:
         """Build and validate from Accelerate-style keys; unknown keys raise with a did-you-mean."""
         if not isinstance(data, Mapping):
             raise ConfigError(f"a config must be a mapping of keys to values, got {type(data).__name__}")

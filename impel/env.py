@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
-from typing import Any, Mapping, MutableMapping
+from typing import Any
 
 CONFIG_VAR = "IMPEL_CONFIG"
 
@@ -64,7 +65,7 @@ def read_launch_config(environ: Mapping[str, str] | None = None) -> dict[str, An
     except json.JSONDecodeError as exc:
         raise ValueError(f"{CONFIG_VAR} is not valid JSON ({exc}); relaunch with impel launch or unset it") from None
     if not isinstance(data, dict):
-        raise ValueError(f"{CONFIG_VAR} must hold a JSON object, got {type(data).__name__}")
+        raise ValueError(f"{CONFIG_VAR} must hold a JSON object, got {type(data).__name__}")  # noqa: TRY004
     return data
 
 
@@ -83,12 +84,19 @@ def default_config_path(environ: Mapping[str, str] | None = None) -> str:
     return os.path.join(cache, "impel", "default_config.yaml")
 
 
-def launch_environment(config: Mapping[str, Any], threads: int | None, gpu_ids: str | None) -> dict[str, str]:
-    """The variables ``impel launch`` sets for its ranks (merged into a copy of this process's environment)."""
+def launch_environment(config: Mapping[str, Any], threads: int | None, gpu_ids: str | None,
+                       ranks_per_machine: int = 1) -> dict[str, str]:
+    """The variables ``impel launch`` sets for its ranks (merged into a copy of this process's environment).
+
+    Several ranks on one machine get ``OMP_NUM_THREADS=1`` unless the user set it (torchrun does the same, with
+    a warning banner); ``--num_cpu_threads_per_process`` sets it explicitly.
+    """
     out = dict(os.environ)
     out[CONFIG_VAR] = json.dumps(dict(config), sort_keys=True)
     if threads is not None:
         out["OMP_NUM_THREADS"] = str(threads)
+    elif ranks_per_machine > 1 and "OMP_NUM_THREADS" not in out:
+        out["OMP_NUM_THREADS"] = "1"
     if gpu_ids not in (None, "all"):
         out["CUDA_VISIBLE_DEVICES"] = str(gpu_ids)
     return out

@@ -8,13 +8,15 @@ given do not exist in the result, so a flag beats the file and an absent flag le
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterator
 from dataclasses import fields
-from typing import Any, Iterator
+from typing import Any
 
-from ..config import SECTIONS, ConfigError, RunConfig, coerce
+from ..config import _FALSE, _TRUE, SECTIONS, ConfigError, RunConfig, coerce
 
 _SHORTCUTS = {"multi_gpu": "MULTI_GPU", "use_fsdp": "FSDP", "use_deepspeed": "DEEPSPEED"}
-_DEST = "cfg__"  # namespace attribute prefix: cfg__<section>__<key>
+_DEST = "cfg__"
+_BOOL_WORDS = set(_TRUE) | set(_FALSE)  # namespace attribute prefix: cfg__<section>__<key>
 
 
 def config_fields() -> Iterator[tuple[str | None, str, str, Any]]:
@@ -45,9 +47,41 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
         groups[None].add_argument(f"--{flag}", action="store_true", default=argparse.SUPPRESS,
                                   help=f"distributed_type: {kind}")
     for section, key, flag, meta in config_fields():
-        extra: dict[str, Any] = {"nargs": "?", "const": "true"} if meta["kind"] == "bool" else {}
+        # a bool flag alone means true; `--flag false` is joined into `--flag=false` by bool_values_joined
         groups[section].add_argument(f"--{flag}", dest=f"{_DEST}{section or ''}__{key}", default=argparse.SUPPRESS,
-                                     metavar=_metavar(meta), help=meta["help"], **extra)
+                                     metavar=_metavar(meta), help=meta["help"])
+
+
+def bool_values_joined(argv: list[str]) -> list[str]:
+    """Accelerate's bool flags work alone (``--cpu``) or with a value (``--fsdp_offload_params false``).
+
+    argparse cannot take an optional value without eating the script name that may follow, so before parsing
+    each bool flag becomes ``--flag=VALUE`` (or ``--flag=true``). Only the tokens before the script are touched:
+    the subcommand is the first positional token, the script the second.
+    """
+    bools = {f"--{flag}" for _, _, flag, meta in config_fields() if meta["kind"] == "bool"}
+    valued = {f"--{flag}" for _, _, flag, meta in config_fields() if meta["kind"] != "bool"} | {"--config_file"}
+    out: list[str] = []
+    positionals = 0
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        if token == "--" or (not token.startswith("-") and positionals == 1):
+            return out + argv[i:]
+        if token in bools:
+            after = argv[i + 1] if i + 1 < len(argv) else ""
+            joined = after.lower() in _BOOL_WORDS
+            out.append(f"{token}={after if joined else 'true'}")
+            i += 2 if joined else 1
+            continue
+        if token in valued:
+            out += argv[i:i + 2]
+            i += 2
+            continue
+        positionals += not token.startswith("-")
+        out.append(token)
+        i += 1
+    return out
 
 
 def explicit_from_flags(ns: argparse.Namespace) -> dict[str, Any]:

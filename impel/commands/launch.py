@@ -30,7 +30,7 @@ def add_script_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def register(subparsers: Any) -> None:
-    p = subparsers.add_parser("launch", help="run a training script on every rank of the configured job",
+    p = subparsers.add_parser("launch", allow_abbrev=False, help="run a training script on every rank of the configured job",
                               description="Run a script under the config file, with flags overriding it.")
     add_config_flags(p)
     add_script_arguments(p)
@@ -153,7 +153,8 @@ def main(ns: argparse.Namespace) -> int:
     plan = plan_launch(ns)
     for note in plan.notes:
         print(f"impel launch: {note}", file=sys.stderr)
-    variables = env.launch_environment(plan.explicit, plan.config.num_cpu_threads_per_process, plan.config.gpu_ids)
+    variables = env.launch_environment(plan.explicit, plan.config.num_cpu_threads_per_process, plan.config.gpu_ids,
+                                       plan.nproc_per_node)
     if plan.single_process:
         return _run_single(plan, variables)
     return run_torchrun(plan.torchrun_args, variables)

@@ -25,9 +25,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from ..config import ConfigError
+    from .flags import bool_values_joined
 
     parser = build_parser()
-    ns = parser.parse_args(argv)
+    ns = parser.parse_args(bool_values_joined(sys.argv[1:] if argv is None else list(argv)))
     handler = getattr(ns, "handler", None)
     if handler is None:
         parser.print_help()

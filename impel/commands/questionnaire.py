@@ -7,8 +7,9 @@ error when the answers are piped (re-asking would misalign every answer after it
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import fields
-from typing import Any, Callable, TextIO
+from typing import Any, TextIO
 
 from ..config import ConfigError, DeepSpeedConfig, FSDPConfig, RunConfig, coerce
 

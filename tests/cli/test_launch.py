@@ -1,0 +1,128 @@
+"""``impel launch`` end to end: ranks, config files, precedence, and the two-"machine" loopback run."""
+from __future__ import annotations
+
+import pytest
+from cli_helpers import FIXTURES, SCRIPTS, finish, impel, start_impel
+
+from impel.testing import free_port
+
+pytestmark = pytest.mark.slow
+REPORT = str(SCRIPTS / "report.py")
+
+
+def test_two_cpu_ranks_see_their_rank_and_world_size(tmp_path):
+    res = impel(["launch", "--cpu", "--num_processes", "2", REPORT, "accelerator"], tmp_path)
+    assert res.returncode == 0, res.output
+    reports = res.reports()
+    assert [(r["rank"], r["world"]) for r in reports] == [(0, 2), (1, 2)]
+    assert {r["distributed_type"] for r in reports} == {"MULTI_CPU"}
+    # only the keys that were set travel to the ranks; defaults are filled in by each rank
+    assert reports[0]["launched"] == {"num_processes": 2, "use_cpu": True}
+    assert reports[0]["omp"] == "1" and "OMP_NUM_THREADS" not in res.stderr
+
+
+def test_one_process_runs_the_script_directly(tmp_path):
+    res = impel(["launch", "--mixed_precision", "bf16", REPORT, "accelerator"], tmp_path)
+    assert res.returncode == 0, res.output
+    (report,) = res.reports()
+    assert (report["rank"], report["world"], report["distributed_type"]) == (0, 1, "NO")
+    assert report["config"]["mixed_precision"] == "bf16"
+
+
+def test_an_fsdp_file_reaches_the_ranks_as_its_settings(tmp_path):
+    res = impel(["launch", "--config_file", str(FIXTURES / "accelerate_fsdp.yaml"), "--cpu", REPORT, "config"],
+                tmp_path)
+    assert res.returncode == 0, res.output
+    reports = res.reports()
+    assert len(reports) == 2
+    cfg = reports[1]["config"]
+    assert (cfg["distributed_type"], cfg["mixed_precision"], cfg["num_processes"]) == ("FSDP", "bf16", 2)
+    fsdp = cfg["fsdp_config"]
+    assert fsdp["fsdp_sharding_strategy"] == "FULL_SHARD"
+    assert fsdp["fsdp_transformer_layer_cls_to_wrap"] == "BertLayer"
+    assert fsdp["fsdp_cpu_ram_efficient_loading"] is True and fsdp["fsdp_state_dict_type"] == "SHARDED_STATE_DICT"
+
+
+def test_a_flag_beats_the_file(tmp_path):
+    res = impel(["launch", "--config_file", str(FIXTURES / "accelerate_fsdp.yaml"), "--cpu",
+                 "--fsdp_sharding_strategy", "SHARD_GRAD_OP", "--mixed_precision", "no", "--num_processes", "1",
+                 "--fsdp_offload_params", REPORT, "config"], tmp_path)
+    assert res.returncode == 0, res.output
+    (report,) = res.reports()
+    cfg = report["config"]
+    assert (cfg["mixed_precision"], cfg["num_processes"]) == ("no", 1)
+    assert cfg["fsdp_config"]["fsdp_sharding_strategy"] == "SHARD_GRAD_OP"
+    assert cfg["fsdp_config"]["fsdp_offload_params"] is True
+    assert cfg["fsdp_config"]["fsdp_transformer_layer_cls_to_wrap"] == "BertLayer"  # untouched keys stay
+
+
+def test_a_deepspeed_file_reaches_the_ranks_as_its_settings(tmp_path):
+    res = impel(["launch", "--config_file", str(FIXTURES / "accelerate_deepspeed.yaml"), "--cpu",
+                 "--num_processes", "1", REPORT, "config"], tmp_path)
+    assert res.returncode == 0, res.output
+    (report,) = res.reports()
+    cfg = report["config"]
+    assert cfg["distributed_type"] == "DEEPSPEED" and cfg["gradient_accumulation_steps"] == 4
+    ds = cfg["deepspeed_config"]
+    assert (ds["zero_stage"], ds["offload_optimizer_device"], ds["gradient_clipping"]) == (2, "cpu", 1.0)
+
+
+def test_switching_strategy_by_flag_drops_the_files_section_with_a_note(tmp_path):
+    res = impel(["launch", "--config_file", str(FIXTURES / "accelerate_fsdp.yaml"), "--cpu", "--use_deepspeed",
+                 "--num_processes", "1", REPORT, "config"], tmp_path)
+    assert res.returncode == 0, res.output
+    assert "its fsdp_config is not used" in res.stderr
+    (report,) = res.reports()
+    assert report["config"]["distributed_type"] == "DEEPSPEED" and report["config"]["fsdp_config"] is None
+
+
+def test_the_default_config_file_is_used_when_present(tmp_path):
+    (tmp_path / "cache" / "impel").mkdir(parents=True)
+    (tmp_path / "cache" / "impel" / "default_config.yaml").write_text("mixed_precision: bf16\nuse_cpu: true\n")
+    res = impel(["launch", REPORT, "accelerator"], tmp_path)
+    assert res.returncode == 0, res.output
+    assert res.reports()[0]["launched"] == {"mixed_precision": "bf16", "use_cpu": True}
+
+
+def test_a_code_argument_contradicting_the_launch_names_both(tmp_path):
+    script = tmp_path / "contradict.py"
+    script.write_text("from impel import Accelerator\nAccelerator(mixed_precision='fp16')\n")
+    res = impel(["launch", "--mixed_precision", "bf16", str(script)], tmp_path)
+    assert res.returncode != 0
+    assert "mixed_precision='fp16'" in res.stderr and "mixed_precision='bf16'" in res.stderr
+
+
+def test_a_failing_rank_fails_the_launch_with_its_exit_code(tmp_path):
+    script = tmp_path / "fail.py"
+    script.write_text("import os, sys\nsys.exit(3 if os.environ['RANK'] == '1' else 0)\n")
+    res = impel(["launch", "--cpu", "--num_processes", "2", str(script)], tmp_path)
+    assert res.returncode == 3, res.output
+    assert "rank 1 failed with exit code 3" in res.stderr
+
+
+def test_module_mode(tmp_path):
+    res = impel(["launch", "--cpu", "--num_processes", "2", "-m", "impel.selftest"], tmp_path)
+    assert res.returncode == 0, res.output
+    assert "impel test: PASS" in res.stdout
+
+
+def test_two_machines_on_loopback_train_together(tmp_path):
+    """Two `impel launch` invocations, one per "machine", rendezvous over 127.0.0.1 and train one model."""
+    port = free_port()
+    common = ["launch", "--cpu", "--num_machines", "2", "--num_processes", "2", "--main_process_ip", "127.0.0.1",
+              "--main_process_port", str(port), str(SCRIPTS / "train_small.py"), "6"]
+    procs = [start_impel(common[:1] + ["--machine_rank", str(r)] + common[1:], tmp_path) for r in (0, 1)]
+    results = [finish(p, timeout=180) for p in procs]
+    for res in results:
+        assert res.returncode == 0, res.output
+    reports = [r for res in results for r in res.reports()]
+    assert sorted(r["rank"] for r in reports) == [0, 1] and {r["world"] for r in reports} == {2}
+    assert reports[0]["checksum"] == reports[1]["checksum"]  # both machines hold the same model
+    assert reports[0]["losses"] == reports[1]["losses"]
+    assert max(r["diff"] for r in reports) < 1e-5  # and it is the single-process model of the same global batch
+
+
+def test_impel_test_passes_on_two_ranks(tmp_path):
+    res = impel(["test", "--cpu", "--num_processes", "2", "--gradient_accumulation_steps", "2"], tmp_path)
+    assert res.returncode == 0, res.output
+    assert res.stdout.count("PASS [rank 0]") == 3 and "impel test: PASS" in res.stdout
