@@ -22,8 +22,7 @@ test: venv
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
 
 demo: venv
-	OMP_NUM_THREADS=1 $(BIN)/python -m torch.distributed.run --standalone --nproc_per_node 2 \
-		examples/train_causal_lm.py --max_steps 60
+	$(BIN)/impel launch --config_file examples/configs/ddp_cpu.yaml examples/train_causal_lm.py --max_steps 60
 
 bench: venv
 	$(BIN)/python -m pip install -q -e '.[bench]' $(TORCH)
