@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError:
             shown = path
         print(f"-> {shown} ({time.perf_counter() - t0:.0f} s)\n", flush=True)
-        missed += [f"{name}: {r.get('measure')} {r.get('library')} {r.get('feed')}"
+        missed += [f"{name}: " + " ".join(f"{k}={v}" for k, v in r.items() if isinstance(v, str) or k == "ranks")
                    for r in payload.get("rows", []) if r.get("ok") is False]
 
     if failed:
