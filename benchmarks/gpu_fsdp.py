@@ -1,0 +1,80 @@
+"""GPU section (runs only when CUDA is present): tokens/s and MFU of a ~1B-parameter GPT in bf16 under FSDP2 on
+one GPU, with and without torch.compile, through the Accelerator. Sized to finish in a few minutes on an H200.
+
+MFU = achieved FLOP/s / peak bf16 FLOP/s, with 6 * params * tokens FLOPs per training step (plus attention's
+12 * layers * hidden * seq per token) and the peak taken from ``IMPEL_PEAK_TFLOPS`` or a table of known GPUs.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import _common
+
+NAME = "gpu_fsdp"
+DESCRIPTION = "CUDA only: tokens/s and MFU of a ~1B GPT, bf16, FSDP2 on one GPU, eager and torch.compile"
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L4": 121.0, "A10": 125.0}
+
+
+def peak_flops(name: str) -> float | None:
+    if os.environ.get("IMPEL_PEAK_TFLOPS"):
+        return float(os.environ["IMPEL_PEAK_TFLOPS"]) * 1e12
+    return next((v * 1e12 for k, v in PEAK_TFLOPS.items() if k in name), None)
+
+
+def measure(compile_model: bool, steps: int, seq: int, batch: int) -> dict[str, Any]:
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from impel import Accelerator
+    from impel.state import ProcessState
+
+    ProcessState._reset()
+    acc = Accelerator(mixed_precision="bf16")
+    cfg = GPT2Config(n_layer=20, n_embd=2048, n_head=16, vocab_size=32000, n_positions=seq, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0)
+    model = GPT2LMHeadModel(cfg)
+    params = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    model, opt = acc.prepare(model, opt)
+    if compile_model:
+        model = torch.compile(model)
+    x = torch.randint(0, cfg.vocab_size, (batch, seq), device=acc.device)
+
+    def step() -> None:
+        acc.backward(model(input_ids=x, labels=x).loss)
+        opt.step()
+        opt.zero_grad()
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - t0
+    tokens = steps * batch * seq
+    flops = tokens * (6 * params + 12 * cfg.n_layer * cfg.n_embd * seq)
+    peak = peak_flops(torch.cuda.get_device_name())
+    out = {"compile": compile_model, "params_B": params / 1e9, "tokens_s": tokens / elapsed,
+           "tflops": flops / elapsed / 1e12, "mfu": (flops / elapsed / peak) if peak else None,
+           "max_mem_GB": torch.cuda.max_memory_allocated() / 1e9}
+    acc.end_training()
+    del model, opt
+    torch.cuda.empty_cache()
+    return out
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    import torch
+
+    if not torch.cuda.is_available():
+        return {"rows": [{"skipped": "no CUDA device on this machine"}], "environment": _common.environment()}
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29512")
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                      IMPEL_CONFIG='{"distributed_type": "FSDP"}')
+    steps = 3 if quick else 20
+    rows = [measure(c, steps, seq=2048, batch=8) for c in (False, True)]
+    return {"rows": rows, "environment": _common.environment(), "gpu": torch.cuda.get_device_name()}
