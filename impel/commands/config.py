@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from typing import Any
 
 from .. import env
@@ -20,7 +21,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--config_file", default=None, metavar="FILE", help="where to write (default: "
                    "$IMPEL_CONFIG_FILE or ~/.cache/impel/default_config.yaml)")
     p.set_defaults(handler=questionnaire)
-    sub = p.add_subparsers(dest="config_command", metavar="{default,show,validate}")
+    sub = p.add_subparsers(dest="config_command", metavar="{default,show,validate,convert}")
     d = sub.add_parser("default", help="write a config for the hardware this machine has, asking nothing")
     d.add_argument("--config_file", default=argparse.SUPPRESS, metavar="FILE")
     d.add_argument("--mixed_precision", default=None, choices=("no", "fp16", "bf16"))
@@ -32,6 +33,11 @@ def register(subparsers: Any) -> None:
     v = sub.add_parser("validate", help="check a config file and exit 0 (valid) or 2 (invalid)")
     v.add_argument("file", metavar="FILE")
     v.set_defaults(handler=validate)
+    c = sub.add_parser("convert", help="translate an FSDP config to DeepSpeed or back, with a note per difference")
+    c.add_argument("--to", required=True, choices=("deepspeed", "fsdp"), help="the strategy to translate to")
+    c.add_argument("file", metavar="FILE")
+    c.add_argument("-o", "--output", default=None, metavar="OUT", help="write here (default: print it)")
+    c.set_defaults(handler=convert_file)
 
 
 def _path(ns: argparse.Namespace) -> str:
@@ -83,6 +89,19 @@ def show(ns: argparse.Namespace) -> int:
         print(f"# no config file at {path}; impel launch uses the defaults (write one with `impel config`)\n")
     print("# resolved (defaults filled in; flags to impel launch override these)")
     print(dump_yaml(RunConfig.from_dict(explicit).to_dict()), end="")
+    return 0
+
+
+def convert_file(ns: argparse.Namespace) -> int:
+    from ..convert import convert
+
+    translated, notes = convert(read_config_file(ns.file), ns.to)
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
+    if ns.output:
+        print(f"Wrote {write_config_file(translated, ns.output)}", file=sys.stderr)
+    else:
+        print(dump_yaml(file_document(translated)), end="")
     return 0
 
 

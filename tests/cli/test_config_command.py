@@ -130,3 +130,13 @@ def test_help_and_config_show_do_not_import_torch(argv, tmp_path):
     out = subprocess.run([sys.executable, "-c", code, *argv], env=clean_env(tmp_path), capture_output=True,
                          text=True, timeout=60, cwd=tmp_path, check=False)
     assert out.stdout.strip() == "False", out.stdout + out.stderr
+
+
+def test_config_convert_writes_a_valid_file_and_prints_notes(tmp_path):
+    res = impel(["config", "convert", "--to", "deepspeed", str(FIXTURES / "accelerate_fsdp.yaml"), "-o", "ds.yaml"],
+                tmp_path)
+    assert res.returncode == 0, res.output
+    assert "note: fsdp_transformer_layer_cls_to_wrap: wrapping is transparent" in res.stderr
+    written = yaml.safe_load((tmp_path / "ds.yaml").read_text())
+    assert written["distributed_type"] == "DEEPSPEED" and written["deepspeed_config"]["zero_stage"] == 3
+    assert impel(["config", "validate", "ds.yaml"], tmp_path).returncode == 0
