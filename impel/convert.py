@@ -14,7 +14,8 @@ no counterpart or changes the precision behaviour (``impel config convert``).
 from __future__ import annotations
 
 import json
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from .config import ConfigError, RunConfig
 
