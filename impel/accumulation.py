@@ -32,6 +32,7 @@ class GradientState:
         self.active_dataloaders: list[Any] = []
         self.saw_backward = True  # accelerator.backward() ran in the current micro-step
         self.warned_direct_backward = False
+        self.step = 0  # Accelerate's ``accelerator.step``: micro-steps begun, reset when one ends a dataloader
 
     # --- dataloader link --------------------------------------------------------------------------------------
     @property
@@ -51,6 +52,8 @@ class GradientState:
 
     # --- micro-steps ------------------------------------------------------------------------------------------
     def begin(self) -> None:
+        at_end = self.plugin.sync_with_dataloader and self.end_of_dataloader
+        self.step = 0 if at_end else self.step + 1
         if self.num_steps == 1:
             self.sync_gradients = True
             self.group_size = 1
@@ -59,7 +62,6 @@ class GradientState:
         if self.micro_in_group == 0:
             self.group_size = self._next_group_size()
         self.micro_in_group += 1
-        at_end = self.plugin.sync_with_dataloader and self.end_of_dataloader
         self.sync_gradients = self.micro_in_group >= self.group_size or at_end
         if self.sync_gradients:
             self.micro_in_group = 0
@@ -107,11 +109,12 @@ class GradientState:
         return self.sync_gradients or self.plugin.sync_each_batch
 
     def state_dict(self) -> dict[str, int]:
-        return {"micro_in_group": self.micro_in_group, "group_size": self.group_size}
+        return {"micro_in_group": self.micro_in_group, "group_size": self.group_size, "step": self.step}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.micro_in_group = int(state.get("micro_in_group", 0))
         self.group_size = int(state.get("group_size", self.num_steps))
+        self.step = int(state.get("step", 0))
 
 
 class MicroStep:

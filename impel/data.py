@@ -55,6 +55,8 @@ class EpochSampler(Sampler[int]):
         self.num_samples = num_items if num_samples is None else num_samples
         self.seed_source = seed_source  # non-seedable mode: draws a fresh seed per epoch (agreed across ranks)
         self.epoch = 0
+        self.epoch_seed: int | None = None  # the seed the current epoch's order came from
+        self.resume_seed: int | None = None  # set by a resume: the interrupted epoch's seed, used once
 
     def __len__(self) -> int:
         return self.num_samples
@@ -63,7 +65,11 @@ class EpochSampler(Sampler[int]):
         if not self.shuffle:
             yield from range(self.num_items)
             return
-        seed = self.seed_source(self.epoch) if self.seed_source else self.seed + self.epoch
+        if self.resume_seed is not None:
+            seed, self.resume_seed = self.resume_seed, None
+        else:
+            seed = self.seed_source(self.epoch) if self.seed_source else self.seed + self.epoch
+        self.epoch_seed = seed
         g = torch.Generator()
         g.manual_seed(seed)
         if self.replacement:
@@ -251,6 +257,7 @@ class DataLoaderShard:
         self._progress = {"epoch": 0, "position": 0}
         self.end_of_dataloader = False
         self._skip_next = 0
+        self._epoch_generator_state: torch.Tensor | None = None
 
     epoch = property(lambda self: self._progress["epoch"],
                      lambda self, value: self._progress.__setitem__("epoch", value),
@@ -319,6 +326,8 @@ class DataLoaderShard:
         state = self.gradient_state
         state.active_dataloaders.append(self)
         finished = False
+        gen = self.base_dataloader.generator
+        self._epoch_generator_state = gen.get_state() if gen is not None else None
         try:
             it = iter(self.base_dataloader)
             current = next(it, _END)
@@ -339,12 +348,39 @@ class DataLoaderShard:
                 self.epoch += 1
                 self.position = 0
 
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "position": self.position}
+    def state_dict(self) -> dict[str, Any]:
+        """Epoch, position in it, and the seeds and generator states that make a resumed pass identical."""
+        # a skip set by load_state_dict/skip_batches and not yet iterated is the position to save
+        position = self._skip_next or self.position
+        state: dict[str, Any] = {"epoch": self.epoch, "position": position}
+        sampler = self.sampler
+        if isinstance(sampler, EpochSampler):
+            pending = sampler.resume_seed if sampler.resume_seed is not None else sampler.epoch_seed
+            state.update(seed=sampler.seed, epoch_seed=pending)
+        gen = self.base_dataloader.generator
+        if gen is not None:
+            # mid-epoch, the state before this epoch's iter() drew its worker base seed, so the resumed iter()
+            # draws the same one
+            mid = self.position > 0 and not self._skip_next and self._epoch_generator_state is not None
+            state["generator"] = self._epoch_generator_state if mid else gen.get_state()
+        user_gen = getattr(self.original.sampler, "generator", None)
+        if isinstance(user_gen, torch.Generator):
+            state["sampler_generator"] = user_gen.get_state()
+        return state
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.epoch = int(state["epoch"])
         self.skip_batches(int(state["position"]))
+        sampler = self.sampler
+        if isinstance(sampler, EpochSampler) and state.get("seed") is not None:
+            sampler.seed = int(state["seed"])
+            mid = int(state["position"]) > 0 and state.get("epoch_seed") is not None
+            sampler.resume_seed = int(state["epoch_seed"]) if mid else None
+        if state.get("generator") is not None and self.base_dataloader.generator is not None:
+            self.base_dataloader.generator.set_state(state["generator"])
+        user_gen = getattr(self.original.sampler, "generator", None)
+        if state.get("sampler_generator") is not None and isinstance(user_gen, torch.Generator):
+            user_gen.set_state(state["sampler_generator"])
 
 
 def _check_loader(loader: DataLoader) -> None:
@@ -368,6 +404,19 @@ def _epoch_sampler(loader: DataLoader, seed: int, config: DataLoaderConfiguratio
     return sampler  # a user sampler: used as is, it must produce the same order on every rank
 
 
+def _base_seed_generator(loader: DataLoader) -> torch.Generator:
+    """The generator each pass draws its worker base seed from: the user's, else a private one.
+
+    A DataLoader without a generator draws that seed from torch's global RNG at every ``iter()``; a resumed run
+    starts one extra pass mid-epoch, which would shift the global stream (dropout masks) off the uninterrupted one.
+    """
+    if loader.generator is not None:
+        return loader.generator
+    gen = torch.Generator()
+    gen.manual_seed(torch.initial_seed())
+    return gen
+
+
 def shard_dataloader(loader: DataLoader, *, world: int, rank: int, device: torch.device | None,
                      config: DataLoaderConfiguration, gradient_state: Any, seed: int,
                      seed_source: Callable[[int], int] | None = None) -> DataLoaderShard:
@@ -381,7 +430,7 @@ def shard_dataloader(loader: DataLoader, *, world: int, rank: int, device: torch
         per_rank = loader.batch_size // world
     extra: dict[str, Any] = {"collate_fn": loader.collate_fn, "num_workers": loader.num_workers,
                              "pin_memory": loader.pin_memory, "timeout": loader.timeout,
-                             "worker_init_fn": loader.worker_init_fn, "generator": loader.generator,
+                             "worker_init_fn": loader.worker_init_fn, "generator": _base_seed_generator(loader),
                              "persistent_workers": loader.persistent_workers,
                              "multiprocessing_context": loader.multiprocessing_context}
     if loader.num_workers > 0:
@@ -391,7 +440,6 @@ def shard_dataloader(loader: DataLoader, *, world: int, rank: int, device: torch
             raise ConfigError(f"DataLoader(num_workers={loader.num_workers}) over an IterableDataset: impel shards "
                               "iterable datasets in the main process; use num_workers=0 or a map-style dataset")
         shard: Any = IterableShard(loader.dataset, per_rank, world, rank, loader.drop_last, config.even_batches)
-        extra.pop("generator")
         new = DataLoader(shard, batch_size=per_rank, drop_last=loader.drop_last, **extra)
     elif loader.batch_size is None:  # the user's own batch_sampler
         if config.split_batches:

@@ -69,7 +69,9 @@ def _context() -> Any:
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "impel.accelerator"])
+    # DDP's constructor imports torch._dynamo (seconds); DCP's state_dict helpers are used by every checkpoint
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo",
+                                "torch.distributed.checkpoint.state_dict", "impel.accelerator"])
     return ctx
 
 

@@ -133,7 +133,11 @@ def test_prepare_with_device_placement_false_leaves_batches_alone():
 
 # --- constructor errors -------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("value", ["fp32", "bfloat16", "FP16"])
+def test_mixed_precision_names_are_case_insensitive_as_in_accelerate():
+    assert Accelerator(cpu=True, mixed_precision="BF16").mixed_precision == "bf16"
+
+
+@pytest.mark.parametrize("value", ["fp32", "bfloat16", "fp 16"])
 def test_unknown_mixed_precision_names_the_value_and_the_choices(value):
     with pytest.raises(ConfigError) as err:
         Accelerator(cpu=True, mixed_precision=value)

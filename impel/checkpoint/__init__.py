@@ -1,0 +1,23 @@
+"""Checkpoints: the whole training state saved atomically, loaded safely, exported as full weights.
+
+Modules, by job: ``layout`` (names, atomic commit, manifest, verification, rotation), ``files`` (safe readers and
+writers: safetensors, ``torch.load(weights_only=True)``), ``state`` (RNG, counters, dataloaders, registered
+objects), ``collective`` (every rank must call; errors shared), ``full`` (model/optimizer as full files: single
+device, DDP, FSDP FULL_STATE_DICT), ``sharded`` (DCP: FSDP SHARDED_STATE_DICT, resharding), ``hf`` (Hugging Face
+weight layout), ``merge`` (any checkpoint to full weights), ``checkpointer`` (save_state/load_state in order).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from .layout import CheckpointError
+
+__all__ = ["CheckpointError", "merge_weights"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "merge_weights":  # lazily: it imports torch.distributed.checkpoint
+        from .merge import merge_weights
+
+        return merge_weights
+    raise AttributeError(f"module 'impel.checkpoint' has no attribute {name!r}")

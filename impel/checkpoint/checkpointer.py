@@ -1,0 +1,272 @@
+"""``save_state`` / ``load_state``: the steps every rank runs, in order. The Accelerator's methods forward here.
+
+save: all ranks check in (a call on one rank raises) -> agree on the target -> the leader cleans leftovers and
+picks a temporary directory -> pre-hooks -> the strategy writes models and optimizers -> the leader writes
+schedulers, counters, dataloader positions, the GradScaler and registered objects -> each rank writes its RNG
+state -> the leader seals (manifest, metadata, marker, fsync) and renames -> rotation (``total_limit``).
+
+load: check in -> the leader finds the directory (newest complete one by default) and verifies sizes and
+checksums -> pre-hooks -> GradScaler, models and optimizers (strategy), schedulers, counters, dataloaders,
+registered objects, and last this rank's RNG state.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import pickle
+import platform
+import shutil
+from collections import OrderedDict
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from ..config import ConfigError
+from ..plugins import ProjectConfiguration
+from . import collective, layout
+from .files import read_torch, write_torch
+from .full import suffix
+from .state import (
+    check_registrable,
+    collect_rng_state,
+    collect_training_state,
+    describe,
+    restore_rng_state,
+    restore_training_state,
+)
+
+if TYPE_CHECKING:
+    from ..accelerator import Accelerator
+
+logger = logging.getLogger("impel")
+
+TRAINING_STATE_FILE = "training_state.pt"
+
+
+def resolve_project_configuration(project_dir: Any, project_config: ProjectConfiguration | None) -> ProjectConfiguration:
+    """``Accelerator(project_dir=..., project_config=...)``: one config, the directory given once."""
+    config = project_config if project_config is not None else ProjectConfiguration()
+    if not isinstance(config, ProjectConfiguration):
+        raise ConfigError(f"project_config={config!r} must be an impel.ProjectConfiguration")
+    if project_dir is not None:
+        wanted = os.fspath(project_dir)
+        if config.project_dir is not None and config.project_dir != wanted:
+            raise ConfigError(f"Accelerator(project_dir={wanted!r}) contradicts project_config.project_dir="
+                              f"{config.project_dir!r}; pass the directory once")
+        config.set_directories(wanted)
+    return config
+
+
+class Checkpointer:
+    """Holds what save/load need besides the Accelerator: project config, registered objects, hooks."""
+
+    def __init__(self, config: ProjectConfiguration) -> None:
+        self.config = config
+        self.registered: list[Any] = []
+        self.save_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
+        self.load_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
+
+    # --- registration -----------------------------------------------------------------------------------------
+    def register(self, *objects: Any) -> None:
+        check_registrable(objects)
+        self.registered.extend(objects)
+
+    def add_hook(self, hooks: OrderedDict[int, Callable[..., None]], hook: Callable[..., None]) -> RemovableHandle:
+        if not callable(hook):
+            raise TypeError(f"a state hook must be callable, got {describe(hook)}")
+        handle = RemovableHandle(hooks)
+        hooks[handle.id] = hook
+        return handle
+
+    # --- paths ------------------------------------------------------------------------------------------------
+    def checkpoints_root(self) -> Path:
+        if self.config.project_dir is None:
+            raise ConfigError("automatic_checkpoint_naming=True needs a project directory; pass "
+                              "Accelerator(project_dir=...) or ProjectConfiguration(project_dir=...)")
+        return Path(self.config.project_dir).expanduser().absolute() / layout.CHECKPOINTS_DIR
+
+    def _save_target(self, output_dir: Any) -> Path:
+        if self.config.automatic_checkpoint_naming:
+            if output_dir is not None:
+                logger.warning("save_state(output_dir=%r) is ignored: automatic_checkpoint_naming=True saves to "
+                               "project_dir/checkpoints/checkpoint_N", output_dir)
+            return self.checkpoints_root() / layout.checkpoint_name(self.config.iteration)
+        if output_dir is None:
+            raise ConfigError("save_state() needs output_dir, or ProjectConfiguration(project_dir=..., "
+                              "automatic_checkpoint_naming=True)")
+        return Path(output_dir).expanduser().absolute()
+
+    @staticmethod
+    def _leader(acc: Accelerator, on_each_node: bool) -> bool:
+        return acc.is_main_process or (on_each_node and acc.is_local_main_process)
+
+    # --- save -------------------------------------------------------------------------------------------------
+    def save(self, acc: Accelerator, output_dir: Any = None, safe_serialization: bool = True) -> str:
+        collective.arrive("save_state", acc.state.timeout)
+        final = self._save_target(output_dir)
+        collective.agree(str(final), "the save_state output directory")
+        leader = self._leader(acc, self.config.save_on_each_node)
+        temp = Path(collective.on_leader(lambda: self._prepare(final), "preparing the checkpoint directory", leader))
+        if leader:
+            temp.mkdir(parents=True, exist_ok=True)
+        collective.barrier()
+        try:
+            strategy_meta = collective.run_shared(lambda: self._write(acc, temp, leader, safe_serialization),
+                                                  "save_state")
+            collective.run_shared(lambda: self._commit(acc, temp, final, strategy_meta) if leader else None,
+                                  "committing the checkpoint")
+        except BaseException:
+            if leader:
+                shutil.rmtree(temp, ignore_errors=True)
+            raise
+        self.config.iteration += 1
+        return str(final)
+
+    def _prepare(self, final: Path) -> str:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        layout.clean_incomplete(final.parent)
+        if self.config.automatic_checkpoint_naming and final.exists():
+            raise layout.CheckpointError(
+                f"{final} already exists (ProjectConfiguration.iteration={self.config.iteration}); set "
+                f"accelerator.project_configuration.iteration = {layout.next_free_iteration(final.parent)} or "
+                "call load_state() first, which sets it")
+        layout.check_target(final)
+        return str(layout.temp_dir_for(final))
+
+    def _write(self, acc: Accelerator, temp: Path, leader: bool, safe_serialization: bool) -> dict[str, Any]:
+        skip = self._run_save_hooks(acc, temp)
+        meta = acc.strategy.save_checkpoint(list(acc._models), [o.optimizer for o in acc._optimizers], temp,
+                                            writer=leader, safe_serialization=safe_serialization,
+                                            skip_models=skip)
+        if leader:
+            for i, scheduler in enumerate(acc._schedulers):
+                write_torch(scheduler.state_dict(), temp / f"scheduler{suffix(i)}.pt")
+            write_torch(collect_training_state(acc.step, acc.gradient_state, acc._optimizers, acc._dataloaders,
+                                               acc.strategy.precision), temp / TRAINING_STATE_FILE)
+            for i, obj in enumerate(self.registered):
+                self._write_registered(i, obj, temp / f"custom_checkpoint_{i}.pt")
+        write_torch(collect_rng_state(acc.device), temp / f"random_states_{acc.process_index}.pt")
+        return dict(meta, skipped_models=sorted(skip))
+
+    @staticmethod
+    def _write_registered(index: int, obj: Any, path: Path) -> None:
+        """Write a registered object's state and read it back safely now, not at resume time."""
+        what = f"registered object {index}, {describe(obj)}"
+        try:
+            write_torch(obj.state_dict(), path)
+        except (pickle.PicklingError, AttributeError, TypeError) as exc:
+            raise layout.CheckpointError(f"cannot save {what}: its state_dict() holds something torch.save cannot "
+                                         f"store ({exc}); return tensors, numbers, strings, lists and dicts") from None
+        read_torch(path, what)
+
+    def _run_save_hooks(self, acc: Accelerator, temp: Path) -> frozenset[int]:
+        """Accelerate's contract: ``hook(models, weights, output_dir)``; a model whose weights the hook removes
+        from the list is saved by the hook, not by impel."""
+        if acc.gradient_state.micro_in_group:
+            logger.warning("save_state() in the middle of an accumulation group: the partial gradients are not "
+                           "saved; save after optimizer.step() for an exact resume")
+        if not self.save_hooks:
+            return frozenset()
+        models = list(acc._models)
+        weights = [acc.get_state_dict(m) for m in models]
+        ids = [id(w) for w in weights]
+        for hook in list(self.save_hooks.values()):
+            hook(models, weights, str(temp))
+        remaining = {id(w) for w in weights}
+        return frozenset(i for i, w in enumerate(ids) if w not in remaining)
+
+    def _commit(self, acc: Accelerator, temp: Path, final: Path, strategy_meta: dict[str, Any]) -> None:
+        from .. import __version__
+
+        metadata = {
+            "impel_version": __version__, "torch_version": torch.__version__,
+            "python_version": platform.python_version(),
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "iteration": self.config.iteration, "step": acc.step,
+            "optimizer_steps": [o.steps_taken for o in acc._optimizers],
+            "world_size": acc.num_processes, "distributed_type": str(acc.distributed_type),
+            "mixed_precision": acc.mixed_precision, "strategy": dict(strategy_meta, name=acc.strategy.name),
+            "counts": self._counts(acc),
+        }
+        layout.commit(temp, final, metadata)
+        if self.config.automatic_checkpoint_naming:
+            layout.rotate(final.parent, self.config.total_limit)
+
+    def _counts(self, acc: Accelerator) -> dict[str, int]:
+        return {"models": len(acc._models), "optimizers": len(acc._optimizers), "schedulers": len(acc._schedulers),
+                "dataloaders": len(acc._dataloaders), "registered objects": len(self.registered)}
+
+    # --- load -------------------------------------------------------------------------------------------------
+    def load(self, acc: Accelerator, input_dir: Any = None) -> str:
+        collective.arrive("load_state", acc.state.timeout)
+        if input_dir is not None:
+            collective.agree(os.fspath(input_dir), "the load_state input directory")
+        leader = self._leader(acc, self.config.save_on_each_node)
+        found = collective.on_leader(lambda: self._locate(input_dir), "checking the checkpoint", leader)
+        path, metadata, next_free = found  # type: ignore[misc]
+        directory = Path(path)
+        self._check_counts(acc, directory, metadata)
+        collective.run_shared(lambda: self._read(acc, directory, metadata, self._run_load_hooks(acc, directory)),
+                              "load_state")
+        self.config.iteration = max(int(metadata["iteration"]) + 1, next_free)
+        collective.barrier()
+        return str(directory)
+
+    def _locate(self, input_dir: Any) -> tuple[str, dict[str, Any], int]:
+        if input_dir is None:
+            if not self.config.automatic_checkpoint_naming:
+                raise ConfigError("load_state() needs input_dir, or ProjectConfiguration(project_dir=..., "
+                                  "automatic_checkpoint_naming=True) to load the newest checkpoint")
+            root = self.checkpoints_root()
+            layout.clean_incomplete(root)
+            directory = layout.latest_complete(root)
+        else:
+            directory = Path(input_dir).expanduser().absolute()
+            layout.recover_swap(directory)
+            layout.clean_incomplete(directory.parent)
+        metadata = layout.verify(directory)
+        next_free = layout.next_free_iteration(directory.parent) if self.config.automatic_checkpoint_naming else 0
+        return str(directory), metadata, next_free
+
+    def _check_counts(self, acc: Accelerator, directory: Path, metadata: dict[str, Any]) -> None:
+        saved = metadata.get("counts", {})
+        for kind, have in self._counts(acc).items():
+            if saved.get(kind, have) != have:
+                raise layout.CheckpointError(
+                    f"{directory} was saved with {saved[kind]} {kind} but {have} are prepared now; prepare (and "
+                    "register) the same objects in the same order before load_state()")
+        if metadata.get("world_size") != acc.num_processes:
+            logger.warning("%s was saved by %s processes and is loaded by %d: model and optimizer state are "
+                           "resharded, but per-rank RNG streams and the data position follow a different layout",
+                           directory, metadata.get("world_size"), acc.num_processes)
+
+    def _run_load_hooks(self, acc: Accelerator, directory: Path) -> frozenset[int]:
+        """Accelerate's contract: ``hook(models, input_dir)``; models the hook removes are loaded by the hook."""
+        if not self.load_hooks:
+            return frozenset()
+        models = list(acc._models)
+        for hook in list(self.load_hooks.values()):
+            hook(models, str(directory))
+        return frozenset(i for i, m in enumerate(acc._models) if not any(m is x for x in models))
+
+    def _read(self, acc: Accelerator, directory: Path, metadata: dict[str, Any], skip: frozenset[int]) -> None:
+        training = read_torch(directory / TRAINING_STATE_FILE, "training state")
+        acc.strategy.precision.load_state_dict(training["precision"])  # the scaler before the optimizers (FSDP2)
+        acc.strategy.load_checkpoint(list(acc._models), [o.optimizer for o in acc._optimizers], directory,
+                                     metadata["strategy"], skip_models=skip)
+        for i, scheduler in enumerate(acc._schedulers):
+            scheduler.load_state_dict(read_torch(directory / f"scheduler{suffix(i)}.pt", f"scheduler {i}"))
+        acc.step = restore_training_state(training, acc.gradient_state, acc._optimizers, acc._dataloaders)
+        for i, obj in enumerate(self.registered):
+            obj.load_state_dict(read_torch(directory / f"custom_checkpoint_{i}.pt",
+                                           f"registered object {i}, {describe(obj)}"))
+        rng = directory / f"random_states_{acc.process_index}.pt"
+        if rng.is_file():
+            restore_rng_state(read_torch(rng, f"rank {acc.process_index} RNG state"), acc.device)
+        else:
+            logger.warning("%s has no RNG state for rank %d (saved by %s processes); this rank's random streams "
+                           "start fresh", directory, acc.process_index, metadata.get("world_size"))

@@ -1,0 +1,110 @@
+"""Reading and writing checkpoint files without ever executing pickled code.
+
+Tensors go to safetensors (no code at all). Everything else goes through ``torch.save`` and comes back through
+``torch.load(weights_only=True)``, whose unpickler only rebuilds tensors, numbers, strings and containers: a file
+that asks for any other global (``os.system``, a user class) fails to load and runs nothing. Every writer fsyncs.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .layout import CheckpointError, fsync_file
+
+ALIASES_KEY = "impel_aliases"
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple[Any, ...]:
+    return (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
+            tuple(tensor.stride()), tensor.dtype)
+
+
+def dedupe_aliases(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Drop names that are the very same tensor as an earlier name (tied weights); return (kept, alias -> kept).
+
+    Tensors that share memory without being identical views are copied, since safetensors stores each name once.
+    """
+    kept: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    seen: dict[tuple[Any, ...], str] = {}
+    storages: dict[Any, int] = {}
+    for name, tensor in tensors.items():
+        tensor = tensor.detach()
+        key = _storage_key(tensor)
+        if tensor.numel() and key in seen:
+            aliases[name] = seen[key]
+            continue
+        seen[key] = name
+        kept[name] = tensor
+        ptr = (tensor.device, tensor.untyped_storage().data_ptr())
+        storages[ptr] = storages.get(ptr, 0) + 1
+    for name, tensor in kept.items():
+        shared = storages[(tensor.device, tensor.untyped_storage().data_ptr())] > 1 and tensor.numel() > 0
+        tensor = tensor.to("cpu").contiguous()
+        kept[name] = tensor.clone() if shared else tensor
+    return kept, aliases
+
+
+def write_safetensors(tensors: Mapping[str, torch.Tensor], path: Path) -> None:
+    """Write tensors (tied ones once, the alias recorded in the metadata) and fsync."""
+    from safetensors.torch import save_file
+
+    kept, aliases = dedupe_aliases(tensors)
+    metadata = {"format": "pt"}
+    if aliases:
+        metadata[ALIASES_KEY] = json.dumps(aliases, sort_keys=True)
+    save_file(kept, str(path), metadata=metadata)
+    fsync_file(path)
+
+
+def read_safetensors(path: Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """Read a safetensors file written by :func:`write_safetensors` (aliases restored)."""
+    from safetensors import safe_open
+
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint file {path} is missing; load a complete checkpoint")
+    try:
+        with safe_open(str(path), framework="pt", device=str(device)) as f:
+            tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 - not a dict
+            metadata = f.metadata() or {}
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
+        raise CheckpointError(f"checkpoint file {path} is not a valid safetensors file ({exc}); it is truncated "
+                              "or corrupted: load an earlier checkpoint") from None
+    for alias, target in json.loads(metadata.get(ALIASES_KEY, "{}")).items():
+        tensors[alias] = tensors[target]
+    return tensors
+
+
+def write_torch(obj: Any, path: Path) -> None:
+    """``torch.save`` then fsync; only save tensors, numbers, strings and containers (they load back safely)."""
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_torch(path: Path, what: str) -> Any:
+    """``torch.load(weights_only=True)`` on CPU; a CheckpointError naming ``what`` and the file otherwise."""
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint file {path} ({what}) is missing; load a checkpoint saved with the same "
+                              "models, optimizers, schedulers, dataloaders and registered objects")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        found = re.search(r"GLOBAL (\S+)", str(exc))
+        first = f"it asks for {found.group(1)}" if found else type(exc).__name__
+        raise CheckpointError(
+            f"refusing to load {path} ({what}): it needs a Python object that safe loading does not rebuild "
+            f"({first}). impel never runs pickled code. If the file is yours and the object is a registered "
+            "object's state, make its state_dict() return tensors, numbers, strings, lists and dicts, or allow "
+            "the type with torch.serialization.add_safe_globals([...])") from None
+    except (RuntimeError, EOFError, OSError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint file {path} ({what}) cannot be read ({exc}); it is truncated or "
+                              "corrupted: load an earlier checkpoint") from None

@@ -1,0 +1,147 @@
+"""Model and optimizer state as full files: what the base Strategy (single device, DDP) writes.
+
+State dicts come from ``torch.distributed.checkpoint.state_dict`` (``get_model_state_dict`` /
+``get_optimizer_state_dict``), so keys are fully qualified parameter names without wrapper prefixes
+(``module.`` of DDP) and optimizer state is keyed by parameter name, not by position: the same files load under
+DDP, FSDP2 (which can pass ``StateDictOptions(full_state_dict=True, ...)``) or one process.
+
+Files: ``model.safetensors`` (``model_1.safetensors`` ... for more models; ``pytorch_model.bin`` with
+``safe_serialization=False``) and ``optimizer.pt`` (``optimizer_1.pt`` ...).
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .files import read_safetensors, read_torch, write_safetensors, write_torch
+from .layout import CheckpointError
+
+FORMAT = "full"
+
+
+def suffix(index: int) -> str:
+    """'' for the first object, '_1', '_2', ... after it (Accelerate's convention)."""
+    return "" if index == 0 else f"_{index}"
+
+
+def model_file(index: int, safe_serialization: bool) -> str:
+    return f"model{suffix(index)}.safetensors" if safe_serialization else f"pytorch_model{suffix(index)}.bin"
+
+
+def optimizer_file(index: int) -> str:
+    return f"optimizer{suffix(index)}.pt"
+
+
+def pair_optimizers(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer]) -> list[int]:
+    """For each optimizer, the index of the model that owns all its parameters."""
+    owners = [{id(p) for p in m.parameters()} for m in models]
+    pairs = []
+    for i, opt in enumerate(optimizers):
+        params = {id(p) for group in opt.param_groups for p in group["params"]}
+        owner = next((j for j, mine in enumerate(owners) if params <= mine), None)
+        if owner is None:
+            raise CheckpointError(f"optimizer {i} ({type(opt).__name__}) has parameters that no single prepared "
+                                  "model owns; prepare the model(s) with accelerator.prepare, one optimizer per model")
+        pairs.append(owner)
+    return pairs
+
+
+def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, options: Any = None) -> dict[str, Any]:
+    """The optimizer's state keyed by parameter name; an optimizer that never stepped stays untouched."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    fresh = not optimizer.state
+    state = get_optimizer_state_dict(model, optimizer, options=options)
+    if fresh:
+        # get_optimizer_state_dict initialises empty state with a zero-lr step (Adam's step becomes 1); undo it so
+        # that saving before the first step does not change the run.
+        optimizer.state.clear()
+        state["state"] = {}
+    return state
+
+
+def save_full(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer], directory: Path, *,
+              writer: bool, safe_serialization: bool, skip_models: AbstractSet[int] = frozenset(),
+              options: Any = None, all_ranks: bool = False) -> dict[str, Any]:
+    """Write full model and optimizer files; returns the strategy section of the checkpoint metadata.
+
+    ``writer``: this rank writes. ``all_ranks``: every rank must take part in building the state dicts (sharded
+    models gathered with ``options``); otherwise only writers build them (replicated models, like DDP).
+    """
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    names = {"models": [model_file(i, safe_serialization) for i in range(len(models))],
+             "optimizers": [optimizer_file(i) for i in range(len(optimizers))]}
+    if not (writer or all_ranks):
+        return {"format": FORMAT, **names}
+    for i, model in enumerate(models):
+        if i in skip_models:
+            continue
+        state = get_model_state_dict(model, options=options)
+        if writer:
+            _write_weights(state, directory / names["models"][i], safe_serialization)
+    for i, (opt, owner) in enumerate(zip(optimizers, pair_optimizers(models, optimizers))):
+        state = optimizer_state(models[owner], opt, options)
+        if writer:
+            write_torch(state, directory / names["optimizers"][i])
+    return {"format": FORMAT, **names}
+
+
+def _write_weights(state: Mapping[str, torch.Tensor], path: Path, safe_serialization: bool) -> None:
+    if safe_serialization:
+        write_safetensors(state, path)
+    else:
+        write_torch({k: v.detach().cpu() for k, v in state.items()}, path)
+
+
+def read_weights(path: Path) -> dict[str, torch.Tensor]:
+    """A full model state dict from ``model*.safetensors`` or ``pytorch_model*.bin`` (loaded safely)."""
+    if path.suffix == ".safetensors":
+        return read_safetensors(path)
+    return read_torch(path, "model weights")
+
+
+def load_full(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer], directory: Path,
+              metadata: Mapping[str, Any], *, skip_models: AbstractSet[int] = frozenset(),
+              options: Any = None) -> None:
+    """Load what :func:`save_full` wrote into the prepared models and optimizers (on every rank)."""
+    from torch.distributed.checkpoint.state_dict import (
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    if metadata.get("format") != FORMAT:
+        raise CheckpointError(f"{directory} holds a {metadata.get('format')!r} checkpoint, which this strategy "
+                              f"cannot load (it reads {FORMAT!r}); resume with the strategy that saved it, or "
+                              "convert it with merge_weights")
+    for i, model in enumerate(models):
+        if i in skip_models:
+            continue
+        state = read_weights(directory / metadata["models"][i])
+        try:
+            set_model_state_dict(model, state, options=options)
+        except (RuntimeError, KeyError, ValueError) as exc:
+            raise CheckpointError(f"{directory / metadata['models'][i]} does not fit prepared model {i} "
+                                  f"({type(model).__name__}): {exc}; load it into the same architecture") from None
+    for i, (opt, owner) in enumerate(zip(optimizers, pair_optimizers(models, optimizers))):
+        state = read_torch(directory / metadata["optimizers"][i], f"optimizer {i}")
+        if not state.get("state"):
+            _load_fresh_optimizer(opt, state)
+            continue
+        set_optimizer_state_dict(models[owner], opt, state, options=options)
+
+
+def _load_fresh_optimizer(optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
+    """An optimizer saved before its first step: restore hyper-parameters, keep the state empty."""
+    groups = state.get("param_groups", [])
+    if len(groups) != len(optimizer.param_groups):
+        raise CheckpointError(f"the checkpoint's optimizer has {len(groups)} parameter groups but the prepared "
+                              f"one has {len(optimizer.param_groups)}; build the optimizer the same way")
+    for group, saved in zip(optimizer.param_groups, groups):
+        group.update({k: v for k, v in saved.items() if k != "params"})
+    optimizer.state.clear()

@@ -1,0 +1,245 @@
+"""Where checkpoints live and how one becomes visible: naming, atomic commit, manifest, verification, rotation.
+
+A checkpoint is written into a hidden temporary directory next to its final name (``.impel-tmp-<name>-<token>``).
+When every rank has written and fsynced its files, the committing rank writes ``impel_checkpoint.json`` (step,
+world size, strategy, versions and a manifest of every file with its size and sha256), then the completion
+marker ``COMPLETE`` (holding the sha256 of that JSON), fsyncs, and renames the directory into place. A directory
+without the marker is never loaded; leftover temporary directories are deleted by the next save or load.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger("impel")
+
+CHECKPOINTS_DIR = "checkpoints"
+METADATA_FILE = "impel_checkpoint.json"
+MARKER_FILE = "COMPLETE"
+TMP_PREFIX = ".impel-tmp-"
+OLD_PREFIX = ".impel-old-"
+FORMAT_VERSION = 1
+_NAME = re.compile(r"^checkpoint_(\d+)$")
+_CHUNK = 1 << 20
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be saved or loaded; the message names the directory or file and the fix."""
+
+
+# --- naming ---------------------------------------------------------------------------------------------------
+def checkpoint_name(iteration: int) -> str:
+    """``checkpoint_<iteration>``, the automatic name Accelerate uses too."""
+    return f"checkpoint_{iteration}"
+
+
+def parse_iteration(name: str) -> int | None:
+    """The N of ``checkpoint_N``, or None for any other name."""
+    match = _NAME.match(name)
+    return int(match.group(1)) if match else None
+
+
+def is_complete(directory: Path) -> bool:
+    """True when ``directory`` carries the completion marker and its metadata."""
+    return (directory / MARKER_FILE).is_file() and (directory / METADATA_FILE).is_file()
+
+
+def list_complete(root: Path) -> list[tuple[int, Path]]:
+    """Complete ``checkpoint_N`` directories under ``root``, oldest (smallest N) first."""
+    if not root.is_dir():
+        return []
+    found = []
+    for entry in root.iterdir():
+        number = parse_iteration(entry.name)
+        if number is None or not entry.is_dir():
+            continue
+        if is_complete(entry):
+            found.append((number, entry))
+        else:
+            logger.warning("ignoring %s: it has no %s marker (not an impel checkpoint, or an interrupted copy)",
+                           entry, MARKER_FILE)
+    return sorted(found)
+
+
+def latest_complete(root: Path) -> Path:
+    """The newest complete checkpoint under ``root``; a CheckpointError when there is none."""
+    found = list_complete(root)
+    if not found:
+        raise CheckpointError(f"no complete checkpoint (checkpoint_N with a {MARKER_FILE} marker) in {root}; "
+                              "call save_state() first, or pass load_state(input_dir=...) explicitly")
+    return found[-1][1]
+
+
+def next_free_iteration(root: Path) -> int:
+    """One more than the highest ``checkpoint_N`` under ``root`` (complete or not), or 0."""
+    numbers = [parse_iteration(e.name) for e in root.iterdir()] if root.is_dir() else []
+    return max((n for n in numbers if n is not None), default=-1) + 1
+
+
+# --- temporary directories and cleanup ---------------------------------------------------------------------------
+def temp_dir_for(final: Path, token: str | None = None) -> Path:
+    """The hidden sibling directory a save of ``final`` is written into before the rename."""
+    return final.parent / f"{TMP_PREFIX}{final.name}-{token or uuid.uuid4().hex[:12]}"
+
+
+def clean_incomplete(root: Path) -> list[Path]:
+    """Delete the temporary and swapped-out directories interrupted saves left in ``root``."""
+    removed: list[Path] = []
+    if not root.is_dir():
+        return removed
+    for entry in root.iterdir():
+        if entry.is_dir() and entry.name.startswith((TMP_PREFIX, OLD_PREFIX)):
+            logger.warning("removing %s, left by an interrupted save", entry)
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+    return removed
+
+
+def recover_swap(final: Path) -> None:
+    """If a crash hit between the two renames that replace ``final``, put the previous complete copy back."""
+    if final.exists() or not final.parent.is_dir():
+        return
+    for entry in sorted(final.parent.glob(f"{OLD_PREFIX}{final.name}-*")):
+        if is_complete(entry):
+            logger.warning("restoring %s from %s (a save that replaced it was interrupted)", final, entry)
+            os.replace(entry, final)
+            fsync_dir(final.parent)
+            return
+
+
+def rotate(root: Path, total_limit: int | None) -> list[Path]:
+    """Delete the oldest complete checkpoints so that at most ``total_limit`` remain."""
+    if total_limit is None:
+        return []
+    found = list_complete(root)
+    doomed = [path for _, path in found[: max(0, len(found) - total_limit)]]
+    for path in doomed:
+        logger.info("total_limit=%d: deleting %s", total_limit, path)
+        shutil.rmtree(path, ignore_errors=True)
+    return doomed
+
+
+def check_target(final: Path) -> None:
+    """Refuse to replace a non-empty directory that is not an impel checkpoint (it may hold the user's files)."""
+    if final.is_file():
+        raise CheckpointError(f"save_state output_dir {final} is a file; pass a directory path")
+    if final.is_dir() and any(final.iterdir()) and not is_complete(final):
+        raise CheckpointError(f"save_state output_dir {final} exists and is not an impel checkpoint; impel replaces "
+                              "a checkpoint directory as a whole, so pass a new or empty directory")
+
+
+# --- durability ------------------------------------------------------------------------------------------------
+def fsync_file(path: Path) -> None:
+    """Flush a written file to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: Path) -> None:
+    """Flush a directory's entries (new names, renames) to disk; a no-op where directories cannot be opened."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+# --- manifest ----------------------------------------------------------------------------------------------------
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(_CHUNK), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def build_manifest(directory: Path) -> dict[str, dict[str, Any]]:
+    """Every file under ``directory`` (relative posix path) with its size and sha256, marker and metadata excluded."""
+    manifest: dict[str, dict[str, Any]] = {}
+    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
+        rel = path.relative_to(directory).as_posix()
+        if rel in (METADATA_FILE, MARKER_FILE):
+            continue
+        manifest[rel] = {"size": path.stat().st_size, "sha256": sha256_file(path)}
+    return manifest
+
+
+def commit(temp: Path, final: Path, metadata: dict[str, Any]) -> None:
+    """Seal ``temp`` (manifest, metadata, marker, fsync) and rename it to ``final``, replacing an old checkpoint."""
+    for path in temp.rglob("*"):
+        if path.is_file():
+            fsync_file(path)
+    body = dict(metadata, format_version=FORMAT_VERSION, files=build_manifest(temp))
+    text = json.dumps(body, indent=1, sort_keys=True)
+    _write_text(temp / METADATA_FILE, text)
+    _write_text(temp / MARKER_FILE, hashlib.sha256(text.encode()).hexdigest() + "\n")
+    fsync_dir(temp)
+    old = None
+    if final.exists():
+        old = final.parent / f"{OLD_PREFIX}{final.name}-{uuid.uuid4().hex[:12]}"
+        os.replace(final, old)
+    os.replace(temp, final)
+    fsync_dir(final.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_text(path: Path, text: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_metadata(directory: Path) -> dict[str, Any]:
+    """The parsed ``impel_checkpoint.json`` of a complete checkpoint (no file checks)."""
+    if not directory.is_dir():
+        raise CheckpointError(f"checkpoint directory {directory} does not exist; pass the path save_state() returned")
+    if not is_complete(directory):
+        raise CheckpointError(f"{directory} is not a complete impel checkpoint (no {MARKER_FILE} marker or no "
+                              f"{METADATA_FILE}); it was interrupted while saving or not written by impel: load "
+                              "an earlier checkpoint")
+    path = directory / METADATA_FILE
+    try:
+        text = path.read_text(encoding="utf-8")
+        data = json.loads(text)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path} is unreadable ({exc}); the checkpoint is damaged: load an earlier one") from None
+    marker = (directory / MARKER_FILE).read_text(encoding="utf-8").strip()
+    if marker != hashlib.sha256(text.encode()).hexdigest():
+        raise CheckpointError(f"{path} does not match its {MARKER_FILE} marker (edited or corrupted); load an "
+                              "earlier checkpoint or save again")
+    if not isinstance(data, dict) or not isinstance(data.get("files"), dict):
+        raise CheckpointError(f"{path} has no file manifest; it was not written by this impel version")
+    return data
+
+
+def verify(directory: Path, checksums: bool = True) -> dict[str, Any]:
+    """Check that every file of the manifest exists with its size (and sha256); return the metadata."""
+    data = read_metadata(directory)
+    for rel, entry in data["files"].items():
+        path = directory / rel
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint file {path} is missing; the checkpoint is incomplete: copy it "
+                                  "again or load an earlier checkpoint")
+        size = path.stat().st_size
+        if size != entry["size"] or (checksums and sha256_file(path) != entry["sha256"]):
+            raise CheckpointError(f"checkpoint file {path} is truncated or corrupted ({size} bytes, the manifest "
+                                  f"says {entry['size']} bytes, sha256 {entry['sha256'][:12]}...); load an earlier "
+                                  "checkpoint or save again")
+    return data

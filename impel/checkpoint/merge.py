@@ -1,0 +1,72 @@
+"""Turn any impel checkpoint into full weights in Hugging Face's layout (what ``impel merge-weights`` runs).
+
+The checkpoint's ``impel_checkpoint.json`` says which format its strategy wrote; ``MERGERS`` maps each format to
+a function ``(checkpoint_dir, strategy_metadata, model_index) -> state dict``, as a dotted path so a strategy
+module (DeepSpeed's ZeRO files) plugs in without this module importing it.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .full import read_weights
+from .hf import save_pretrained_weights
+from .layout import CheckpointError, verify
+
+MERGERS: dict[str, str] = {
+    "full": "impel.checkpoint.merge:full_weights",
+    "sharded": "impel.checkpoint.merge:sharded_weights",
+    "deepspeed": "impel.strategies.deepspeed:merge_zero_checkpoint",
+}
+
+
+def full_weights(directory: Path, metadata: Mapping[str, Any], model_index: int) -> dict[str, torch.Tensor]:
+    """Model ``model_index`` of a checkpoint written by :func:`impel.checkpoint.full.save_full`."""
+    return read_weights(directory / metadata["models"][model_index])
+
+
+def sharded_weights(directory: Path, metadata: Mapping[str, Any], model_index: int) -> dict[str, torch.Tensor]:
+    """Model ``model_index`` of a DCP checkpoint, gathered on this process (DTensor shards become full tensors)."""
+    from .sharded import load_full_state
+
+    state = load_full_state(directory / metadata["models"][model_index])
+    return {k: v for k, v in state["model"].items() if isinstance(v, torch.Tensor)}
+
+
+def _merger(fmt: str) -> Callable[[Path, Mapping[str, Any], int], dict[str, torch.Tensor]]:
+    target = MERGERS.get(fmt)
+    if target is None:
+        raise CheckpointError(f"checkpoint format {fmt!r} has no merger; known formats: {sorted(MERGERS)}")
+    module_name, _, attr = target.partition(":")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError):
+        raise CheckpointError(f"merging {fmt!r} checkpoints needs {target}, which this impel installation lacks; "
+                              "install the matching extra (e.g. impel[deepspeed]) or upgrade impel") from None
+
+
+def merge_weights(checkpoint_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], *,
+                  model_index: int = 0, safe_serialization: bool = True,
+                  max_shard_size: int | str = "10GB") -> list[Path]:
+    """Write model ``model_index`` of an impel checkpoint as full weights in ``out_dir``; returns the files.
+
+    Works on one process without a process group, whatever strategy and world size saved the checkpoint.
+
+    Example::
+
+        merge_weights("runs/a/checkpoints/checkpoint_3", "export/")   # export/model.safetensors
+    """
+    directory = Path(checkpoint_dir)
+    metadata = verify(directory)
+    strategy = metadata.get("strategy", {})
+    count = len(strategy.get("models", []))
+    if not 0 <= model_index < count:
+        raise CheckpointError(f"model_index={model_index} is out of range: {directory} holds {count} model(s); "
+                              f"use 0..{count - 1}")
+    state = _merger(strategy.get("format", "full"))(directory, strategy, model_index)
+    return save_pretrained_weights(state, out_dir, safe_serialization, max_shard_size)

@@ -1,0 +1,158 @@
+"""Sharded model and optimizer state through ``torch.distributed.checkpoint`` (DCP): for FSDP2's SHARDED_STATE_DICT.
+
+Each rank writes its own shards; DCP's metadata records the global layout, so a checkpoint saved by N ranks loads
+on M ranks (resharding) and merges to one file on a single process (:func:`load_full_state`). Layout: one DCP
+directory per object, ``model/`` (``model_1/`` ...) and ``optimizer/`` (``optimizer_1/`` ...).
+
+DCP stores its ``.metadata`` with plain pickle; :class:`SafeFileSystemReader` reads it with an unpickler that
+rebuilds only DCP's own metadata classes, so a doctored ``.metadata`` fails instead of running code.
+"""
+from __future__ import annotations
+
+import io
+import pickle
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
+
+from .collective import distributed
+from .full import optimizer_state, pair_optimizers, suffix
+from .layout import CheckpointError
+
+FORMAT = "sharded"
+
+_DCP_METADATA = {"Metadata", "MetadataIndex", "StorageMeta", "ChunkStorageMetadata", "TensorProperties",
+                 "TensorStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING"}
+_ALLOWED: dict[str, set[str]] = {
+    "torch.distributed.checkpoint.metadata": _DCP_METADATA,
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+    "builtins": {"set", "frozenset", "slice"},
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _ALLOWED.get(module, ()) or (module == "torch" and isinstance(getattr(torch, name, None),
+                                                                                  torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"DCP metadata asks for {module}.{name}, which is not DCP metadata")
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """``FileSystemReader`` whose ``.metadata`` is unpickled with an allowlist (no code execution)."""
+
+    refused: CheckpointError | None = None
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        rank = kwargs.get("rank")
+        path = Path(self.path) / (".metadata" if rank is None else f"__{rank}.metadata")
+        data = path.read_bytes()  # a missing file raises as in FileSystemReader (DCP falls back on it)
+        try:
+            metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+        except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as exc:
+            self.refused = CheckpointError(f"refusing to load DCP metadata {path} ({exc}); the file is corrupted "
+                                           "or not written by torch.distributed.checkpoint: load an earlier checkpoint")
+            raise self.refused from None
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def _dcp(call: Callable[..., Any], *args: Any, reader: SafeFileSystemReader | None = None, **kwargs: Any) -> Any:
+    """Run a DCP save/load quietly (no single-process warning); a refused metadata file surfaces as itself."""
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            return call(*args, **kwargs)
+    except BaseException:  # DCP's CheckpointException derives from BaseException
+        if reader is not None and reader.refused is not None:
+            raise reader.refused from None
+        raise
+
+
+def model_dir(index: int) -> str:
+    return f"model{suffix(index)}"
+
+
+def optimizer_dir(index: int) -> str:
+    return f"optimizer{suffix(index)}"
+
+
+def save_sharded(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer], directory: Path, *,
+                 skip_models: AbstractSet[int] = frozenset(), options: Any = None) -> dict[str, Any]:
+    """Every rank writes its shards of each model and optimizer; returns the strategy metadata section."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    no_dist = not distributed()
+    for i, model in enumerate(models):
+        if i not in skip_models:
+            _dcp(dcp.save, {"model": get_model_state_dict(model, options=options)},
+                 checkpoint_id=directory / model_dir(i), no_dist=no_dist)
+    fresh = []
+    for i, (opt, owner) in enumerate(zip(optimizers, pair_optimizers(models, optimizers))):
+        fresh.append(not opt.state)
+        _dcp(dcp.save, {"optimizer": optimizer_state(models[owner], opt, options)},
+             checkpoint_id=directory / optimizer_dir(i), no_dist=no_dist)
+    return {"format": FORMAT, "models": [model_dir(i) for i in range(len(models))],
+            "optimizers": [optimizer_dir(i) for i in range(len(optimizers))], "fresh_optimizers": fresh}
+
+
+def load_sharded(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer], directory: Path,
+                 metadata: Mapping[str, Any], *, skip_models: AbstractSet[int] = frozenset(),
+                 options: Any = None) -> None:
+    """Every rank reads the shards it needs (any world size) into the prepared models and optimizers."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    if metadata.get("format") != FORMAT:
+        raise CheckpointError(f"{directory} holds a {metadata.get('format')!r} checkpoint, not a sharded one; "
+                              "load it with the full-state path (load_full)")
+    no_dist = not distributed()
+    for i, model in enumerate(models):
+        if i in skip_models:
+            continue
+        state = {"model": get_model_state_dict(model, options=options)}
+        reader = SafeFileSystemReader(directory / metadata["models"][i])
+        _dcp(dcp.load, state, storage_reader=reader, no_dist=no_dist, reader=reader)
+        set_model_state_dict(model, state["model"], options=options)
+    for i, (opt, owner) in enumerate(zip(optimizers, pair_optimizers(models, optimizers))):
+        if metadata.get("fresh_optimizers", [False] * len(optimizers))[i]:
+            opt.state.clear()  # saved before its first step: nothing to restore
+            continue
+        state = {"optimizer": get_optimizer_state_dict(models[owner], opt, options=options)}
+        reader = SafeFileSystemReader(directory / metadata["optimizers"][i])
+        _dcp(dcp.load, state, storage_reader=reader, no_dist=no_dist, reader=reader)
+        set_optimizer_state_dict(models[owner], opt, state["optimizer"], options=options)
+
+
+def load_full_state(dcp_dir: Path) -> dict[str, Any]:
+    """The whole state stored in one DCP directory, as ordinary tensors, on one process without a process group."""
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state: dict[str, Any] = {}
+    # The same private pair dcp_to_torch_save uses to rebuild a state dict from metadata alone; the public
+    # dcp.load only fills keys the caller already has. Our reader replaces its unrestricted metadata unpickling.
+    reader = SafeFileSystemReader(dcp_dir)
+    _dcp(_load_state_dict, state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True,
+         reader=reader)
+    return state

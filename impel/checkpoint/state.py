@@ -1,0 +1,94 @@
+"""The training state that is not model or optimizer weights: RNGs, counters, dataloaders, registered objects.
+
+Everything here is plain data (tensors, numbers, strings, lists, dicts) so that it loads back with
+``torch.load(weights_only=True)``. RNG states are per rank; the rest is identical on every rank and saved once.
+"""
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+logger = logging.getLogger("impel")
+
+
+# --- RNG -------------------------------------------------------------------------------------------------------
+def collect_rng_state(device: torch.device) -> dict[str, Any]:
+    """This rank's python, numpy, torch and accelerator RNG states."""
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    try:
+        import numpy as np
+
+        _, key, pos, has_gauss, gauss = np.random.get_state()
+        state["numpy"] = {"key": torch.from_numpy(key.astype("int64")), "pos": int(pos),
+                          "has_gauss": int(has_gauss), "gauss": float(gauss)}
+    except ImportError:
+        pass
+    if device.type == "cuda" and torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    elif device.type == "mps" and hasattr(torch, "mps"):
+        state["mps"] = torch.mps.get_rng_state()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    """Put back what :func:`collect_rng_state` returned."""
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        import numpy as np
+
+        np_state = state["numpy"]
+        np.random.set_state(("MT19937", np_state["key"].numpy().astype("uint32"), np_state["pos"],
+                             np_state["has_gauss"], np_state["gauss"]))
+    if "cuda" in state and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
+    if "mps" in state and device.type == "mps":
+        torch.mps.set_rng_state(state["mps"])
+
+
+# --- counters, dataloaders, precision ---------------------------------------------------------------------------
+def collect_training_state(step: int, gradient_state: Any, optimizers: Sequence[Any], dataloaders: Sequence[Any],
+                           precision: Any) -> dict[str, Any]:
+    """Counters of the Accelerator and its prepared objects, dataloader positions and the GradScaler."""
+    return {
+        "step": int(step),
+        "gradient_state": gradient_state.state_dict(),
+        "optimizers": [{"steps_taken": int(o.steps_taken), "step_was_skipped": bool(o.step_was_skipped)}
+                       for o in optimizers],
+        "dataloaders": [dl.state_dict() for dl in dataloaders],
+        "precision": precision.state_dict(),
+    }
+
+
+def restore_training_state(state: dict[str, Any], gradient_state: Any, optimizers: Sequence[Any],
+                           dataloaders: Sequence[Any]) -> int:
+    """Restore counters and dataloader positions (the precision state is loaded first, separately); return step."""
+    gradient_state.load_state_dict(state["gradient_state"])
+    for opt, counters in zip(optimizers, state["optimizers"]):
+        opt.steps_taken = counters["steps_taken"]
+        opt.step_was_skipped = counters["step_was_skipped"]
+    for dl, dl_state in zip(dataloaders, state["dataloaders"]):
+        dl.load_state_dict(dl_state)
+    return int(state["step"])
+
+
+# --- registered objects -----------------------------------------------------------------------------------------
+def describe(obj: Any) -> str:
+    """``module.Class`` of an object, for messages."""
+    cls = type(obj)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def check_registrable(objects: Sequence[Any]) -> None:
+    """Every object needs callable ``state_dict`` and ``load_state_dict``; a TypeError naming the first that lacks them."""
+    for index, obj in enumerate(objects):
+        missing = [m for m in ("state_dict", "load_state_dict") if not callable(getattr(obj, m, None))]
+        if missing:
+            raise TypeError(f"register_for_checkpointing got {describe(obj)} (argument {index}), which has no "
+                            f"{' or '.join(m + '()' for m in missing)}; give it state_dict() and load_state_dict(), "
+                            "or save it yourself in a register_save_state_pre_hook hook")

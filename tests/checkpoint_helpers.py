@@ -1,0 +1,94 @@
+"""Training runs for the checkpoint tests (importable by spawned ranks).
+
+The run has everything an exact resume must restore: dropout (RNG), a shuffled loader whose epochs do not divide
+into accumulation groups (44 samples, global batch 4: 11 batches, groups 2,2,2,2,2,1), AdamW with weight decay,
+and a warm-up scheduler. 20 optimizer steps cross three epoch boundaries; a save at step 10 lands mid-epoch.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from helpers import make_regression
+from torch import nn
+from torch.utils.data import DataLoader
+
+GLOBAL_BATCH = 4
+
+
+def make_run(project_dir: str | None, seed: int = 0, total_limit: int | None = None, accumulation: int = 2,
+             **accelerator_kwargs: Any) -> tuple[Any, ...]:
+    """A prepared (accelerator, model, optimizer, loader, scheduler); ``seed`` seeds init and shuffling."""
+    from impel import Accelerator, ProjectConfiguration, set_seed
+
+    config = None
+    if project_dir is not None:
+        config = ProjectConfiguration(project_dir, automatic_checkpoint_naming=True, total_limit=total_limit)
+    acc = Accelerator(cpu=True, gradient_accumulation_steps=accumulation, project_config=config,
+                      **accelerator_kwargs)
+    set_seed(seed)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Dropout(0.3), nn.Tanh(), nn.Linear(16, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 5))
+    loader = DataLoader(make_regression(44), batch_size=GLOBAL_BATCH // acc.num_processes, shuffle=True)
+    return (acc, *acc.prepare(model, opt, loader, sched))
+
+
+def train(acc: Any, model: Any, opt: Any, loader: Any, sched: Any, until: int, save_at: Sequence[int] = ()) -> None:
+    """Train until ``until`` optimizer steps in total (continuing mid-epoch after a resume); save at ``save_at``."""
+    while opt.steps_taken < until:
+        for x, y in loader:
+            acc.backward(nn.functional.mse_loss(model(x), y))
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            if acc.sync_gradients and opt.steps_taken in save_at:
+                acc.save_state()
+            if acc.sync_gradients and opt.steps_taken >= until:
+                break
+
+
+def snapshot(acc: Any, model: Any, opt: Any, sched: Any) -> dict[str, Any]:
+    """Parameters, optimizer state, learning rate and the next random draw: all must match bitwise."""
+    inner = acc.unwrap_model(model)
+    return {"params": {k: v.detach().clone() for k, v in inner.state_dict().items()},
+            "exp_avg": [opt.state[p]["exp_avg"].clone() for p in inner.parameters()],
+            "lr": sched.get_last_lr(), "steps": opt.steps_taken, "next_random": torch.rand(3)}
+
+
+def assert_bitwise_equal(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert a["params"].keys() == b["params"].keys()
+    for key in a["params"]:
+        assert torch.equal(a["params"][key], b["params"][key]), key
+    for x, y in zip(a["exp_avg"], b["exp_avg"]):
+        assert torch.equal(x, y)
+    assert a["lr"] == b["lr"] and a["steps"] == b["steps"]
+    assert torch.equal(a["next_random"], b["next_random"])
+
+
+def uninterrupted(steps: int) -> dict[str, Any]:
+    acc, model, opt, loader, sched = make_run(None)
+    train(acc, model, opt, loader, sched, steps)
+    return snapshot(acc, model, opt, sched)
+
+
+def first_half(project_dir: str, steps: int, save_at: Sequence[int], total_limit: int | None = None) -> list[str]:
+    acc, model, opt, loader, sched = make_run(project_dir, total_limit=total_limit)
+    train(acc, model, opt, loader, sched, steps, save_at)
+    return _listing(project_dir)
+
+
+def resumed(project_dir: str, steps: int, save_at: Sequence[int] = (), total_limit: int | None = None) -> dict[str, Any]:
+    # a different seed: model init, shuffle seed and RNG streams all differ until load_state restores them
+    acc, model, opt, loader, sched = make_run(project_dir, seed=1234, total_limit=total_limit)
+    loaded = acc.load_state()
+    iteration = acc.save_iteration
+    train(acc, model, opt, loader, sched, steps, save_at)
+    return dict(snapshot(acc, model, opt, sched), loaded=loaded, iteration=iteration, listing=_listing(project_dir))
+
+
+def _listing(project_dir: str) -> list[str]:
+    import os
+
+    return sorted(os.listdir(os.path.join(project_dir, "checkpoints")))

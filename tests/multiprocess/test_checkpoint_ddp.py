@@ -1,0 +1,115 @@
+"""Checkpoints on 2 DDP ranks: exact resume, rotation across a resume, one-rank misuse, a save killed midway."""
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+from checkpoint_helpers import (
+    assert_bitwise_equal,
+    first_half,
+    make_run,
+    resumed,
+    train,
+    uninterrupted,
+)
+
+from impel.testing import RankFailed, run_on_ranks
+
+pytestmark = pytest.mark.multiprocess
+TIMEOUT = 120
+
+
+@pytest.fixture(scope="module")
+def resume_runs(tmp_path_factory):
+    """20 uninterrupted steps; versus 10 steps saving at 4, 7, 10, then a new job that loads and saves at 15, 20."""
+    project = str(tmp_path_factory.mktemp("ddp_resume"))
+    reference = run_on_ranks(uninterrupted, 2, args=(20,), timeout=TIMEOUT)
+    before = run_on_ranks(first_half, 2, args=(project, 10, [4, 7, 10], 2), timeout=TIMEOUT)
+    after = run_on_ranks(resumed, 2, args=(project, 20, [15, 20], 2), timeout=TIMEOUT)
+    return reference, before, after
+
+
+def test_ddp_resume_is_bitwise_equal_to_the_uninterrupted_run(resume_runs):
+    reference, _, after = resume_runs
+    for rank in range(2):
+        assert after[rank]["loaded"].endswith("checkpoint_2")  # the newest complete one, saved at step 10
+        assert_bitwise_equal(after[rank], reference[rank])
+
+
+def test_total_limit_two_keeps_the_two_newest_across_a_resume(resume_runs):
+    _, before, after = resume_runs
+    assert before[0] == ["checkpoint_1", "checkpoint_2"]
+    assert after[0]["iteration"] == 3  # restored by load_state: the next save is checkpoint_3
+    assert after[0]["listing"] == ["checkpoint_3", "checkpoint_4"]
+
+
+def _save_on_rank_zero_only(project: str) -> str | None:
+    from impel import InitProcessGroupKwargs
+
+    acc, _model, _opt, _loader, _sched = make_run(
+        project, kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=2))])
+    if not acc.is_main_process:
+        return None  # rank 1 goes on without calling save_state (the store lives on rank 0)
+    start = time.monotonic()
+    try:
+        acc.save_state()
+    except Exception as exc:  # noqa: BLE001 - the test inspects it
+        return f"{type(exc).__name__} after {time.monotonic() - start:.1f}s: {exc}"
+    return "saved"
+
+
+def test_save_state_on_one_rank_only_raises_instead_of_hanging(tmp_path):
+    message, _ = run_on_ranks(_save_on_rank_zero_only, 2, args=(str(tmp_path),), timeout=60)
+    assert message.startswith("CheckpointError")
+    assert "rank(s) [1] did not call it" in message and "call it on every rank" in message
+    assert 2.0 <= float(message.split(" after ")[1].split("s:")[0]) < 8
+    assert not (tmp_path / "checkpoints" / "checkpoint_0").exists()
+
+
+def _train_then_die_while_saving(project: str, snapshot_file: str) -> None:
+    import signal
+
+    from impel.checkpoint import checkpointer
+
+    acc, model, opt, loader, sched = make_run(project)
+    train(acc, model, opt, loader, sched, 3, save_at=[3])
+    if acc.is_main_process:
+        torch.save(acc.unwrap_model(model).state_dict(), snapshot_file)
+    train(acc, model, opt, loader, sched, 5)
+    real_write = checkpointer.write_torch
+
+    def write_half_then_die(obj, path):
+        if path.name.startswith("random_states"):  # after rank 0 wrote model, optimizer and the rest
+            real_write(obj, path)
+            data = path.read_bytes()
+            path.write_bytes(data[: len(data) // 2])
+            os.kill(os.getpid(), signal.SIGKILL)
+        real_write(obj, path)
+
+    checkpointer.write_torch = write_half_then_die
+    acc.save_state()
+
+
+def _load_latest(project: str) -> tuple[str, dict[str, torch.Tensor], int]:
+    acc, model, _opt, _loader, _sched = make_run(project, seed=99)
+    loaded = acc.load_state()
+    state = {k: v.clone() for k, v in acc.unwrap_model(model).state_dict().items()}
+    return loaded, state, acc.save_iteration
+
+
+def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path):
+    project, snapshot_file = str(tmp_path), str(tmp_path / "at_step_3.pt")
+    with pytest.raises(RankFailed, match="exited with code -9"):
+        run_on_ranks(_train_then_die_while_saving, 2, args=(project, snapshot_file), timeout=TIMEOUT)
+    partial = [p for p in (tmp_path / "checkpoints").iterdir() if p.name != "checkpoint_0"]
+    assert len(partial) == 1 and partial[0].name.startswith(".impel-tmp-checkpoint_1")
+    assert (partial[0] / "model.safetensors").exists()  # the kill came after real files were written
+    results = run_on_ranks(_load_latest, 2, args=(project,), timeout=TIMEOUT)
+    expected = torch.load(snapshot_file, weights_only=True)
+    for loaded, state, iteration in results:
+        assert loaded.endswith("checkpoint_0") and iteration == 1
+        assert all(torch.equal(state[k], expected[k]) for k in expected)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["checkpoint_0"]  # partial one cleaned

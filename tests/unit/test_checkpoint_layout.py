@@ -1,0 +1,205 @@
+"""Checkpoint directories: naming, atomic commit, manifest, corruption, cleanup, rotation, ProjectConfiguration."""
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+import torch
+from helpers import make_mlp
+from torch import nn
+
+from impel import Accelerator, CheckpointError, ConfigError, ProjectConfiguration
+from impel.checkpoint import checkpointer, layout
+from impel.state import ProcessState
+
+
+def prepared(project_dir=None, total_limit=None, **config):
+    pc = ProjectConfiguration(project_dir, automatic_checkpoint_naming=project_dir is not None,
+                              total_limit=total_limit, **config)
+    acc = Accelerator(cpu=True, project_config=pc)
+    model = make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, opt = acc.prepare(model, opt)
+    model(torch.randn(4, 6)).sum().backward()
+    opt.step()
+    return acc, model, opt
+
+
+def test_a_committed_checkpoint_has_marker_metadata_and_a_true_manifest(tmp_path):
+    acc, _model, _opt = prepared()
+    path = acc.save_state(tmp_path / "ckpt")
+    ckpt = tmp_path / "ckpt"
+    assert path == str(ckpt) and (ckpt / layout.MARKER_FILE).is_file()
+    meta = json.loads((ckpt / layout.METADATA_FILE).read_text())
+    assert set(meta["files"]) == {"model.safetensors", "optimizer.pt", "training_state.pt", "random_states_0.pt"}
+    for rel, entry in meta["files"].items():
+        data = (ckpt / rel).read_bytes()
+        assert entry == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    assert (meta["world_size"], meta["strategy"]["name"], meta["strategy"]["format"]) == (1, "NO", "full")
+    assert meta["optimizer_steps"] == [1] and meta["torch_version"] == torch.__version__
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]  # no temporary directory left
+
+
+def test_model_file_holds_the_full_state_dict_under_plain_names(tmp_path):
+    from safetensors.torch import load_file
+
+    acc, model, _opt = prepared()
+    acc.save_state(tmp_path / "ckpt")
+    saved = load_file(tmp_path / "ckpt" / "model.safetensors")
+    expected = model.state_dict()
+    assert saved.keys() == expected.keys() and all(torch.equal(saved[k], expected[k]) for k in saved)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip"])
+def test_a_damaged_file_fails_the_load_naming_the_file(tmp_path, damage):
+    acc, _model, _opt = prepared()
+    acc.save_state(tmp_path / "ckpt")
+    target = tmp_path / "ckpt" / "optimizer.pt"
+    data = bytearray(target.read_bytes())
+    if damage == "truncate":
+        target.write_bytes(data[: len(data) // 2])
+    else:
+        data[len(data) // 2] ^= 0xFF
+        target.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"optimizer\.pt is truncated or corrupted.*load an earlier checkpoint"):
+        acc.load_state(tmp_path / "ckpt")
+
+
+def test_a_directory_without_marker_is_never_loaded(tmp_path):
+    acc, _model, _opt = prepared(tmp_path)
+    acc.save_state()
+    acc.save_state()
+    (tmp_path / "checkpoints" / "checkpoint_1" / layout.MARKER_FILE).unlink()
+    assert acc.load_state().endswith("checkpoint_0")
+    with pytest.raises(CheckpointError, match="not a complete impel checkpoint"):
+        acc.load_state(tmp_path / "checkpoints" / "checkpoint_1")
+
+
+def test_a_failed_save_leaves_the_previous_checkpoint_and_no_partial_directory(tmp_path, monkeypatch):
+    acc, _model, _opt = prepared(tmp_path)
+    acc.save_state()
+    before = {p.name: p.read_bytes() for p in (tmp_path / "checkpoints" / "checkpoint_0").iterdir()}
+
+    def crash(obj, path):
+        raise OSError(f"disk full while writing {path.name}")
+
+    monkeypatch.setattr(checkpointer, "write_torch", crash)
+    with pytest.raises(OSError, match="disk full"):
+        acc.save_state()
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["checkpoint_0"]
+    assert {p.name: p.read_bytes() for p in (tmp_path / "checkpoints" / "checkpoint_0").iterdir()} == before
+    assert acc.save_iteration == 1  # the failed save did not consume a number
+
+
+def test_leftover_temporary_directories_are_cleaned_and_ignored(tmp_path):
+    acc, _model, _opt = prepared(tmp_path)
+    acc.save_state()
+    stale = tmp_path / "checkpoints" / f"{layout.TMP_PREFIX}checkpoint_1-dead"
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"partial")
+    assert acc.load_state().endswith("checkpoint_0")
+    assert not stale.exists()
+
+
+def test_total_limit_keeps_the_newest_and_numbers_continue(tmp_path):
+    acc, _model, _opt = prepared(tmp_path, total_limit=2)
+    names = [acc.save_state() for _ in range(4)]
+    assert [n.rsplit("/", 1)[1] for n in names] == ["checkpoint_0", "checkpoint_1", "checkpoint_2", "checkpoint_3"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["checkpoint_2", "checkpoint_3"]
+
+
+def test_load_state_restores_the_iteration_so_the_next_save_gets_the_next_number(tmp_path):
+    acc, _model, _opt = prepared(tmp_path)
+    acc.save_state()
+    acc.save_state()
+    ProcessState._reset()
+    acc2, _, _ = prepared(tmp_path)
+    assert acc2.save_iteration == 0
+    assert acc2.load_state().endswith("checkpoint_1")
+    assert acc2.save_iteration == 2
+    assert acc2.save_state().endswith("checkpoint_2")
+
+
+def test_an_existing_automatic_name_is_not_overwritten(tmp_path):
+    acc, _model, _opt = prepared(tmp_path)
+    acc.save_state()
+    acc.project_configuration.iteration = 0
+    with pytest.raises(CheckpointError, match=r"checkpoint_0 already exists.*iteration = 1"):
+        acc.save_state()
+
+
+def test_saving_again_into_the_same_directory_replaces_it(tmp_path):
+    acc, model, _opt = prepared()
+    acc.save_state(tmp_path / "ckpt")
+    with torch.no_grad():
+        acc.unwrap_model(model)[0].weight.add_(1.0)
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    acc.save_state(tmp_path / "ckpt")
+    with torch.no_grad():
+        acc.unwrap_model(model)[0].weight.zero_()
+    acc.load_state(tmp_path / "ckpt")
+    assert all(torch.equal(v, expected[k]) for k, v in model.state_dict().items())
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
+
+
+def test_a_swap_interrupted_between_the_renames_is_recovered(tmp_path):
+    acc, _model, _opt = prepared()
+    acc.save_state(tmp_path / "ckpt")
+    (tmp_path / "ckpt").rename(tmp_path / f"{layout.OLD_PREFIX}ckpt-abc")
+    acc.load_state(tmp_path / "ckpt")
+    assert (tmp_path / "ckpt" / layout.MARKER_FILE).is_file()
+
+
+def test_save_refuses_a_directory_with_foreign_files(tmp_path):
+    acc, _model, _opt = prepared()
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "notes.txt").write_text("mine")
+    with pytest.raises(CheckpointError, match="is not an impel checkpoint.*new or empty directory"):
+        acc.save_state(tmp_path / "out")
+    assert (tmp_path / "out" / "notes.txt").read_text() == "mine"
+
+
+def test_load_state_with_different_prepared_objects_names_the_mismatch(tmp_path):
+    acc, _model, _opt = prepared()
+    acc.save_state(tmp_path / "ckpt")
+    ProcessState._reset()
+    acc2 = Accelerator(cpu=True)
+    acc2.prepare(make_mlp())
+    with pytest.raises(CheckpointError, match="saved with 1 optimizers but 0 are prepared"):
+        acc2.load_state(tmp_path / "ckpt")
+
+
+def test_missing_paths_say_what_to_pass(tmp_path):
+    acc, _model, _opt = prepared()
+    with pytest.raises(ConfigError, match="save_state\\(\\) needs output_dir"):
+        acc.save_state()
+    with pytest.raises(ConfigError, match="load_state\\(\\) needs input_dir"):
+        acc.load_state()
+    with pytest.raises(CheckpointError, match="does not exist"):
+        acc.load_state(tmp_path / "nope")
+    ProcessState._reset()
+    acc, _model, _opt = prepared(tmp_path)
+    with pytest.raises(CheckpointError, match="no complete checkpoint"):
+        acc.load_state()
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"total_limit": 0}, "total_limit=0"), ({"iteration": -1}, "iteration=-1"),
+    ({"automatic_checkpoint_naming": "yes"}, "automatic_checkpoint_naming='yes'"),
+])
+def test_project_configuration_rejects_bad_values(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        ProjectConfiguration(**kwargs)
+
+
+def test_project_dir_twice_must_agree(tmp_path):
+    with pytest.raises(ConfigError, match="contradicts project_config.project_dir"):
+        Accelerator(cpu=True, project_dir=tmp_path / "a", project_config=ProjectConfiguration(tmp_path / "b"))
+
+
+def test_automatic_naming_needs_a_project_dir():
+    acc = Accelerator(cpu=True, project_config=ProjectConfiguration(automatic_checkpoint_naming=True))
+    acc.prepare(nn.Linear(2, 1))
+    with pytest.raises(ConfigError, match="needs a project directory"):
+        acc.save_state()
