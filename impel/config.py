@@ -24,6 +24,7 @@ class DistributedType(str, enum.Enum):
     MULTI_GPU = "MULTI_GPU"
     FSDP = "FSDP"
     DEEPSPEED = "DEEPSPEED"
+    AUTO = "AUTO"  # resolved by `impel launch` from a memory estimate; never reaches a rank
 
     def __str__(self) -> str:
         return self.value
@@ -290,6 +291,10 @@ class RunConfig:
     max_restarts: int = option(0, "int", "restarts of the whole job after a rank fails", minimum=0)
     monitor_interval: float = option(0.1, "float", "seconds between checks of the ranks' health", minimum=0.0)
     debug: bool = option(False, "bool", "accepted for Accelerate files; impel always checks gather shapes")
+    auto_model: str | None = option(None, "str", "distributed_type AUTO: the model to estimate (a transformers "
+                                    "directory, 'GPT2Config(n_layer=12)' or module:callable)")
+    device_memory: str | None = option(None, "str", "distributed_type AUTO: memory per device, e.g. 80GB (default: "
+                                       "the GPU's, or this machine's RAM shared by its ranks)")
     fsdp_config: FSDPConfig | None = field(default=None, metadata={"section": FSDPConfig})
     deepspeed_config: DeepSpeedConfig | None = field(default=None, metadata={"section": DeepSpeedConfig})
 
@@ -322,6 +327,9 @@ class RunConfig:
         if self.num_machines > 1 and not self.main_process_ip:
             raise ConfigError(f"num_machines={self.num_machines} needs main_process_ip (the address of the machine "
                               "of rank 0); pass --main_process_ip")
+        if kind == "AUTO" and not self.auto_model:
+            raise ConfigError("distributed_type AUTO (--strategy auto) needs the model to estimate: pass --auto_model "
+                              "(a transformers directory, 'GPT2Config(n_layer=12)' or module:callable)")
         if kind == "NO" and self.num_processes not in (None, 1):
             raise ConfigError(f"distributed_type='NO' runs one process, not num_processes={self.num_processes}; "
                               "set distributed_type to MULTI_CPU/MULTI_GPU/FSDP/DEEPSPEED or num_processes: 1")

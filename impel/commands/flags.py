@@ -14,7 +14,7 @@ from typing import Any
 
 from ..config import _FALSE, _TRUE, SECTIONS, ConfigError, RunConfig, coerce
 
-_SHORTCUTS = {"multi_gpu": "MULTI_GPU", "use_fsdp": "FSDP", "use_deepspeed": "DEEPSPEED"}
+_SHORTCUTS = {"multi_gpu": "MULTI_GPU", "use_fsdp": "FSDP", "use_deepspeed": "DEEPSPEED", "use_auto": "AUTO"}
 _DEST = "cfg__"
 _BOOL_WORDS = set(_TRUE) | set(_FALSE)  # namespace attribute prefix: cfg__<section>__<key>
 
@@ -43,9 +43,12 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
               "deepspeed_config": parser.add_argument_group("DeepSpeed (with --use_deepspeed)")}
     groups[None].add_argument("--config_file", default=None, metavar="FILE",
                               help="YAML config (default: $IMPEL_CONFIG_FILE or ~/.cache/impel/default_config.yaml)")
-    for flag, kind in _SHORTCUTS.items():
+    for flag, kind in list(_SHORTCUTS.items())[:3]:  # --use_auto is spelled --strategy auto
         groups[None].add_argument(f"--{flag}", action="store_true", default=argparse.SUPPRESS,
                                   help=f"distributed_type: {kind}")
+    groups[None].add_argument("--strategy", choices=("auto",), default=argparse.SUPPRESS,
+                              help="auto: pick the cheapest strategy that fits from a memory estimate of "
+                                   "--auto_model (distributed_type: AUTO)")
     for section, key, flag, meta in config_fields():
         # a bool flag alone means true; `--flag false` is joined into `--flag=false` by bool_values_joined
         groups[section].add_argument(f"--{flag}", dest=f"{_DEST}{section or ''}__{key}", default=argparse.SUPPRESS,
@@ -98,9 +101,12 @@ def explicit_from_flags(ns: argparse.Namespace) -> dict[str, Any]:
             out.setdefault(section, {})[key] = value
         else:
             out[key] = value
+    if getattr(ns, "strategy", None) == "auto":
+        ns.use_auto = True
     shortcuts = [flag for flag in _SHORTCUTS if getattr(ns, flag, False)]
     if len(shortcuts) > 1:
-        raise ConfigError(f"{' and '.join('--' + s for s in shortcuts)} were both given; pick one strategy")
+        shown = ["--strategy auto" if s == "use_auto" else "--" + s for s in shortcuts]
+        raise ConfigError(f"{' and '.join(shown)} were both given; pick one strategy")
     if shortcuts:
         kind = _SHORTCUTS[shortcuts[0]]
         if out.get("distributed_type", kind) != kind:
@@ -131,3 +137,10 @@ def merge_file_and_flags(from_file: dict[str, Any], from_flags: dict[str, Any]) 
         else:
             merged[key] = value
     return merged, notes
+
+
+def explicit_from_flags_list(argv: list[str]) -> dict[str, Any]:
+    """The config keys a list of launch flags sets (``["--use_fsdp", "--fsdp_offload_params"]``)."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    add_config_flags(parser)
+    return explicit_from_flags(parser.parse_args(bool_values_joined(["launch", *argv])[1:]))

@@ -116,6 +116,8 @@ def plan_launch(ns: argparse.Namespace) -> LaunchPlan:
     """Resolve and check everything; raises ConfigError before any process exists."""
     config, explicit, notes = resolve_config(ns)
     command = _script_command(ns)
+    if config.distributed_type == "AUTO":
+        config, explicit = _choose_strategy(config, explicit, notes)
     _check_engines(config, explicit)
     if config.gpu_ids not in (None, "all") and config.use_cpu:
         raise ConfigError(f"gpu_ids={config.gpu_ids!r} has no effect with use_cpu=true; remove one of them")
@@ -126,6 +128,39 @@ def plan_launch(ns: argparse.Namespace) -> LaunchPlan:
     plan = LaunchPlan(config, explicit, nproc, command, notes=notes)
     plan.torchrun_args = torchrun_arguments(plan)
     return plan
+
+
+def _device_memory(config: RunConfig, per_machine: int) -> str:
+    if config.device_memory:
+        return config.device_memory
+    if not config.use_cpu:
+        import torch
+
+        if torch.cuda.is_available():
+            return str(torch.cuda.get_device_properties(0).total_memory)
+    with open("/proc/meminfo", encoding="ascii") as fh:
+        available = next(int(line.split()[1]) * 1024 for line in fh if line.startswith("MemAvailable:"))
+    return str(available // max(per_machine, 1))
+
+
+def _choose_strategy(config: RunConfig, explicit: dict[str, Any],
+                     notes: list[str]) -> tuple[RunConfig, dict[str, Any]]:
+    """distributed_type AUTO: estimate every strategy for --auto_model and keep the cheapest that fits."""
+    from ..planning.estimate import config_for
+    from .estimate import plan
+
+    world = config.num_processes or config.num_machines * _count_devices(config)
+    result = plan(config.auto_model, {"world": world, "machines": config.num_machines,
+                                      "mixed_precision": config.mixed_precision},
+                  _device_memory(config, world // config.num_machines))
+    if result["recommended"] is None:
+        raise ConfigError(f"--strategy auto: {result['why']}")
+    chosen = {k: v for k, v in explicit.items() if k not in ("distributed_type", "auto_model", "device_memory")}
+    chosen.update(config_for(result["recommended"]))
+    notes.append(f"--strategy auto chose {result['recommended']} for {result['model']} on {world} rank(s): "
+                 f"{result['why']}")
+    config = RunConfig.from_dict(chosen)
+    return config, config.to_dict(explicit_only=True)
 
 
 def torchrun_arguments(plan: LaunchPlan) -> list[str]:

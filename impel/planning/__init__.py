@@ -1,0 +1,1 @@
+"""Planning tools: the training-memory estimator (``impel estimate-memory``) and the automatic strategy choice."""
