@@ -20,6 +20,13 @@ _EXPORTS = {
     "GradScalerKwargs": "impel.plugins",
     "InitProcessGroupKwargs": "impel.plugins",
     "AutocastKwargs": "impel.plugins",
+    "FullyShardedDataParallelPlugin": "impel.plugins",
+    "DeepSpeedPlugin": "impel.plugins",
+    "DummyOptim": "impel.strategies.deepspeed_config",
+    "DummyScheduler": "impel.strategies.deepspeed_config",
+    "ProjectConfiguration": "impel.plugins",
+    "CheckpointError": "impel.checkpoint",
+    "merge_weights": "impel.checkpoint",
     "RunConfig": "impel.config",
     "DistributedType": "impel.config",
     "ConfigError": "impel.config",
@@ -32,6 +39,10 @@ _EXPORTS = {
     "broadcast": "impel.collectives",
     "broadcast_object_list": "impel.collectives",
     "pad_across_processes": "impel.collectives",
+    "Trainer": "impel.trainer.trainer",
+    "TrainingArguments": "impel.trainer.arguments",
+    "TrainerCallback": "impel.trainer.callbacks",
+    "EvalPrediction": "impel.trainer.state",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -20,7 +20,8 @@ import contextlib
 import functools
 import gc
 import logging
-from typing import Any, Callable, Iterator, Sequence
+import os
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -28,13 +29,25 @@ from torch.utils.data import DataLoader
 
 from . import collectives, env
 from .accumulation import GradientState, MicroStep
+from .checkpoint.checkpointer import Checkpointer, resolve_project_configuration
 from .config import ConfigError, DistributedType, RunConfig, merge_code_arguments
 from .data import DataLoaderShard, shard_dataloader, skip_first_batches
 from .model import ForwardContext, is_prepared, patch_forward, unpatch_forward
 from .optimizer import AcceleratedOptimizer, AcceleratedScheduler
-from .plugins import DataLoaderConfiguration, GradientAccumulationPlugin, Handlers
+from .plugins import (
+    DataLoaderConfiguration,
+    DeepSpeedPlugin,
+    FullyShardedDataParallelPlugin,
+    GradientAccumulationPlugin,
+    Handlers,
+    ProjectConfiguration,
+)
+from .resilience import Resilience
 from .state import ProcessState
 from .strategies.base import Strategy, load_strategy
+
+if TYPE_CHECKING:
+    from .precision_report import PrecisionReport
 
 logger = logging.getLogger("impel")
 
@@ -54,16 +67,26 @@ class Accelerator:
                  cpu: bool | None = None, dataloader_config: DataLoaderConfiguration | None = None,
                  step_scheduler_with_optimizer: bool = True,
                  gradient_accumulation_plugin: GradientAccumulationPlugin | None = None,
-                 kwargs_handlers: Sequence[Any] | None = None) -> None:
+                 kwargs_handlers: Sequence[Any] | None = None, project_dir: str | os.PathLike[str] | None = None,
+                 project_config: ProjectConfiguration | None = None,
+                 fsdp_plugin: FullyShardedDataParallelPlugin | None = None,
+                 deepspeed_plugin: DeepSpeedPlugin | None = None, nonfinite_loss: str | None = None) -> None:
         if gradient_accumulation_plugin is not None and gradient_accumulation_steps not in (None, 1):
             raise ConfigError("pass either gradient_accumulation_steps or gradient_accumulation_plugin, not both")
         if gradient_accumulation_plugin is not None:
             gradient_accumulation_steps = gradient_accumulation_plugin.num_steps
-        self.config: RunConfig = merge_code_arguments(
-            env.read_launch_config(),
-            {"mixed_precision": mixed_precision, "gradient_accumulation_steps": gradient_accumulation_steps,
-             "use_cpu": cpu or None})
+        code: dict[str, Any] = {"mixed_precision": mixed_precision, "use_cpu": cpu or None,
+                                "gradient_accumulation_steps": gradient_accumulation_steps,
+                                "nonfinite_loss": nonfinite_loss}
+        if fsdp_plugin is not None and deepspeed_plugin is not None:
+            raise ConfigError("pass either fsdp_plugin or deepspeed_plugin, not both")
+        if fsdp_plugin is not None:
+            code.update(fsdp_plugin.code_arguments(mixed_precision))
+        if deepspeed_plugin is not None:
+            code.update(deepspeed_plugin.code_arguments(gradient_accumulation_steps))
+        self.config: RunConfig = merge_code_arguments(env.read_launch_config(), code)
         self.handlers = Handlers.collect(kwargs_handlers)
+        self.handlers.extra["deepspeed_plugin"] = deepspeed_plugin  # its dict JSON stays in the process
         self.dataloader_config = dataloader_config or DataLoaderConfiguration()
         if split_batches is not None:
             self.dataloader_config.split_batches = bool(split_batches)
@@ -77,13 +100,18 @@ class Accelerator:
         self._check_topology()
         self.distributed_type = self._resolve_distributed_type()
         self._warn_unused_handlers()
+        # The strategy first: DeepSpeed may adopt accumulation steps and precision from its JSON into the config.
+        self.strategy: Strategy = load_strategy(self.distributed_type, self.state, self.config, self.handlers)
         plugin = gradient_accumulation_plugin or GradientAccumulationPlugin(self.config.gradient_accumulation_steps)
         self.gradient_state = GradientState(plugin)
-        self.strategy: Strategy = load_strategy(self.distributed_type, self.state, self.config, self.handlers)
+        self.strategy.gradient_state = self.gradient_state
         self._models: list[nn.Module] = []
         self._optimizers: list[AcceleratedOptimizer] = []
         self._schedulers: list[AcceleratedScheduler] = []
         self._dataloaders: list[DataLoaderShard] = []
+        self.project_configuration = resolve_project_configuration(project_dir, project_config)
+        self._checkpointer = Checkpointer(self.project_configuration)
+        self._resilience = Resilience.create(self)  # None unless auto_resume or nonfinite_loss is on
 
     # --- configuration checks ---------------------------------------------------------------------------------
     def _check_topology(self) -> None:
@@ -189,16 +217,17 @@ class Accelerator:
         result: list[Any] = list(args)
         models = [i for i, k in enumerate(kinds) if k == "model" and not is_prepared(args[i])]
         optims = [i for i, k in enumerate(kinds) if k == "optimizer" and not isinstance(args[i], AcceleratedOptimizer)]
+        for i, kind in enumerate(kinds):  # dataloaders first: DeepSpeed sizes its engine from their batch size
+            if kind == "dataloader" and not isinstance(args[i], DataLoaderShard):
+                result[i] = self.prepare_data_loader(args[i], device_placement=places[i])
         if models or optims:
+            self.strategy.before_setup(self._dataloaders, [a for a, k in zip(args, kinds) if k == "scheduler"])
             wrapped_models, wrapped_optims = self.strategy.setup(
                 [args[i] for i in models], [args[i] for i in optims], [places[i] for i in models])
             for i, model in zip(models, wrapped_models):
                 result[i] = self._finish_model(model)
             for i, opt in zip(optims, wrapped_optims):
                 result[i] = self._finish_optimizer(opt)
-        for i, kind in enumerate(kinds):
-            if kind == "dataloader" and not isinstance(args[i], DataLoaderShard):
-                result[i] = self.prepare_data_loader(args[i], device_placement=places[i])
         for i, kind in enumerate(kinds):
             if kind == "scheduler" and not isinstance(args[i], AcceleratedScheduler):
                 result[i] = self.prepare_scheduler(args[i])
@@ -231,6 +260,7 @@ class Accelerator:
 
     def _finish_optimizer(self, optimizer: torch.optim.Optimizer) -> AcceleratedOptimizer:
         wrapped = AcceleratedOptimizer(optimizer, self.strategy, self.gradient_state)
+        wrapped.guard = self._resilience
         self._optimizers.append(wrapped)
         return wrapped
 
@@ -249,6 +279,7 @@ class Accelerator:
                                  device=self.device if place else None, config=self.dataloader_config,
                                  gradient_state=self.gradient_state, seed=seed,
                                  seed_source=self._epoch_seed_source(data_loader))
+        shard.hooks = self._resilience
         self._dataloaders.append(shard)
         return shard
 
@@ -269,6 +300,7 @@ class Accelerator:
     def prepare_scheduler(self, scheduler: Any) -> AcceleratedScheduler:
         if isinstance(scheduler, AcceleratedScheduler):
             return scheduler
+        scheduler = self.strategy.resolve_scheduler(scheduler)
         target = getattr(scheduler, "optimizer", None)
         opts = [o for o in self._optimizers if o is target or o.optimizer is target]
         wrapped = AcceleratedScheduler(scheduler, opts, self.gradient_state, self.step_scheduler_with_optimizer)
@@ -282,6 +314,8 @@ class Accelerator:
         if gs.num_steps > 1:
             gs.begin_auto()
             loss = gs.scale_loss(loss)
+        if self._resilience is not None:
+            self._resilience.observe(loss)
         self.strategy.backward(loss, **kwargs)
         gs.end_auto()
 
@@ -422,8 +456,76 @@ class Accelerator:
             unpatch_forward(inner)
         return inner
 
+    def init_context(self) -> contextlib.AbstractContextManager[Any]:
+        """Build models inside ``with accelerator.init_context():`` to have them created the strategy's way:
+        under DeepSpeed ZeRO-3 with ``zero3_init_flag`` they are partitioned at construction (elsewhere: no-op)."""
+        return self.strategy.init_context()
+
+    def precision_report(self, print_report: bool = False) -> PrecisionReport:
+        """The dtypes in effect for the prepared models and optimizers (stored parameters, compute, gradients,
+        reduction, optimizer states); ``print_report=True`` also prints it on the main process."""
+        report = self.strategy.precision_report(self._models, self._inner_optimizers())
+        if print_report:
+            self.print(report)
+        return report
+
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
         return self.strategy.model_state_dict(model)
+
+    def save_model(self, model: nn.Module, save_directory: str | os.PathLike[str], max_shard_size: int | str = "10GB",
+                   safe_serialization: bool = True) -> None:
+        """Full weights in Hugging Face's layout (``model.safetensors`` or shards + index), from any strategy."""
+        from .checkpoint.hf import save_pretrained_weights
+
+        state = self.get_state_dict(model)
+        if self.is_main_process or (self.project_configuration.save_on_each_node and self.is_local_main_process):
+            save_pretrained_weights(state, save_directory, safe_serialization, max_shard_size)
+        self.wait_for_everyone()
+
+    # --- checkpoints (impel/checkpoint/) ----------------------------------------------------------------------
+    @property
+    def project_dir(self) -> str | None:
+        """``ProjectConfiguration.project_dir``: where ``checkpoints/checkpoint_N`` go."""
+        return self.project_configuration.project_dir
+
+    @property
+    def logging_dir(self) -> str | None:
+        """``ProjectConfiguration.logging_dir`` (defaults to ``project_dir``)."""
+        return self.project_configuration.logging_dir
+
+    @property
+    def save_iteration(self) -> int:
+        """The number the next automatically named checkpoint gets (restored by ``load_state``)."""
+        return self.project_configuration.iteration
+
+    @property
+    def step(self) -> int:
+        """Micro-steps begun since the last one that ended a dataloader (Accelerate's counter); checkpointed."""
+        return self.gradient_state.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.gradient_state.step = int(value)
+
+    def save_state(self, output_dir: str | os.PathLike[str] | None = None, safe_serialization: bool = True) -> str:
+        """Save everything an exact resume needs, atomically; collective (call on every rank). Returns the path."""
+        return self._checkpointer.save(self, output_dir, safe_serialization)
+
+    def load_state(self, input_dir: str | os.PathLike[str] | None = None) -> str:
+        """Restore a ``save_state`` checkpoint (the newest complete one by default); collective. Returns the path."""
+        return self._checkpointer.load(self, input_dir)
+
+    def register_for_checkpointing(self, *objects: Any) -> None:
+        """Save and load these objects (each needs ``state_dict``/``load_state_dict``) with the training state."""
+        self._checkpointer.register(*objects)
+
+    def register_save_state_pre_hook(self, hook: Callable[..., None]) -> Any:
+        """``hook(models, weights, output_dir)`` runs before models are saved; returns a removable handle."""
+        return self._checkpointer.add_hook(self._checkpointer.save_hooks, hook)
+
+    def register_load_state_pre_hook(self, hook: Callable[..., None]) -> Any:
+        """``hook(models, input_dir)`` runs before models are loaded; returns a removable handle."""
+        return self._checkpointer.add_hook(self._checkpointer.load_hooks, hook)
 
     def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
         return skip_first_batches(dataloader, num_batches)
@@ -434,6 +536,7 @@ class Accelerator:
         self._optimizers.clear()
         self._schedulers.clear()
         self._dataloaders.clear()
+        self.step = 0
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -442,5 +545,7 @@ class Accelerator:
     clear = free_memory
 
     def end_training(self) -> None:
+        if self._resilience is not None:
+            self._resilience.uninstall()
         self.strategy.teardown()
         self.wait_for_everyone()

@@ -5,9 +5,10 @@ adds one JSON variable, ``IMPEL_CONFIG``, holding the validated run config. Rank
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,8 @@ class Topology:
     local_world_size: int = 1
     master_addr: str | None = None
     master_port: int | None = None
+    restart_count: int | None = None  # set by torchrun's elastic agent: 0 on the first attempt
+    agent_store: bool = False  # the agent hosts the TCPStore (ranks connect as clients)
 
     @property
     def distributed(self) -> bool:
@@ -48,7 +51,10 @@ def read_topology(environ: Mapping[str, str] | None = None) -> Topology:
     local_rank = _int(env, "LOCAL_RANK", rank if world > 1 else 0)
     local_world = _int(env, "LOCAL_WORLD_SIZE", world)
     port = env.get("MASTER_PORT")
-    topo = Topology(rank, world, local_rank, local_world, env.get("MASTER_ADDR"), int(port) if port else None)
+    restarts = env.get("TORCHELASTIC_RESTART_COUNT")
+    topo = Topology(rank, world, local_rank, local_world, env.get("MASTER_ADDR"), int(port) if port else None,
+                    int(restarts) if restarts not in (None, "") else None,
+                    env.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
     if world < 1 or not 0 <= rank < world:
         raise ValueError(f"RANK={rank} WORLD_SIZE={world} is not a valid placement; launch with torchrun or impel launch")
     return topo
@@ -105,3 +111,36 @@ def launch_environment(config: Mapping[str, Any], threads: int | None, gpu_ids: 
 def apply_environment(values: Mapping[str, str]) -> None:
     """Make ``values`` this process's environment (torchrun's agent passes it on to the ranks it starts)."""
     os.environ.update(values)
+
+
+def announce_fsdp_ram_efficient_loading() -> None:
+    """Tell transformers' ``from_pretrained`` (Accelerate's variables) that only local rank 0 reads real weights.
+
+    Set by the FSDP strategy, i.e. when the Accelerator is created: build the Accelerator before the model.
+    """
+    os.environ["ACCELERATE_USE_FSDP"] = "true"
+    os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = "true"
+
+
+def prepare_deepspeed_environment(device_type: str, local_rank: int) -> None:
+    """What DeepSpeed reads from the environment: its accelerator (``DS_ACCELERATOR``, read once, when deepspeed is
+    first imported) must match impel's device, and its engine asserts ``LOCAL_RANK`` (unset in a plain process)."""
+    if device_type in ("cpu", "cuda"):
+        os.environ["DS_ACCELERATOR"] = device_type
+    os.environ.setdefault("LOCAL_RANK", str(local_rank))
+
+
+@contextlib.contextmanager
+def forced_weights_only_load() -> Iterator[None]:
+    """Every ``torch.load`` in this block runs with ``weights_only=True``, even where a library (DeepSpeed's
+    checkpoint readers) asks for ``weights_only=False``: torch's own ``TORCH_FORCE_WEIGHTS_ONLY_LOAD`` switch."""
+    name = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"
+    before = os.environ.get(name)
+    os.environ[name] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before

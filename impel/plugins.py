@@ -4,6 +4,7 @@ They are thin: each validates its own fields and the Accelerator reads them; non
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from typing import Any
@@ -118,6 +119,51 @@ class GradientAccumulationPlugin:
             _check_bool("GradientAccumulationPlugin", name, getattr(self, name))
 
 
+@dataclass
+class ProjectConfiguration:
+    """Where a run keeps its checkpoints and logs, and how ``save_state`` names and rotates checkpoints.
+
+    project_dir: the run's directory. logging_dir: for trackers (defaults to project_dir).
+    automatic_checkpoint_naming: ``save_state()`` writes ``project_dir/checkpoints/checkpoint_<iteration>`` and
+    ``load_state()`` reads the newest complete one. total_limit: keep at most this many complete checkpoints
+    (the oldest are deleted after each save). iteration: the number the next automatic save gets (restored by
+    ``load_state``). save_on_each_node: every node's local main process writes (for node-local disks).
+    automatic_resume: load the newest complete checkpoint when training starts and save one on SIGTERM (see
+    :mod:`impel.resilience`; the same as ``impel launch --auto_resume``).
+
+    Example::
+
+        acc = Accelerator(project_config=ProjectConfiguration("runs/a", automatic_checkpoint_naming=True,
+                                                              total_limit=3))
+    """
+
+    project_dir: str | None = None
+    logging_dir: str | None = None
+    automatic_checkpoint_naming: bool = False
+    total_limit: int | None = None
+    iteration: int = 0
+    save_on_each_node: bool = False
+    automatic_resume: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("automatic_checkpoint_naming", "save_on_each_node", "automatic_resume"):
+            _check_bool("ProjectConfiguration", name, getattr(self, name))
+        limit = self.total_limit
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+            raise ConfigError(f"ProjectConfiguration(total_limit={limit!r}) must be None (keep all) or an integer >= 1")
+        if isinstance(self.iteration, bool) or not isinstance(self.iteration, int) or self.iteration < 0:
+            raise ConfigError(f"ProjectConfiguration(iteration={self.iteration!r}) must be an integer >= 0")
+        self.set_directories(self.project_dir)
+
+    def set_directories(self, project_dir: Any = None) -> None:
+        """Set ``project_dir`` (and ``logging_dir`` when it is unset); accepts any path-like."""
+        self.project_dir = None if project_dir is None else os.fspath(project_dir)
+        if self.logging_dir is None:
+            self.logging_dir = self.project_dir
+        else:
+            self.logging_dir = os.fspath(self.logging_dir)
+
+
 KWARGS_HANDLER_TYPES = (DistributedDataParallelKwargs, GradScalerKwargs, InitProcessGroupKwargs, AutocastKwargs)
 
 
@@ -145,3 +191,213 @@ class Handlers:
                 raise ConfigError(f"kwargs_handlers holds two {type(handler).__name__}; pass one")
             setattr(out, slot, handler)
         return out
+
+
+_FSDP_KEYS = {"fsdp_version": "version", "sharding_strategy": "sharding_strategy",
+              "reshard_after_forward": "reshard_after_forward", "auto_wrap_policy": "auto_wrap_policy",
+              "transformer_cls_names_to_wrap": "transformer_layer_cls_to_wrap", "min_num_params": "min_num_params",
+              "backward_prefetch": "backward_prefetch", "forward_prefetch": "forward_prefetch",
+              "state_dict_type": "state_dict_type", "use_orig_params": "use_orig_params",
+              "sync_module_states": "sync_module_states", "cpu_ram_efficient_loading": "cpu_ram_efficient_loading",
+              "activation_checkpointing": "activation_checkpointing"}
+
+
+@dataclass
+class FullyShardedDataParallelPlugin:
+    """FSDP settings in code, with Accelerate's field names; a field left at None is not set here (the launched
+    config or the default decides). Enum values of torch's FSDP1 API (``ShardingStrategy.FULL_SHARD``,
+    ``BackwardPrefetch.BACKWARD_PRE``, ``StateDictType...``) and their names as strings are both accepted.
+
+    ``cpu_offload`` (Accelerate) and ``offload_params`` (the YAML key) are the same switch: a bool, FSDP1's
+    ``CPUOffload(offload_params=...)`` or FSDP2's ``CPUOffloadPolicy()``. ``mixed_precision_policy`` is
+    ``"bf16"``/``"fp16"``/``"no"``, a dict or a ``MixedPrecision``/``MixedPrecisionPolicy`` whose param dtype picks
+    the mode; impel always reduces gradients in float32 (see ``accelerator.precision_report()``).
+
+    Example::
+
+        plugin = FullyShardedDataParallelPlugin(sharding_strategy="SHARD_GRAD_OP",
+                                                transformer_cls_names_to_wrap=["GPT2Block"])
+        acc = Accelerator(fsdp_plugin=plugin)
+    """
+
+    fsdp_version: int | None = None
+    sharding_strategy: Any = None
+    reshard_after_forward: bool | None = None
+    cpu_offload: Any = None
+    offload_params: bool | None = None
+    auto_wrap_policy: Any = None
+    transformer_cls_names_to_wrap: Any = None
+    min_num_params: int | None = None
+    backward_prefetch: Any = None
+    forward_prefetch: bool | None = None
+    state_dict_type: Any = None
+    use_orig_params: bool | None = None
+    sync_module_states: bool | None = None
+    cpu_ram_efficient_loading: bool | None = None
+    activation_checkpointing: bool | None = None
+    mixed_precision_policy: Any = None
+
+    def __post_init__(self) -> None:
+        self.mixed_precision = _mixed_precision_mode(self.mixed_precision_policy)
+        self.to_config_section()  # validate now, with the YAML key names in the messages
+
+    def to_config_section(self) -> dict[str, Any]:
+        """The explicitly given fields as an ``fsdp_config`` section (``fsdp_*`` keys), validated and normalised."""
+        from .config import FSDPConfig
+
+        raw = self._raw_section()
+        checked = FSDPConfig(**{k[len(FSDPConfig.PREFIX):]: v for k, v in raw.items()}).validate()
+        return {k: getattr(checked, k[len(FSDPConfig.PREFIX):]) for k in raw}
+
+    def _raw_section(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for attr, key in _FSDP_KEYS.items():
+            value = getattr(self, attr)
+            if value is None:
+                continue
+            if attr == "auto_wrap_policy" and callable(value):
+                raise ConfigError(f"FullyShardedDataParallelPlugin(auto_wrap_policy={value!r}): impel takes a policy "
+                                  "name; use 'TRANSFORMER_BASED_WRAP' with transformer_cls_names_to_wrap=[...], "
+                                  "'SIZE_BASED_WRAP' with min_num_params=N, or 'NO_WRAP'")
+            if attr == "transformer_cls_names_to_wrap":
+                value = _class_names(value)
+            out["fsdp_" + key] = _enum_name(value)
+        offload = _offload_flag(self.cpu_offload, self.offload_params)
+        if offload is not None:
+            out["fsdp_offload_params"] = offload
+        return out
+
+    def code_arguments(self, mixed_precision: str | None) -> dict[str, Any]:
+        """What this plugin adds to the Accelerator's code arguments (merged over the launched config)."""
+        mode = self.mixed_precision
+        if mode is not None and mixed_precision is not None and mode != mixed_precision:
+            raise ConfigError(f"Accelerator(mixed_precision={mixed_precision!r}) contradicts "
+                              f"FullyShardedDataParallelPlugin(mixed_precision_policy={self.mixed_precision_policy!r})"
+                              f" (= {mode!r}); set only one of them")
+        return {"distributed_type": "FSDP", "fsdp_config": self.to_config_section(),
+                "mixed_precision": mixed_precision or mode}
+
+
+def _enum_name(value: Any) -> Any:
+    import enum
+
+    return value.name if isinstance(value, enum.Enum) else value
+
+
+def _class_names(value: Any) -> str:
+    items = value.split(",") if isinstance(value, str) else list(value)
+    names = [item.__name__ if isinstance(item, type) else str(item).strip() for item in items]
+    return ",".join(n for n in names if n)
+
+
+def _offload_flag(cpu_offload: Any, offload_params: bool | None) -> bool | None:
+    flag = cpu_offload
+    if flag is not None and not isinstance(flag, bool):
+        if hasattr(flag, "offload_params"):  # FSDP1's CPUOffload
+            flag = bool(flag.offload_params)
+        elif type(flag).__name__ in ("CPUOffloadPolicy", "OffloadPolicy"):  # FSDP2
+            flag = type(flag).__name__ == "CPUOffloadPolicy"
+        else:
+            raise ConfigError(f"FullyShardedDataParallelPlugin(cpu_offload={cpu_offload!r}) must be True/False, "
+                              "CPUOffload(offload_params=...) or CPUOffloadPolicy()")
+    if flag is not None and offload_params is not None and flag != offload_params:
+        raise ConfigError(f"FullyShardedDataParallelPlugin(cpu_offload={cpu_offload!r}, offload_params="
+                          f"{offload_params!r}) disagree; they are the same switch, set one")
+    return flag if flag is not None else offload_params
+
+
+_MODE_OF_DTYPE = {"bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "fp16": "fp16", "half": "fp16",
+                  "float32": "no", "fp32": "no", "float": "no", "no": "no"}
+
+
+def _dtype_name(value: Any) -> str | None:
+    if value is None:
+        return None
+    return str(value).replace("torch.", "").lower()
+
+
+def _mixed_precision_mode(policy: Any) -> str | None:
+    """The mixed_precision mode a plugin's ``mixed_precision_policy`` asks for; None when not given."""
+    if policy is None:
+        return None
+    if isinstance(policy, str):
+        mode = _MODE_OF_DTYPE.get(policy.lower())
+        if mode is None:
+            raise ConfigError(f"FullyShardedDataParallelPlugin(mixed_precision_policy={policy!r}) is unknown; use "
+                              "'bf16', 'fp16' or 'no'")
+        return mode
+    get = policy.get if isinstance(policy, dict) else (lambda name: getattr(policy, name, None))
+    param = _dtype_name(get("param_dtype"))
+    mode = _MODE_OF_DTYPE.get(param or "no")
+    if mode is None:
+        raise ConfigError(f"mixed_precision_policy param_dtype={get('param_dtype')!r} is not supported; use "
+                          "torch.bfloat16, torch.float16 or None")
+    for name in ("reduce_dtype", "buffer_dtype", "output_dtype"):
+        value = _dtype_name(get(name))
+        if value is not None and value not in ("float32", "float"):
+            raise ConfigError(f"mixed_precision_policy {name}={get(name)!r} is not supported: impel's FSDP keeps "
+                              "buffers and outputs as computed and reduces gradients in float32; drop "
+                              f"{name} or set it to torch.float32")
+    return mode
+
+
+_DEEPSPEED_KEYS = ("zero_stage", "gradient_clipping", "offload_optimizer_device", "offload_param_device",
+                   "offload_optimizer_nvme_path", "offload_param_nvme_path", "zero3_init_flag",
+                   "zero3_save_16bit_model")
+
+
+@dataclass
+class DeepSpeedPlugin:
+    """DeepSpeed ZeRO settings in code, with Accelerate's field names; a field left at None is not set here (the
+    launched config, the DeepSpeed JSON or the default decides, and a contradiction with the JSON raises).
+
+    ``hf_ds_config`` is the DeepSpeed JSON for every other setting: a path, or a dict (kept in the process, never
+    written to the environment). ``is_train_batch_min``: with several prepared dataloaders, the smallest batch
+    size is DeepSpeed's ``train_micro_batch_size_per_gpu`` (False: the largest).
+
+    Example::
+
+        plugin = DeepSpeedPlugin(zero_stage=3, offload_optimizer_device="cpu", zero3_save_16bit_model=True)
+        acc = Accelerator(deepspeed_plugin=plugin, mixed_precision="bf16")
+    """
+
+    hf_ds_config: Any = None
+    gradient_accumulation_steps: int | None = None
+    gradient_clipping: float | None = None
+    zero_stage: int | None = None
+    is_train_batch_min: bool = True
+    offload_optimizer_device: str | None = None
+    offload_param_device: str | None = None
+    offload_optimizer_nvme_path: str | None = None
+    offload_param_nvme_path: str | None = None
+    zero3_init_flag: bool | None = None
+    zero3_save_16bit_model: bool | None = None
+
+    def __post_init__(self) -> None:
+        source = self.hf_ds_config
+        if source is not None and not isinstance(source, (str, os.PathLike, dict)):
+            raise ConfigError(f"DeepSpeedPlugin(hf_ds_config={source!r}) must be a path to a DeepSpeed JSON or a dict")
+        steps = self.gradient_accumulation_steps
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+            raise ConfigError(f"DeepSpeedPlugin(gradient_accumulation_steps={steps!r}) must be an integer >= 1")
+        _check_bool("DeepSpeedPlugin", "is_train_batch_min", self.is_train_batch_min)
+        self.to_config_section()  # validate now, with the YAML key names in the messages
+
+    def to_config_section(self) -> dict[str, Any]:
+        """The explicitly given fields as a ``deepspeed_config`` section, validated (a dict JSON is not in it)."""
+        from .config import DeepSpeedConfig
+
+        raw = {key: getattr(self, key) for key in _DEEPSPEED_KEYS if getattr(self, key) is not None}
+        if isinstance(self.hf_ds_config, (str, os.PathLike)):
+            raw["deepspeed_config_file"] = os.path.abspath(os.fspath(self.hf_ds_config))
+        checked = DeepSpeedConfig(**raw).validate()
+        return {key: getattr(checked, key) for key in raw}
+
+    def code_arguments(self, gradient_accumulation_steps: int | None) -> dict[str, Any]:
+        """What this plugin adds to the Accelerator's code arguments (merged over the launched config)."""
+        steps = self.gradient_accumulation_steps
+        if steps is not None and gradient_accumulation_steps is not None and steps != gradient_accumulation_steps:
+            raise ConfigError(f"Accelerator(gradient_accumulation_steps={gradient_accumulation_steps}) contradicts "
+                              f"DeepSpeedPlugin(gradient_accumulation_steps={steps}); set only one of them")
+        return {"distributed_type": "DEEPSPEED", "deepspeed_config": self.to_config_section(),
+                "gradient_accumulation_steps": steps if steps is not None else gradient_accumulation_steps}

@@ -80,8 +80,22 @@ class ProcessState:
             kwargs["init_method"] = init_method
         if self.backend == "nccl":
             kwargs["device_id"] = self.device
+        if init_method is None and topo.restart_count is not None:
+            kwargs["store"] = self._attempt_store(topo)
         dist.init_process_group(**kwargs)
         logger.debug("rank %d/%d joined a %s process group", topo.rank, topo.world_size, self.backend)
+
+    def _attempt_store(self, topo: Any) -> Any:
+        """The rendezvous store under torchrun, with a prefix per restart attempt.
+
+        After an elastic restart the store can still hold the previous attempt's keys (the agent keeps its store
+        across attempts); gloo then reads a dead rank's address and fails with "Connection refused". A prefix per
+        ``TORCHELASTIC_RESTART_COUNT`` makes every attempt's keys its own.
+        """
+        host_store = not topo.agent_store and topo.rank == 0
+        store = dist.TCPStore(topo.master_addr, topo.master_port, topo.world_size, is_master=host_store,
+                              timeout=self.timeout, multi_tenant=True)
+        return dist.PrefixStore(f"impel/attempt_{topo.restart_count}", store)
 
     # --- topology -------------------------------------------------------------------------------------------
     @property

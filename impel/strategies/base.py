@@ -2,14 +2,16 @@
 
 The Accelerator (the facade) only calls these methods; it never asks which strategy it holds. A strategy owns
 the precision object, wraps models and optimizers (together, because FSDP2 replaces parameters and DeepSpeed
-builds an engine from both), switches gradient synchronisation for accumulation, runs backward, clips, steps
-and produces full state dicts. New strategies register a dotted path in ``REGISTRY``; the facade is untouched.
+builds an engine from both), switches gradient synchronisation for accumulation, runs backward, clips, steps,
+produces full state dicts and reads and writes the model/optimizer part of checkpoints (its own format). New strategies register a dotted path in ``REGISTRY``; the facade is untouched.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, AbstractSet, Any, ContextManager, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -18,8 +20,10 @@ from ..config import ConfigError
 from ..precision import Precision, make_precision
 
 if TYPE_CHECKING:
+    from ..accumulation import GradientState
     from ..config import RunConfig
     from ..plugins import Handlers
+    from ..precision_report import PrecisionReport
     from ..state import ProcessState
 
 REGISTRY: dict[str, str] = {
@@ -35,6 +39,8 @@ class Strategy:
     """Base strategy: a model on one device, plain backward, local optimizer step."""
 
     name = "NO"
+    # The Accelerator's accumulation state, set right after construction (DeepSpeed's engine needs its boundary).
+    gradient_state: "GradientState | None" = None
 
     def __init__(self, state: "ProcessState", config: "RunConfig", handlers: "Handlers") -> None:
         self.state = state
@@ -45,6 +51,19 @@ class Strategy:
                                                    handlers.scaler)
 
     # --- wrapping -------------------------------------------------------------------------------------------
+    def init_context(self) -> ContextManager[Any]:
+        """Build models inside this context to have them created the strategy's way (ZeRO-3 partitions them)."""
+        return contextlib.nullcontext()
+
+    def before_setup(self, dataloaders: Sequence[Any], schedulers: Sequence[Any]) -> None:
+        """Called by ``prepare`` before ``setup`` with every dataloader prepared so far and this call's raw
+        schedulers (DeepSpeed sizes its batch and fills its JSON's "auto" values from them)."""
+        return None
+
+    def resolve_scheduler(self, scheduler: Any) -> Any:
+        """The scheduler ``prepare`` wraps (DeepSpeed swaps a DummyScheduler for the one its engine built)."""
+        return scheduler
+
     def setup(self, models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
               device_placement: Sequence[bool]) -> tuple[list[nn.Module], list[torch.optim.Optimizer]]:
         """Wrap the models and optimizers handed to one ``prepare`` call; return them in the same order.
@@ -96,10 +115,41 @@ class Strategy:
     def zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool = True) -> None:
         optimizer.zero_grad(set_to_none=set_to_none)
 
+    def precision_report(self, models: Sequence[nn.Module],
+                         optimizers: Sequence[torch.optim.Optimizer]) -> PrecisionReport:
+        """The dtypes in effect: stored parameters, compute, gradients, reduction, optimizer states."""
+        from ..precision_report import basic_report
+
+        return basic_report(self.name, self.precision.mode, self.precision.dtype, self.state.use_distributed,
+                            [self.unwrap_model(m) for m in models], optimizers)
+
     # --- state ----------------------------------------------------------------------------------------------
     def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """A full state dict of ordinary tensors (gathered where sharded)."""
         return self.unwrap_model(model).state_dict()
+
+    def save_checkpoint(self, models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
+                        directory: Path, *, writer: bool, safe_serialization: bool,
+                        skip_models: AbstractSet[int] = frozenset()) -> dict[str, Any]:
+        """Write model and optimizer state into ``directory`` (called on every rank, inside ``save_state``).
+
+        ``writer``: this rank writes replicated files (rank 0, or each node's first with save_on_each_node).
+        ``skip_models``: indices a save pre-hook took over. Returns the JSON-able ``strategy`` section of the
+        checkpoint metadata; it must hold ``format`` (the key ``merge_weights`` dispatches on) and ``models``.
+        Base (single device, DDP): full ``model*.safetensors`` and ``optimizer*.pt`` written by the writer.
+        """
+        from ..checkpoint.full import save_full
+
+        return save_full(models, optimizers, directory, writer=writer, safe_serialization=safe_serialization,
+                         skip_models=skip_models)
+
+    def load_checkpoint(self, models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
+                        directory: Path, metadata: Mapping[str, Any], *,
+                        skip_models: AbstractSet[int] = frozenset()) -> None:
+        """Load what ``save_checkpoint`` wrote (``metadata`` is its returned section), on every rank."""
+        from ..checkpoint.full import load_full
+
+        load_full(models, optimizers, directory, metadata, skip_models=skip_models)
 
     def teardown(self) -> None:
         return None
@@ -107,6 +157,9 @@ class Strategy:
 
 def load_strategy(distributed_type: str, state: "ProcessState", config: "RunConfig",
                   handlers: "Handlers") -> Strategy:
+    if distributed_type == "AUTO":
+        raise ConfigError("distributed_type='AUTO' is resolved by impel launch from a memory estimate; run the script "
+                          "with `impel launch --strategy auto --auto_model MODEL` or set a concrete distributed_type")
     try:
         target = REGISTRY[distributed_type]
     except KeyError:

@@ -1,0 +1,273 @@
+"""FSDP2: ``fully_shard`` over a ``DeviceMesh``, configured with FSDP1's / Accelerate's option names.
+
+How each option maps (docs/design.md, "FSDP2", has the full table):
+
+- sharding_strategy: FULL_SHARD / SHARD_GRAD_OP shard over a 1-D mesh with reshard_after_forward True / False;
+  HYBRID_SHARD / HYBRID_SHARD_ZERO2 use a 2-D (nodes x ranks per node) mesh, replicated across nodes and sharded
+  within one; NO_SHARD is a (world x 1) mesh: pure replication, gradients all-reduced.
+- offload_params: ``CPUOffloadPolicy``. Mixed precision: ``MixedPrecisionPolicy(param_dtype, reduce_dtype=fp32)``
+  over fp32 shards (bf16/fp16-loaded parameters are upcast before sharding), plus autocast.
+- auto_wrap_policy: :mod:`.fsdp_wrap`. cpu_ram_efficient_loading / sync_module_states: :mod:`.fsdp_loading`.
+- forward_prefetch: each unit explicitly prefetches the next one's all-gather (FSDP2 otherwise overlaps it
+  implicitly). backward_prefetch: BACKWARD_PRE is FSDP2's own behaviour; NO_PREFETCH prefetches nothing;
+  BACKWARD_POST does not exist in FSDP2 and runs as BACKWARD_PRE (a warning says so).
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .. import env
+from ..config import ConfigError
+from ..precision_report import (
+    PrecisionReport,
+    dtype_of,
+    optimizer_state_dtype,
+    predicted_state_dtype,
+)
+from .base import Strategy
+from .fsdp_loading import (
+    ParamReplacements,
+    agree_on_meta,
+    broadcast_from_rank0,
+    materialize,
+    rank0_state,
+    upcast_low_precision,
+)
+from .fsdp_wrap import check_requested, checkpoint_units, select_units
+
+if TYPE_CHECKING:
+    from ..config import RunConfig
+    from ..plugins import Handlers
+    from ..state import ProcessState
+
+logger = logging.getLogger("impel")
+
+_RESHARD = {"FULL_SHARD": True, "SHARD_GRAD_OP": False, "NO_SHARD": False, "HYBRID_SHARD": True,
+            "HYBRID_SHARD_ZERO2": False}
+
+
+def mesh_layout(strategy: str, world: int, local_world: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """The DeviceMesh shape and dim names for a sharding strategy."""
+    if strategy == "NO_SHARD":
+        return (world, 1), ("replicate", "shard")
+    if strategy.startswith("HYBRID"):
+        if local_world < 1 or world % local_world:
+            raise ConfigError(f"fsdp_sharding_strategy={strategy!r} needs the same number of ranks on every node, "
+                              f"but WORLD_SIZE={world} is not a multiple of LOCAL_WORLD_SIZE={local_world}")
+        return (world // local_world, local_world), ("replicate", "shard")
+    return (world,), ("shard",)
+
+
+class FSDPStrategy(Strategy):
+    """Shards every prepared model with FSDP2 and re-points its optimizers at the shards."""
+
+    name = "FSDP"
+
+    def __init__(self, state: ProcessState, config: RunConfig, handlers: Handlers) -> None:
+        super().__init__(state, config, handlers)
+        self.fsdp = config.fsdp
+        self.sharding_strategy = self.fsdp.resolved_sharding_strategy
+        self._mesh: Any = None
+        self._replacements = ParamReplacements()
+        self._upcast = False
+        if not dist.is_initialized():  # one process: FSDP2 still needs a (1-rank) process group
+            backend = "nccl" if state.device.type == "cuda" else "gloo"
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        if self.fsdp.cpu_ram_efficient_loading:
+            env.announce_fsdp_ram_efficient_loading()
+        if self.fsdp.backward_prefetch == "BACKWARD_POST":
+            logger.warning("fsdp_backward_prefetch='BACKWARD_POST' has no FSDP2 equivalent; FSDP2 prefetches the "
+                           "previous unit before each unit's gradient computation (BACKWARD_PRE). Set BACKWARD_PRE "
+                           "(or NO_PREFETCH) to silence this")
+        if self.fsdp.version == 1:
+            logger.info("fsdp_version=1: impel runs FSDP2 (fully_shard) with the same options")
+        self.mp_policy, self.offload_policy = self._policies()
+
+    def _policies(self) -> tuple[Any, Any]:
+        from torch.distributed.fsdp import (
+            CPUOffloadPolicy,
+            MixedPrecisionPolicy,
+            OffloadPolicy,
+        )
+
+        dtype = self.precision.dtype
+        mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype else MixedPrecisionPolicy()
+        offload = CPUOffloadPolicy(pin_memory=self.device.type == "cuda") if self.fsdp.offload_params else OffloadPolicy()
+        return mp, offload
+
+    @property
+    def mesh(self) -> Any:
+        if self._mesh is None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            topo = self.state.topology
+            shape, names = mesh_layout(self.sharding_strategy, dist.get_world_size(),
+                                       topo.local_world_size if topo.distributed else 1)
+            self._mesh = init_device_mesh(self.device.type, shape, mesh_dim_names=names)
+        return self._mesh
+
+    # --- wrapping ---------------------------------------------------------------------------------------------
+    def init_context(self) -> contextlib.AbstractContextManager[Any]:
+        """With cpu_ram_efficient_loading, models built inside are on the meta device on every rank but 0 (rank 0
+        builds real weights, which prepare broadcasts); otherwise a no-op."""
+        if self.fsdp.cpu_ram_efficient_loading and dist.get_rank() != 0:
+            return torch.device("meta")
+        return contextlib.nullcontext()
+
+    def setup(self, models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
+              device_placement: Sequence[bool]) -> tuple[list[nn.Module], list[torch.optim.Optimizer]]:
+        """Shard each model (units chosen for all of them first, so a bad layer name fails before any work)."""
+        plans = [select_units(m, self.fsdp) for m in models]
+        matched: set[str] = set().union(*(names for _, names in plans)) if plans else set()
+        check_requested(self.fsdp.transformer_layer_cls_to_wrap, list(models), matched)
+        if not all(device_placement) and self.device.type != "cpu":
+            logger.warning("device_placement=False has no effect under FSDP: fully_shard places the shards on %s",
+                           self.device)
+        wrapped = [self._shard(model, units) for model, (units, _) in zip(models, plans)]
+        for optimizer in optimizers:
+            self._replacements.repoint(optimizer)
+        return wrapped, list(optimizers)
+
+    def _shard(self, model: nn.Module, units: list[nn.Module]) -> nn.Module:
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        if isinstance(model, FSDPModule):  # the user already called fully_shard: keep their layout
+            logger.info("FSDP: %s is already sharded (fully_shard); prepare uses it as is", type(model).__name__)
+            return model
+        sync = self.fsdp.sync_module_states or self.fsdp.cpu_ram_efficient_loading
+        on_meta = agree_on_meta(model, sync, self.device)
+        if self.precision.dtype is not None and any(p.dtype in (torch.bfloat16, torch.float16)
+                                                    for p in model.parameters()):
+            upcast_low_precision(model)
+            self._upcast = True
+        full_state = rank0_state(model, dist.get_rank()) if sync else {}
+        owners = ParamReplacements.owners(model)
+        if self.fsdp.activation_checkpointing:
+            units = checkpoint_units(model, units)
+        options = {"mesh": self.mesh, "reshard_after_forward": _RESHARD[self.sharding_strategy],
+                   "mp_policy": self.mp_policy, "offload_policy": self.offload_policy}
+        for unit in units:
+            fully_shard(unit, **options)
+        fully_shard(model, **options)
+        if on_meta:
+            materialize(model, self.device, shards_on_cpu=self.fsdp.offload_params)
+        if sync:
+            broadcast_from_rank0(model, full_state)
+        del full_state
+        self._replacements.record(owners)
+        self._set_prefetch(model, units)
+        return model
+
+    def _set_prefetch(self, root: nn.Module, units: list[nn.Module]) -> None:
+        if self.fsdp.forward_prefetch:
+            for current, following in itertools.pairwise(units):
+                current.set_modules_to_forward_prefetch([following])
+        if self.fsdp.backward_prefetch == "NO_PREFETCH":
+            # an explicit list replaces FSDP2's default prefetch; a unit "prefetching" itself (already gathered
+            # when its backward starts) is a no-op, so nothing is fetched ahead
+            for unit in [*units, root]:
+                unit.set_modules_to_backward_prefetch([unit])
+
+    # --- the training step ------------------------------------------------------------------------------------
+    def set_grad_sync(self, model: nn.Module, enabled: bool) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        if isinstance(model, FSDPModule):
+            model.set_requires_gradient_sync(enabled)
+
+    def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float,
+                        optimizers: Sequence[torch.optim.Optimizer]) -> torch.Tensor:
+        """Clip by the norm over all shards (a plain tensor, equal on every rank)."""
+        for opt in optimizers:
+            self.unscale_gradients(opt)
+        params = [p for p in parameters if p.grad is not None]
+        total = global_grad_norm([p.grad for p in params], float(norm_type))
+        if params:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        return total
+
+    # --- state ------------------------------------------------------------------------------------------------
+    def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Full, ordinary tensors on every rank (collective: call it on all ranks)."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+        )
+
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+
+    def save_checkpoint(self, models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
+                        directory: Path, *, writer: bool, safe_serialization: bool,
+                        skip_models: AbstractSet[int] = frozenset()) -> dict[str, Any]:
+        """SHARDED_STATE_DICT: every rank writes its shards (DCP). FULL_STATE_DICT: gathered, written by rank 0."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        if self.fsdp.state_dict_type == "SHARDED_STATE_DICT":
+            from ..checkpoint.sharded import save_sharded
+
+            return save_sharded(models, optimizers, directory, skip_models=skip_models)
+        from ..checkpoint.full import save_full
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return save_full(models, optimizers, directory, writer=writer, safe_serialization=safe_serialization,
+                         skip_models=skip_models, options=options, all_ranks=True)
+
+    def load_checkpoint(self, models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
+                        directory: Path, metadata: Mapping[str, Any], *,
+                        skip_models: AbstractSet[int] = frozenset()) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        from ..checkpoint import full, sharded
+
+        if metadata.get("format") == sharded.FORMAT:
+            sharded.load_sharded(models, optimizers, directory, metadata, skip_models=skip_models)
+        else:
+            full.load_full(models, optimizers, directory, metadata, skip_models=skip_models,
+                           options=StateDictOptions(full_state_dict=True))
+
+    def precision_report(self, models: Sequence[nn.Module],
+                         optimizers: Sequence[torch.optim.Optimizer]) -> PrecisionReport:
+        params = [p for m in models for p in m.parameters()]
+        stored = dtype_of(params)
+        grads = dtype_of(p.grad for p in params if p.grad is not None) or stored
+        policy = self.mp_policy
+        compute = policy.param_dtype or stored
+        reduction = policy.reduce_dtype or policy.param_dtype or grads
+        states = optimizer_state_dtype(optimizers) or predicted_state_dtype(optimizers)
+        if self.precision.dtype is None:
+            note = "no mixed precision: parameters, gradients and optimizer states keep the load dtype"
+        else:
+            note = (("parameters loaded in 16 bits were upcast to float32 at prepare; " if self._upcast else "")
+                    + "float32 shards, 16-bit all-gathered compute, float32 reduction and optimizer step")
+        return PrecisionReport(strategy=f"FSDP {self.sharding_strategy}", mixed_precision=self.precision.mode,
+                               stored_params=stored, compute=compute, gradients=grads, reduction=reduction,
+                               optimizer_states=states, note=note)
+
+
+def global_grad_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """The norm over every rank's shards: DTensor gradients are reduced across the mesh, plain ones are local
+    (replicated); the two parts combine like one vector."""
+    from torch.distributed.tensor import DTensor
+
+    parts = []
+    sharded = [g for g in grads if isinstance(g, DTensor)]
+    plain = [g for g in grads if not isinstance(g, DTensor)]
+    if sharded:
+        norm = torch.nn.utils.get_total_norm(sharded, norm_type)
+        parts.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    if plain:
+        parts.append(torch.nn.utils.get_total_norm(plain, norm_type))
+    if not parts:
+        return torch.tensor(0.0)
+    stacked = torch.stack([p.float().to(parts[0].device) for p in parts])
+    return stacked.max() if norm_type == float("inf") else torch.linalg.vector_norm(stacked, norm_type)
