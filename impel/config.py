@@ -291,6 +291,10 @@ class RunConfig:
     max_restarts: int = option(0, "int", "restarts of the whole job after a rank fails", minimum=0)
     monitor_interval: float = option(0.1, "float", "seconds between checks of the ranks' health", minimum=0.0)
     debug: bool = option(False, "bool", "accepted for Accelerate files; impel always checks gather shapes")
+    auto_resume: bool = option(False, "bool", "load the newest complete checkpoint when training starts, and on "
+                               "SIGTERM save one and exit 75 (needs a project_dir with automatic checkpoint naming)")
+    nonfinite_loss: str = option("ignore", "str", "a NaN/inf loss: 'error' stops naming the step, 'skip' skips "
+                                 "that optimizer step on every rank", choices=("ignore", "error", "skip"))
     auto_model: str | None = option(None, "str", "distributed_type AUTO: the model to estimate (a transformers "
                                     "directory, 'GPT2Config(n_layer=12)' or module:callable)")
     device_memory: str | None = option(None, "str", "distributed_type AUTO: memory per device, e.g. 80GB (default: "

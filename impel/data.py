@@ -255,6 +255,7 @@ class DataLoaderShard:
         self.original = original
         # epoch and position live in one shared record, so a skip_first_batches() view advances the original
         self._progress = {"epoch": 0, "position": 0}
+        self.hooks: Any = None  # impel.resilience.Resilience: auto-resume and preemption checks
         self.end_of_dataloader = False
         self._skip_next = 0
         self._epoch_generator_state: torch.Tensor | None = None
@@ -321,6 +322,9 @@ class DataLoaderShard:
         self._skip_next = 0
 
     def __iter__(self) -> Iterator[Any]:
+        hooks = self.hooks
+        if hooks is not None:
+            hooks.on_iter_start(self)  # auto-resume: may restore epoch and position before the epoch starts
         self._start_epoch()
         self.end_of_dataloader = False
         state = self.gradient_state
@@ -332,6 +336,8 @@ class DataLoaderShard:
             it = iter(self.base_dataloader)
             current = next(it, _END)
             while current is not _END:
+                if hooks is not None:
+                    hooks.before_batch(self)  # preemption: a step boundary, before this batch counts as drawn
                 upcoming = next(it, _END)
                 self.end_of_dataloader = upcoming is _END
                 self.position += 1

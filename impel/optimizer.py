@@ -23,6 +23,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         self.gradient_state = gradient_state
         self.step_was_skipped = False
         self.steps_taken = 0
+        self.guard: Any = None  # impel.resilience.Resilience when nonfinite_loss is checked
 
     # torch.optim.Optimizer fields, read through
     @property
@@ -67,6 +68,9 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         if gs.num_steps > 1:
             gs.on_optimizer_step()
         if not gs.sync_gradients:
+            return None
+        if self.guard is not None and not self.guard.allow_step(self):
+            self.step_was_skipped = True
             return None
         stepped = self.strategy.optimizer_step(self.optimizer, closure)
         self.step_was_skipped = not stepped

@@ -10,6 +10,7 @@ import argparse
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import uuid
@@ -19,6 +20,7 @@ from typing import Any
 from .. import env
 from ..config import ConfigError, RunConfig
 from ..config_file import read_config_file
+from ..resilience import PREEMPTED_EXIT_CODE
 from .flags import add_config_flags, explicit_from_flags, merge_file_and_flags
 
 
@@ -196,12 +198,32 @@ def main(ns: argparse.Namespace) -> int:
 
 
 def _run_single(plan: LaunchPlan, variables: dict[str, str]) -> int:
-    """One process, no restarts: run it directly (torchrun's agent would only add start-up time)."""
+    """One process, no restarts: run it directly (torchrun's agent would only add start-up time).
+
+    SIGTERM is passed on to the script and the launcher waits, so a preempted run can save its checkpoint.
+    """
     proc = subprocess.Popen([sys.executable, *plan.command], env=variables)
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: proc.send_signal(signal.SIGTERM))
     try:
-        return proc.wait()
-    except KeyboardInterrupt:
-        return proc.wait()
+        while True:
+            try:
+                code = proc.wait()
+                break
+            except KeyboardInterrupt:
+                continue  # the script got SIGINT too (same process group): wait for it to finish
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    _explain(code, None)
+    return code if code >= 0 else 128 - code
+
+
+def _explain(code: int, rank: int | None) -> None:
+    if code == PREEMPTED_EXIT_CODE:
+        print(f"impel launch: preempted: the ranks saved a checkpoint and stopped (exit code {PREEMPTED_EXIT_CODE}); "
+              "run the same command again to continue", file=sys.stderr)
+    elif rank is not None:
+        why = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+        print(f"impel launch: rank {rank} failed with {why} (its output is above); the job stopped", file=sys.stderr)
 
 
 def run_torchrun(arguments: list[str], variables: dict[str, str]) -> int:
@@ -215,10 +237,10 @@ def run_torchrun(arguments: list[str], variables: dict[str, str]) -> int:
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
         code = failure.exitcode
-        why = f"signal {failure.signal_name()}" if code < 0 else f"exit code {code}"
-        print(f"impel launch: rank {rank} failed with {why} (its output is above); the job stopped", file=sys.stderr)
+        _explain(code, rank)
         return 128 - code if code < 0 else code
     except SignalException as exc:
-        print(f"impel launch: stopped by {exc.sigval.name}", file=sys.stderr)
+        print(f"impel launch: stopped by {exc.sigval.name}; the ranks were told to stop (with auto_resume they save a "
+              "checkpoint at their next step boundary: run the same command again to continue)", file=sys.stderr)
         return 128 + int(exc.sigval)
     return 0

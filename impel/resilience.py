@@ -1,0 +1,146 @@
+"""Crash-safe runs: automatic resume, preemption (SIGTERM) and non-finite losses.
+
+* ``auto_resume`` (``--auto_resume`` or ``ProjectConfiguration(automatic_resume=True)``): when the first prepared
+  dataloader starts iterating, every rank loads the newest complete checkpoint (if there is one) and says so. Under
+  ``impel launch --max_restarts N`` a crashed job restarts and continues from there.
+* It also turns on preemption handling: SIGTERM sets a flag; at the next step boundary (a prepared dataloader about
+  to draw the first batch of an accumulation group) the ranks agree (an all-reduce of the flag), save a
+  checkpoint and exit with :data:`PREEMPTED_EXIT_CODE`. Relaunching the same command continues exactly.
+* ``nonfinite_loss``: ``"error"`` stops at the first optimizer step whose loss was NaN/inf on any rank, naming the
+  step; ``"skip"`` skips that step on every rank (the scheduler does not advance either); ``"ignore"`` (default)
+  checks nothing and costs nothing.
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from typing import TYPE_CHECKING, Any
+
+from .config import ConfigError
+
+if TYPE_CHECKING:  # torch is imported lazily: `impel launch` imports this module for its exit code
+    import torch
+
+    from .accelerator import Accelerator
+
+logger = logging.getLogger("impel")
+PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "temporary failure, try again"
+
+
+def _any_rank(flag: bool, device: torch.device) -> bool:
+    """True when ``flag`` is set on any rank (one tiny all-reduce when distributed)."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item() > 0)
+
+
+class Resilience:
+    """The Accelerator's crash-safety switches; created only when one of them is on."""
+
+    def __init__(self, acc: Accelerator, auto_resume: bool, nonfinite: str) -> None:
+        self.acc = acc
+        self.resume_pending = auto_resume
+        self.handle_preemption = auto_resume
+        self.nonfinite = nonfinite
+        self.preempt_requested = False
+        self.resumed_from: str | None = None
+        self._bad_loss: torch.Tensor | None = None
+        self._previous_handler: Any = None
+        if self.handle_preemption:
+            self._install_handler()
+
+    @classmethod
+    def create(cls, acc: Accelerator) -> Resilience | None:
+        auto = bool(acc.config.auto_resume or getattr(acc.project_configuration, "automatic_resume", False))
+        nonfinite = acc.config.nonfinite_loss
+        if not auto and nonfinite == "ignore":
+            return None
+        project = acc.project_configuration
+        if auto and not (project.project_dir and project.automatic_checkpoint_naming):
+            raise ConfigError("auto_resume needs somewhere to find checkpoints: pass Accelerator(project_config="
+                              "ProjectConfiguration(project_dir=..., automatic_checkpoint_naming=True))")
+        return cls(acc, auto, nonfinite)
+
+    # --- preemption -------------------------------------------------------------------------------------------
+    def _install_handler(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            logger.warning("auto_resume: the Accelerator was created outside the main thread, so SIGTERM cannot be "
+                           "caught; preemption will not save a checkpoint")
+            return
+        self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        if not self.preempt_requested:
+            print(f"impel: SIGTERM on rank {self.acc.process_index}: saving a checkpoint at the next step boundary",
+                  flush=True)
+        self.preempt_requested = True
+
+    def uninstall(self) -> None:
+        if self._previous_handler is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._previous_handler)
+            self._previous_handler = None
+
+    # --- dataloader hooks -------------------------------------------------------------------------------------
+    def on_iter_start(self, loader: Any) -> None:
+        if self.resume_pending:
+            self.resume_pending = False
+            self._resume()
+
+    def before_batch(self, loader: Any) -> None:
+        if not self.handle_preemption or not self.acc.gradient_state.sync_gradients:
+            return  # mid-group: the boundary is after the group's optimizer step
+        if _any_rank(self.preempt_requested, self.acc.device):
+            path = self.acc.save_state()
+            if self.acc.is_main_process:
+                print(f"impel: preempted; saved {path}; exiting with code {PREEMPTED_EXIT_CODE} (relaunch the same "
+                      "command to continue)", flush=True)
+            raise SystemExit(PREEMPTED_EXIT_CODE)
+
+    def _resume(self) -> None:
+        from .checkpoint import layout
+        from .collectives import broadcast_object_list
+
+        root = self.acc._checkpointer.checkpoints_root()
+        found = [bool(layout.list_complete(root)) if self.acc.is_main_process else None]
+        if self.acc.use_distributed:
+            found = broadcast_object_list(found)
+        if not found[0]:
+            if self.acc.is_main_process:
+                print(f"impel: auto_resume: no complete checkpoint under {root} yet; starting fresh", flush=True)
+            return
+        self.resumed_from = self.acc.load_state()
+        if self.acc.is_main_process:
+            steps = sum(o.steps_taken for o in self.acc._optimizers)
+            print(f"impel: auto_resume: resumed from {self.resumed_from} (optimizer steps taken: {steps})",
+                  flush=True)
+
+    # --- non-finite losses ------------------------------------------------------------------------------------
+    def observe(self, loss: torch.Tensor) -> None:
+        if self.nonfinite == "ignore":
+            return
+        import torch
+
+        bad = ~torch.isfinite(loss.detach()).all()
+        self._bad_loss = bad if self._bad_loss is None else (self._bad_loss | bad)
+
+    def allow_step(self, optimizer: Any) -> bool:
+        """Called before a real optimizer step: False skips it on every rank (``nonfinite_loss='skip'``)."""
+        if self.nonfinite == "ignore":
+            return True
+        local = bool(self._bad_loss.item()) if self._bad_loss is not None else False
+        self._bad_loss = None
+        if not _any_rank(local, self.acc.device):
+            return True
+        step = optimizer.steps_taken + 1
+        where = f"rank {self.acc.process_index}" if local else "another rank"
+        if self.nonfinite == "error":
+            raise FloatingPointError(f"non-finite loss (NaN or inf) before optimizer step {step}, seen on {where}; "
+                                     "lower the learning rate, check the data, or set nonfinite_loss='skip'")
+        logger.warning("non-finite loss before optimizer step %d (seen on %s): step skipped on every rank", step, where)
+        return False
