@@ -126,14 +126,33 @@ def load_full(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Opti
         try:
             set_model_state_dict(model, state, options=options)
         except (RuntimeError, KeyError, ValueError) as exc:
+            why = first_mismatch(model, state) or str(exc)
             raise CheckpointError(f"{directory / metadata['models'][i]} does not fit prepared model {i} "
-                                  f"({type(model).__name__}): {exc}; load it into the same architecture") from None
+                                  f"({type(model).__name__}): {why}; load it into the model it was saved from") from None
     for i, (opt, owner) in enumerate(zip(optimizers, pair_optimizers(models, optimizers))):
         state = read_torch(directory / metadata["optimizers"][i], f"optimizer {i}")
         if not state.get("state"):
             _load_fresh_optimizer(opt, state)
             continue
         set_optimizer_state_dict(models[owner], opt, state, options=options)
+
+
+def first_mismatch(model: nn.Module, state: Mapping[str, torch.Tensor]) -> str | None:
+    """The first parameter whose name or shape differs between a model and a full state dict, with both shapes."""
+    inner = getattr(model, "module", model)
+    own = {name: tuple(t.shape) for name, t in inner.state_dict(keep_vars=True).items()}
+    problems = []
+    for name, shape in own.items():
+        if name not in state:
+            problems.append(f"parameter {name!r} (shape {list(shape)}) is missing from the checkpoint")
+        elif tuple(state[name].shape) != shape:
+            problems.append(f"parameter {name!r} has shape {list(state[name].shape)} in the checkpoint but "
+                            f"{list(shape)} in the model")
+    problems += [f"the checkpoint has {name!r}, which the model does not" for name in state if name not in own]
+    if not problems:
+        return None
+    more = f" (and {len(problems) - 1} more mismatches)" if len(problems) > 1 else ""
+    return problems[0] + more
 
 
 def _load_fresh_optimizer(optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:

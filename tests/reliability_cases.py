@@ -1,0 +1,142 @@
+"""Every bad input impel was tried with, and the error it shows: the source of docs/reliability.md.
+
+``collect(workdir)`` runs each case in this process (no ranks are started: every case fails before that) and
+returns rows of (area, input, error). ``render(rows)`` is the markdown table. The unit test
+``test_reliability_doc.py`` checks that the file matches; ``IMPEL_UPDATE_DOCS=1`` rewrites it.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from bad_inputs import BAD_FILES, BAD_FLAGS
+from torch import nn
+
+Row = tuple[str, str, str]
+
+
+def _cli(argv: list[str]) -> str:
+    from impel.commands.main import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            code = main(argv)
+        except SystemExit as exc:  # argparse errors
+            code = exc.code
+    assert code == 2, f"{argv} exited {code}: {err.getvalue()}"
+    return err.getvalue().strip().splitlines()[-1]
+
+
+def _raises(fn: Callable[[], object]) -> str:
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the message is what the table shows
+        return f"{type(exc).__name__}: {exc}"
+    raise AssertionError("no error was raised")
+
+
+def _config_rows(work: Path) -> list[Row]:
+    rows: list[Row] = []
+    for name in sorted(BAD_FILES):
+        text, _ = BAD_FILES[name]
+        path = work / f"{name}.yaml"
+        path.write_text(text)
+        shown = text.strip().replace("\n", " / ")
+        rows.append(("config file", f"`{shown}`", _cli(["launch", "--config_file", str(path), "train.py"])))
+    rows.append(("config file", "`--config_file nowhere.yaml`",
+                 _cli(["launch", "--config_file", str(work / "nowhere.yaml"), "train.py"])))
+    for name in sorted(BAD_FLAGS):
+        flags, _ = BAD_FLAGS[name]
+        rows.append(("launch flags", f"`impel launch {' '.join(flags)} train.py`", _cli(["launch", *flags, "train.py"])))
+    rows.append(("launch flags", "`impel launch missing_script.py`", _cli(["launch", "missing_script.py"])))
+    rows.append(("launch flags", "`impel launch -m no_such_module`", _cli(["launch", "-m", "no_such_module"])))
+    return rows
+
+
+def _model(hidden: int) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, hidden), nn.Tanh(), nn.Linear(hidden, 1))
+
+
+def _prepared(hidden: int):
+    acc = _accelerator()
+    model = _model(hidden)
+    acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    return acc
+
+
+def _accelerator():
+    from impel import Accelerator
+    from impel.state import ProcessState
+
+    ProcessState._reset()
+    return Accelerator(cpu=True)
+
+
+def _checkpoint_rows(work: Path) -> list[Row]:
+    from impel import Accelerator
+
+    acc = _prepared(8)
+    ckpt = work / "ckpt"
+    acc.save_state(str(ckpt))
+    rows: list[Row] = []
+    other = _prepared(16)
+    rows.append(("checkpoint", "load a checkpoint of another model (hidden 8 into hidden 16)",
+                 _raises(lambda: other.load_state(str(ckpt)))))
+    weights = next(ckpt.glob("model*.safetensors"))
+    data = weights.read_bytes()
+    weights.write_bytes(data[:-8] + b"corrupt!")
+    again = _prepared(8)
+    rows.append(("checkpoint", "a checkpoint file with flipped bytes", _raises(lambda: again.load_state(str(ckpt)))))
+    weights.write_bytes(data[: len(data) // 2])
+    rows.append(("checkpoint", "a truncated checkpoint file", _raises(lambda: again.load_state(str(ckpt)))))
+    (ckpt / "COMPLETE").unlink(missing_ok=True)
+    rows.append(("checkpoint", "a checkpoint directory without its completion marker (a crash during save)",
+                 _raises(lambda: again.load_state(str(ckpt)))))
+    rows.append(("checkpoint", "`load_state()` with no directory and no automatic naming",
+                 _raises(lambda: again.load_state())))
+    rows.append(("Accelerator", "`Accelerator(mixed_precision='fp32')`",
+                 _raises(lambda: Accelerator(cpu=True, mixed_precision="fp32"))))
+    rows.append(("Accelerator", "`Accelerator(nonfinite_loss='warn')`",
+                 _raises(lambda: Accelerator(cpu=True, nonfinite_loss="warn"))))
+    return rows
+
+
+def collect(work: Path) -> list[Row]:
+    old = os.environ.get("IMPEL_CONFIG_FILE")
+    os.environ["IMPEL_CONFIG_FILE"] = str(work / "no-default-config.yaml")
+    cwd = os.getcwd()
+    os.chdir(work)
+    try:
+        return _config_rows(work) + _checkpoint_rows(work)
+    finally:
+        os.chdir(cwd)
+        if old is None:
+            os.environ.pop("IMPEL_CONFIG_FILE", None)
+        else:
+            os.environ["IMPEL_CONFIG_FILE"] = old
+
+
+def render(rows: list[Row], work: Path) -> str:
+    def clean(text: str) -> str:
+        text = text.replace(str(work), "<dir>").replace("|", "\\|")
+        return re.sub(r"sha256 [0-9a-f]{6,}\.*", "sha256 …", text)
+
+    lines = ["# What impel does with bad input", "",
+             "Generated from `tests/reliability_cases.py` (the unit test `tests/unit/test_reliability_doc.py` fails "
+             "when this file is out of date; `IMPEL_UPDATE_DOCS=1 make test` rewrites it). Every case fails before "
+             "any process starts or any file is written; the CLI's errors exit with code 2 and no traceback.", "",
+             "Crashes are covered by tests rather than rows: a rank killed with SIGKILL (`tests/cli/test_dead_rank.py`, "
+             "`tests/cli/test_fault_tolerance.py`), SIGTERM (preemption, exit code 75), a save killed halfway "
+             "(`tests/multiprocess/test_checkpoint_ddp.py`), a malicious pickle in a checkpoint "
+             "(`tests/unit/test_checkpoint_safety.py`), `save_state` called on one rank only, and NaN/inf losses "
+             "(`tests/multiprocess/test_nonfinite_ranks.py`).", "",
+             "| area | input | error shown |", "|---|---|---|"]
+    lines += [f"| {area} | {clean(what)} | {clean(error)} |" for area, what, error in rows]
+    return "\n".join(lines) + "\n"
