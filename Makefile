@@ -1,13 +1,15 @@
 # make venv: build .venv (CPU torch pinned for the dev env); make test: venv + the test suite;
-# make demo: venv + a real training run; make bench: venv + benchmarks (not part of make test).
+# make demo: venv + the seed exercise (Trainer, genre classifier, 2 CPU ranks);
+# make bench: venv + benchmarks (not part of make test).
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.impel-installed
 TORCH  := torch==2.13.0
+DEEPSPEED := deepspeed==0.19.8
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: venv test demo bench clean
+.PHONY: venv test demo bench clean deepspeed-ops
 
 venv: $(STAMP)
 
@@ -15,14 +17,24 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(TORCH)
-	$(BIN)/python -m pip install -q -e '.[dev,examples]' $(TORCH)
+	$(BIN)/python -m pip install -q -e '.[dev,examples,plot,deepspeed]' $(TORCH) $(DEEPSPEED)
 	touch $(STAMP)
 
-test: venv
+# DeepSpeed's CPU ops are C++ extensions compiled on first use and cached in ~/.cache/torch_extensions: build them
+# here so that no test waits minutes for a compiler. NVMe offload's async_io op needs libaio, installed with apt
+# when running as root; without it the NVMe training test skips (and impel's error names libaio-dev).
+deepspeed-ops: venv
+	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! dpkg -s libaio-dev >/dev/null 2>&1; then \
+		(apt-get update -qq && apt-get install -y -qq libaio-dev >/dev/null) || echo "libaio-dev not installed"; fi
+	DS_ACCELERATOR=cpu $(BIN)/python -c "from deepspeed.accelerator import get_accelerator as acc; \
+		op = acc().create_op_builder; aio = op('AsyncIOBuilder').is_compatible(verbose=False); \
+		[op(n).load(verbose=False) for n in ['ShareMemCommBuilder'] + aio * ['AsyncIOBuilder', 'PinMemoryBuilder']]"
+
+test: venv deepspeed-ops
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
 
 demo: venv
-	$(BIN)/impel launch --config_file examples/configs/ddp_cpu.yaml examples/train_causal_lm.py --max_steps 60
+	$(BIN)/impel launch --config_file examples/configs/ddp_cpu.yaml examples/train_genre_classifier.py
 
 bench: venv
 	$(BIN)/python -m pip install -q -e '.[bench]' $(TORCH)

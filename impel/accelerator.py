@@ -458,7 +458,8 @@ class Accelerator:
 
     def init_context(self) -> contextlib.AbstractContextManager[Any]:
         """Build models inside ``with accelerator.init_context():`` to have them created the strategy's way:
-        under DeepSpeed ZeRO-3 with ``zero3_init_flag`` they are partitioned at construction (elsewhere: no-op)."""
+        DeepSpeed ZeRO-3 with ``zero3_init_flag`` partitions them at construction, FSDP with RAM-efficient loading
+        builds them on the meta device on ranks > 0; elsewhere it does nothing."""
         return self.strategy.init_context()
 
     def precision_report(self, print_report: bool = False) -> PrecisionReport:

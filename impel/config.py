@@ -222,7 +222,8 @@ class DeepSpeedConfig:
             raise ConfigError(f"zero_stage={self.zero_stage!r} is not a DeepSpeed ZeRO stage; use 0, 1, 2 or 3")
         _validate_fields(self)
         for what in ("optimizer", "param"):
-            if getattr(self, f"offload_{what}_device") == "nvme" and not getattr(self, f"offload_{what}_nvme_path"):
+            path_needed = not getattr(self, f"offload_{what}_nvme_path") and not self.deepspeed_config_file
+            if getattr(self, f"offload_{what}_device") == "nvme" and path_needed:  # (a JSON may hold the path)
                 raise ConfigError(f"offload_{what}_device='nvme' needs offload_{what}_nvme_path; set it to a "
                                   "directory on the NVMe drive")
         if self.offload_param_device not in (None, "none") and self.zero_stage not in (None, 3):

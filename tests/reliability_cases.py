@@ -54,6 +54,10 @@ def _config_rows(work: Path) -> list[Row]:
     for name in sorted(BAD_FLAGS):
         flags, _ = BAD_FLAGS[name]
         rows.append(("launch flags", f"`impel launch {' '.join(flags)} train.py`", _cli(["launch", *flags, "train.py"])))
+    (work / "ds.json").write_text('{"zero_optimization": {"stage": 3}}')
+    rows.append(("launch flags", "`--use_deepspeed --zero_stage 2 --deepspeed_config_file ds.json` (the JSON says "
+                 "stage 3)", _cli(["launch", "--use_deepspeed", "--zero_stage", "2", "--deepspeed_config_file",
+                                   str(work / "ds.json"), str(work / "ds.json")])))
     rows.append(("launch flags", "`impel launch missing_script.py`", _cli(["launch", "missing_script.py"])))
     rows.append(("launch flags", "`impel launch -m no_such_module`", _cli(["launch", "-m", "no_such_module"])))
     return rows

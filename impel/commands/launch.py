@@ -72,6 +72,9 @@ def _check_engines(config: RunConfig, explicit: dict[str, Any]) -> None:
         path = config.deepspeed.deepspeed_config_file
         if path is not None:
             explicit["deepspeed_config"]["deepspeed_config_file"] = _check_json(path)
+        from ..strategies.deepspeed_config import check_before_launch
+
+        check_before_launch(RunConfig.from_dict(explicit))  # the JSON against the flags, before any rank starts
 
 
 def deepspeed_available() -> bool:

@@ -11,7 +11,7 @@ import contextlib
 import importlib
 import importlib.util
 from pathlib import Path
-from typing import TYPE_CHECKING, AbstractSet, Any, ContextManager, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, AbstractSet, Any, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -51,7 +51,7 @@ class Strategy:
                                                    handlers.scaler)
 
     # --- wrapping -------------------------------------------------------------------------------------------
-    def init_context(self) -> ContextManager[Any]:
+    def init_context(self) -> contextlib.AbstractContextManager[Any]:
         """Build models inside this context to have them created the strategy's way (ZeRO-3 partitions them)."""
         return contextlib.nullcontext()
 

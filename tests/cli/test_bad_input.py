@@ -67,3 +67,11 @@ def test_unknown_flag_is_an_argparse_error(tmp_path):
     res = impel(["launch", "--mixed_precison", "bf16", REPORT], tmp_path)
     assert res.returncode == 2 and "Traceback" not in res.output
     assert "unrecognized arguments: --mixed_precison" in res.stderr or "--mixed_precison" in res.stderr
+
+
+def test_deepspeed_json_contradicting_a_flag_fails_before_launch(tmp_path):
+    (tmp_path / "ds.json").write_text('{"zero_optimization": {"stage": 3}}')
+    marker = tmp_path / "started"
+    res = impel(["launch", "--use_deepspeed", "--zero_stage", "2", "--deepspeed_config_file", "ds.json", REPORT,
+                 "--touch", str(marker)], tmp_path)
+    _assert_clean_failure(res, ["zero_stage=2 contradicts zero_optimization.stage=3 in the DeepSpeed JSON"], marker)

@@ -1,0 +1,441 @@
+"""DeepSpeed ZeRO (stages 0-3, CPU/NVMe offload) behind the Strategy contract.
+
+``prepare`` builds one ``deepspeed.initialize`` engine per model from the model, its optimizer (the user's torch
+optimizer, or DeepSpeed's own from the JSON through :class:`DummyOptim`) and the JSON that
+:mod:`.deepspeed_config` settled. The prepared model is the engine; the prepared optimizer wraps the engine's
+torch optimizer (whose parameter groups now hold DeepSpeed's float32 master partitions), so schedulers built on
+the user's optimizer keep driving the learning rate.
+
+The training step goes through the engine: impel divides the loss by the real length of the accumulation group
+(``backward(loss, scale_wrt_gas=False)``), tells the engine whether this backward ends a group
+(``set_gradient_accumulation_boundary(sync_gradients)``), and ``optimizer.step()`` is ``engine.step()``, called only
+at a boundary. ``clip_grad_norm_`` hands its ``max_norm`` to the engine, which clips inside ``engine.step()``.
+deepspeed is imported here only, when this strategy is selected.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import logging
+import math
+import warnings
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Set as AbstractSet
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .. import env
+from ..config import ConfigError
+from ..precision import AutocastPrecision, Precision
+from .base import Strategy
+from .deepspeed_checkpoint import (
+    load_engines,
+    merge_zero_checkpoint,
+    safe_loading,
+    save_engines,
+)
+from .deepspeed_config import (
+    DummyOptim,
+    DummyScheduler,
+    fill_runtime,
+    init_config,
+    load_json,
+    resolve_static,
+)
+
+if TYPE_CHECKING:
+    from ..config import RunConfig
+    from ..plugins import Handlers
+    from ..precision_report import PrecisionReport
+    from ..state import ProcessState
+
+logger = logging.getLogger("impel")
+
+__all__ = ["DeepSpeedStrategy", "import_deepspeed", "merge_zero_checkpoint", "safe_loading"]
+
+INSTALL_HINT = "pip install 'impel[deepspeed]'"
+
+
+def import_deepspeed(device: torch.device, local_rank: int = 0) -> Any:
+    """deepspeed, imported with its accelerator matching impel's device; a clear ImportError when missing."""
+    env.prepare_deepspeed_environment(device.type, local_rank)
+    try:
+        import deepspeed
+        from deepspeed.accelerator import get_accelerator
+    except ImportError as exc:
+        raise ImportError(f"distributed_type=DEEPSPEED needs DeepSpeed, which cannot be imported ({exc}); run "
+                          f"{INSTALL_HINT} or use FSDP (--use_fsdp)") from exc
+    _quiet_deepspeed()
+    have = get_accelerator().device_name()
+    if have.split(":")[0] != device.type:
+        raise ConfigError(f"deepspeed was imported with its {have!r} accelerator but impel runs on {device}; "
+                          "create the Accelerator before importing deepspeed, or set DS_ACCELERATOR to match")
+    return deepspeed
+
+
+def _quiet_deepspeed() -> None:
+    """DeepSpeed logs its whole config and every init step at INFO, and calls two c10d functions torch deprecates
+    on every step: keep warnings and errors (``logging.getLogger("DeepSpeed").setLevel(logging.INFO)`` after the
+    Accelerator exists brings the rest back)."""
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` "
+                            r"is deprecated", category=FutureWarning)
+
+
+class EnginePrecision(AutocastPrecision):
+    """Autocast at the engine's dtype inside the prepared forward (inputs of any float dtype meet 16-bit weights);
+    loss scaling, unscaling and the optimizer step belong to the engine."""
+
+    def __init__(self, mode: str, dtype: torch.dtype, device: torch.device, autocast_kwargs: Any) -> None:
+        super().__init__(device, autocast_kwargs)
+        self.mode = mode
+        self.dtype = dtype
+
+
+class DeepSpeedStrategy(Strategy):
+    """ZeRO through ``deepspeed.initialize``; see the module docstring."""
+
+    name = "DEEPSPEED"
+
+    def __init__(self, state: ProcessState, config: RunConfig, handlers: Handlers) -> None:
+        self.deepspeed = import_deepspeed(state.device, state.local_process_index)
+        plugin = handlers.extra.get("deepspeed_plugin")
+        source = self._json_source(config, plugin)
+        ds, name = load_json(source)
+        self.resolved = resolve_static(ds, name, config, json_given=source is not None)
+        super().__init__(state, config, handlers)
+        if self.resolved.dtype != torch.float32:
+            self.precision = EnginePrecision(config.mixed_precision, self.resolved.dtype, state.device,
+                                             handlers.autocast)
+        else:
+            self.precision = Precision(state.device, handlers.autocast)
+        if handlers.scaler is not None:
+            logger.warning("GradScalerKwargs has no effect under DeepSpeed, whose engine scales fp16 losses itself; "
+                           "set fp16.loss_scale / fp16.initial_scale_power in the DeepSpeed JSON instead")
+        self.batch_min = plugin.is_train_batch_min if plugin is not None else True
+        self._check_nvme()
+        self._ensure_process_group()
+        self.engines: list[Any] = []
+        self.train_engine: Any = None
+        self._by_optimizer: dict[int, Any] = {}  # id(given or returned optimizer) -> engine
+        self._dataloaders: list[Any] = []
+        self._call_schedulers: list[Any] = []
+        self._load_dtypes: dict[int, Any] = {}
+        self._upcast = False
+        self._last_boundary = True
+        self._pending_clip: float | None = None
+        self._pending_norm: torch.Tensor | None = None
+        self._hf_config = self._register_with_transformers()
+
+    # --- construction helpers -------------------------------------------------------------------------------
+    @staticmethod
+    def _json_source(config: RunConfig, plugin: Any) -> Any:
+        path = config.deepspeed.deepspeed_config_file
+        given = getattr(plugin, "hf_ds_config", None)
+        if isinstance(given, Mapping):
+            if path is not None:
+                raise ConfigError(f"DeepSpeedPlugin(hf_ds_config=<dict>) and deepspeed_config_file={path!r} both "
+                                  "give the DeepSpeed JSON; keep one")
+            return given
+        return path
+
+    def _check_nvme(self) -> None:
+        from deepspeed.accelerator import get_accelerator
+
+        for what in ("optimizer", "param"):
+            if self.resolved.offload(what) != "nvme":
+                continue
+            builder = get_accelerator().create_op_builder("AsyncIOBuilder")
+            if builder is None or not builder.is_compatible(verbose=False):
+                raise ConfigError(
+                    f"offload_{what}_device='nvme' needs DeepSpeed's async I/O op (async_io), which cannot be built "
+                    "on this machine: the libaio library and headers were not found. Install them (Debian/Ubuntu: "
+                    f"apt-get install libaio-dev) and retry, or set offload_{what}_device to 'cpu'")
+
+    def _ensure_process_group(self) -> None:
+        """DeepSpeed needs a process group even for one process: a gloo/nccl group of one over an in-memory store."""
+        if dist.is_initialized():
+            return
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+    def _register_with_transformers(self) -> Any:
+        """With zero3_init_flag, transformers' ``from_pretrained`` loads straight into ZeRO-3 partitions when it
+        can see the config (the Accelerator must exist before ``from_pretrained``)."""
+        if not (self.resolved.stage == 3 and self.resolved.zero3_init):
+            return None
+        if importlib.util.find_spec("transformers") is None:
+            return None
+        from transformers.integrations import deepspeed as hf_deepspeed
+
+        handle = _Zero3Announcement(init_config(self.resolved))
+        hf_deepspeed.set_hf_deepspeed_config(handle)  # transformers keeps a weak reference; we keep the object
+        return handle
+
+    # --- wrapping -------------------------------------------------------------------------------------------
+    def init_context(self) -> contextlib.AbstractContextManager[Any]:
+        if not (self.resolved.stage == 3 and self.resolved.zero3_init):
+            return contextlib.nullcontext()
+        # mem_efficient_linear=False: DeepSpeed's default replaces torch.nn.functional.linear for the whole process,
+        # for good ("This will persist unless manually reset"), which would reach every other model.
+        return self.deepspeed.zero.Init(config_dict_or_path=init_config(self.resolved), dtype=self.resolved.dtype,
+                                        mem_efficient_linear=False)
+
+    def before_setup(self, dataloaders: Sequence[Any], schedulers: Sequence[Any]) -> None:
+        self._dataloaders = list(dataloaders)
+        self._call_schedulers = list(schedulers)
+
+    def setup(self, models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
+              device_placement: Sequence[bool]) -> tuple[list[nn.Module], list[torch.optim.Optimizer]]:
+        owners = self._pair(models, optimizers)
+        engines = []
+        for index, (model, place) in enumerate(zip(models, device_placement)):
+            mine = [opt for opt, owner in zip(optimizers, owners) if owner == index]
+            engines.append(self._build_engine(model, mine[0] if mine else None, place))
+        returned = [self._by_optimizer[id(opt)].basic_optimizer for opt in optimizers]
+        return engines, returned
+
+    def _pair(self, models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer]) -> list[int]:
+        """For each optimizer, the index of the model (in this call) that owns its parameters."""
+        if optimizers and not models:
+            raise ConfigError("DeepSpeed builds one engine from a model and its optimizer: pass the model to the same "
+                              "prepare() call as its optimizer")
+        if len(optimizers) + (self.train_engine is not None) > 1:
+            raise ConfigError("DeepSpeed trains one model with one optimizer per Accelerator (one engine); prepare() "
+                              f"got {len(optimizers)} optimizer(s) after {len(self.engines)} engine(s) were built")
+        owned = [{id(p) for p in m.parameters()} for m in models]
+        owners = []
+        for opt in optimizers:
+            params = {id(p) for g in opt.param_groups for p in g["params"]}
+            owner = next((i for i, mine in enumerate(owned) if params <= mine), None)
+            if owner is None:
+                raise ConfigError(f"the optimizer {type(opt).__name__} passed to prepare() updates parameters that "
+                                  "no model in the same call owns; pass the model and its optimizer together")
+            owners.append(owner)
+        return owners
+
+    def _build_engine(self, model: nn.Module, optimizer: Any, place: bool) -> Any:
+        from ..precision_report import dtype_of
+
+        if not place:
+            logger.warning("device_placement=False has no effect under DeepSpeed: its engine places %s on %s",
+                           type(model).__name__, self.device)
+        self._load_dtypes[id(model)] = dtype_of(model.parameters())
+        self._match_precision(model)
+        scheduler = next((s for s in self._call_schedulers if getattr(s, "optimizer", None) is optimizer
+                          and optimizer is not None), None)
+        cfg = fill_runtime(self.resolved, micro_batch=self._micro_batch(), world=self.state.num_processes,
+                           optimizer=optimizer, scheduler=scheduler, has_optimizer=optimizer is not None)
+        self._check_accumulation(cfg)
+        kwargs: dict[str, Any] = {"model": model, "config": cfg}
+        if isinstance(optimizer, DummyOptim):
+            kwargs["model_parameters"] = optimizer.params
+        elif optimizer is not None:
+            kwargs["optimizer"] = optimizer
+        if isinstance(scheduler, DummyScheduler) and scheduler.lr_scheduler_callable is not None:
+            kwargs["lr_scheduler"] = scheduler.lr_scheduler_callable
+        engine, *_ = self.deepspeed.initialize(**kwargs)
+        self._load_dtypes[id(engine)] = self._load_dtypes.pop(id(model))
+        self.engines.append(engine)
+        if optimizer is not None:
+            self.train_engine = engine
+            self._by_optimizer[id(optimizer)] = engine
+            self._by_optimizer[id(engine.basic_optimizer)] = engine
+        return engine
+
+    def _match_precision(self, model: nn.Module) -> None:
+        """fp32 DeepSpeed runs on fp32 parameters: a model loaded in 16 bits is upcast here (DeepSpeed's own
+        bf16/fp16 modes cast the module themselves and keep fp32 masters in the optimizer)."""
+        if self.resolved.dtype != torch.float32 or any(hasattr(p, "ds_id") for p in model.parameters()):
+            return
+        if any(p.is_floating_point() and p.dtype != torch.float32 for p in model.parameters()):
+            model.to(torch.float32)
+            self._upcast = True
+
+    def _micro_batch(self) -> int | None:
+        sizes = [dl.batch_size for dl in self._dataloaders if getattr(dl, "batch_size", None)]
+        if not sizes:
+            return None
+        return min(sizes) if self.batch_min else max(sizes)
+
+    def _check_accumulation(self, cfg: Mapping[str, Any]) -> None:
+        gs = self.gradient_state
+        if gs is None:
+            return
+        if gs.num_steps != cfg["gradient_accumulation_steps"]:
+            raise ConfigError(f"the Accelerator accumulates {gs.num_steps} micro-steps but the DeepSpeed config says "
+                              f"gradient_accumulation_steps={cfg['gradient_accumulation_steps']}; set one value")
+        if gs.plugin.sync_each_batch and self.resolved.stage < 2:
+            raise ConfigError(f"GradientAccumulationPlugin(sync_each_batch=True) has no DeepSpeed equivalent at ZeRO "
+                              f"stage {self.resolved.stage}; use ZeRO-2/3 (which reduce gradients on every micro-step "
+                              "anyway) or drop sync_each_batch")
+
+    def resolve_scheduler(self, scheduler: Any) -> Any:
+        if not isinstance(scheduler, DummyScheduler):
+            if isinstance(getattr(scheduler, "optimizer", None), DummyOptim):
+                raise ConfigError(f"{type(scheduler).__name__} was built on a DummyOptim, which never steps; build "
+                                  "it on the optimizer prepare() returned, or use DummyScheduler")
+            return scheduler
+        engine = self._by_optimizer.get(id(scheduler.optimizer))
+        if engine is None:
+            raise ConfigError("a DummyScheduler must be prepared with (or after) its optimizer: pass both to the same "
+                              "prepare() call")
+        built = engine.lr_scheduler
+        if built is None:
+            raise ConfigError("the DeepSpeed engine built no scheduler for this DummyScheduler; define a \"scheduler\" "
+                              "in the DeepSpeed JSON or pass DummyScheduler(lr_scheduler_callable=...)")
+        engine.lr_scheduler = None  # impel's prepared scheduler steps it: once per real optimizer step
+        return built
+
+    def unwrap_model(self, model: nn.Module) -> nn.Module:
+        return model.module if isinstance(model, self.deepspeed.DeepSpeedEngine) else model
+
+    # --- the training step ----------------------------------------------------------------------------------
+    def _engine(self) -> Any:
+        if self.train_engine is None:
+            raise ConfigError("no DeepSpeed engine with an optimizer yet: prepare the model and its optimizer "
+                              "together before backward()")
+        return self.train_engine
+
+    def _engine_for(self, optimizer: torch.optim.Optimizer) -> Any:
+        engine = self._by_optimizer.get(id(optimizer))
+        return self._engine() if engine is None else engine
+
+    def _boundary(self) -> bool:
+        gs = self.gradient_state
+        return True if gs is None else bool(gs.sync_gradients and not gs.manual_no_sync)
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        engine = self._engine()
+        boundary = self._boundary()
+        engine.set_gradient_accumulation_boundary(boundary)
+        self._last_boundary = boundary
+        engine.backward(loss, scale_wrt_gas=False, **kwargs)  # impel already divided by the group's real length
+
+    def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        return None  # the engine unscales fp16 gradients inside its step
+
+    def _plain_gradients(self, engine: Any) -> bool:
+        """Stage 0 in fp32: gradients live in ``param.grad`` (all-reduced at the boundary), no DeepSpeed wrapper."""
+        return engine.optimizer is engine.basic_optimizer and not engine.zero_optimization()
+
+    def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float,
+                        optimizers: Sequence[torch.optim.Optimizer]) -> torch.Tensor:
+        """Clip at ``max_norm`` over all the engine's parameters. With ZeRO the gradients live in DeepSpeed's
+        partitions and the engine computes the norm inside ``optimizer.step()``: the returned tensor is filled then
+        (NaN until the step runs)."""
+        engine = self._engine()
+        if float(norm_type) != 2.0:
+            raise ConfigError(f"clip_grad_norm_(norm_type={norm_type}) is not available under DeepSpeed, which clips "
+                              "by the 2-norm; use norm_type=2")
+        configured = self.resolved.clipping
+        if configured > 0 and not math.isclose(configured, float(max_norm)):
+            raise ConfigError(f"clip_grad_norm_(max_norm={max_norm}) contradicts gradient_clipping={configured} in "
+                              f"{self.resolved.source}, which the engine applies every step; pass max_norm="
+                              f"{configured} or set gradient_clipping to {max_norm} (or to \"auto\"/0)")
+        if self._plain_gradients(engine):
+            params = [p for p in engine.module.parameters() if p.grad is not None]
+            if configured > 0:  # the engine clips inside step(); only report the norm
+                return torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
+            return torch.nn.utils.clip_grad_norm_(params, float(max_norm))
+        if configured == 0:
+            self._pending_clip = float(max_norm)
+        self._pending_norm = torch.full((), float("nan"))
+        return self._pending_norm
+
+    def clip_grad_value_(self, parameters: Iterable[torch.Tensor], clip_value: float,
+                         optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        engine = self._engine()
+        if not self._plain_gradients(engine):
+            raise ConfigError("clip_grad_value_ is not available under DeepSpeed ZeRO or its 16-bit modes (the "
+                              "gradients live in the engine's partitions); use clip_grad_norm_ or gradient_clipping")
+        torch.nn.utils.clip_grad_value_([p for p in engine.module.parameters() if p.grad is not None], clip_value)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any = None) -> bool:
+        engine = self._engine_for(optimizer)
+        if closure is not None:
+            raise ConfigError("optimizer.step(closure) is not available under DeepSpeed (engine.step() takes no "
+                              "closure); compute the loss and call accelerator.backward(loss) before step()")
+        if not self._last_boundary:
+            raise ConfigError("optimizer.step() after a backward that did not end an accumulation group (inside "
+                              "accelerator.no_sync()): DeepSpeed steps only at a boundary; accumulate with "
+                              "gradient_accumulation_steps / accelerator.accumulate() instead of no_sync()")
+        with self._clipping(engine):
+            engine.step()
+        return bool(engine.was_step_applied())
+
+    @contextlib.contextmanager
+    def _clipping(self, engine: Any) -> Iterator[None]:
+        """Apply a pending ``clip_grad_norm_`` to this one step and fill the norm it returned."""
+        clip, norm = self._pending_clip, self._pending_norm
+        self._pending_clip = self._pending_norm = None
+        target = engine.optimizer
+        if clip is not None:
+            target.clip_grad = clip
+        try:
+            yield
+        finally:
+            if clip is not None:
+                target.clip_grad = 0.0
+        if norm is not None:
+            value = engine.get_global_grad_norm()
+            norm.fill_(float("nan") if value is None else float(value))
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool = True) -> None:
+        self._engine_for(optimizer).optimizer.zero_grad(set_to_none=set_to_none)
+
+    # --- state ----------------------------------------------------------------------------------------------
+    def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The module's weights as the engine computes with them (16-bit under bf16/fp16). ZeRO-3 gathers them on
+        rank 0 (an empty dict elsewhere) and only with ``zero3_save_16bit_model``."""
+        if not isinstance(model, self.deepspeed.DeepSpeedEngine):
+            return super().model_state_dict(model)
+        if model.zero_optimization_partition_weights():
+            if not self.resolved.save_16bit:
+                raise ConfigError("under ZeRO-3 the weights are partitioned; set zero3_save_16bit_model=True to "
+                                  "gather them for save_model/get_state_dict, or save_state() and export full "
+                                  "float32 weights with impel.merge_weights")
+            state = model._zero3_consolidated_16bit_state_dict()
+            return dict(state) if state is not None else {}
+        return {k: v.detach().clone() for k, v in model.module.state_dict().items()}
+
+    def save_checkpoint(self, models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
+                        directory: Path, *, writer: bool, safe_serialization: bool,
+                        skip_models: AbstractSet[int] = frozenset()) -> dict[str, Any]:
+        """Each engine's own checkpoint (its ZeRO partitions, written by every rank); see deepspeed_checkpoint."""
+        return save_engines(models, directory, stage=self.resolved.stage, world=self.state.num_processes,
+                            dtype=self.resolved.dtype)
+
+    def load_checkpoint(self, models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
+                        directory: Path, metadata: Mapping[str, Any], *,
+                        skip_models: AbstractSet[int] = frozenset()) -> None:
+        load_engines(models, directory, metadata, skip_models, stage=self.resolved.stage,
+                     world=self.state.num_processes)
+
+    def precision_report(self, models: Sequence[nn.Module],
+                         optimizers: Sequence[torch.optim.Optimizer]) -> PrecisionReport:
+        from .deepspeed_report import engine_report
+
+        return engine_report(self, models, optimizers)
+
+    def teardown(self) -> None:
+        if self._hf_config is not None and importlib.util.find_spec("transformers") is not None:
+            from transformers.integrations import deepspeed as hf_deepspeed
+
+            hf_deepspeed.unset_hf_deepspeed_config()
+            self._hf_config = None
+
+
+class _Zero3Announcement:
+    """What transformers' ``is_deepspeed_zero3_enabled()`` / ``deepspeed_config()`` read (the part of its
+    HfDeepSpeedConfig they use), without needing accelerate installed."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        self.config = config
+
+    def is_zero3(self) -> bool:
+        return True

@@ -1,0 +1,87 @@
+"""One training script, three launches that differ only in flags: DDP, ``--use_deepspeed --zero_stage 2`` and
+``--use_fsdp``, each on 2 CPU ranks through ``impel launch`` (a real subprocess bounded by a timeout that kills its
+process group; ``IMPEL_CONFIG_FILE`` points at a missing file so no user config is read).
+
+The loss curves (rank-averaged, every step) must agree within 1e-5 absolute + 1e-5 relative: all three average the
+same float32 gradients over the same global batches; only the order of the reductions differs.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+IMPEL = ROOT / ".venv" / "bin" / "impel"
+TIMEOUT_S = 240
+TOLERANCE = 1e-5
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+               "IMPEL_CONFIG", "TORCHELASTIC_RUN_ID", "DS_ACCELERATOR")
+
+SCRIPT = '''
+import json
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from impel import Accelerator
+
+acc = Accelerator()
+g = torch.Generator().manual_seed(0)
+x = torch.randn(96, 6, generator=g)
+y = 0.3 * x.sum(1, keepdim=True)
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 1))
+opt = torch.optim.AdamW(model.parameters(), lr=3e-2)
+model, opt, loader = acc.prepare(model, opt, DataLoader(TensorDataset(x, y), batch_size=4))
+losses = []
+for xb, yb in loader:
+    loss = nn.functional.mse_loss(model(xb), yb)
+    acc.backward(loss)
+    opt.step()
+    opt.zero_grad()
+    losses.append(acc.reduce(loss.detach(), "mean").item())
+acc.print("result: " + json.dumps({"type": str(acc.distributed_type), "losses": losses}))
+acc.end_training()
+'''
+
+
+def launch(flags: list[str], cwd: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", IMPEL_CONFIG_FILE=str(cwd / "absent.yaml"))
+    cmd = [str(IMPEL), "launch", "--cpu", "--num_processes", "2", *flags, str(cwd / "train.py")]
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"{' '.join(cmd)} did not finish in {TIMEOUT_S}s:\n{output[-4000:]}")
+    assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}:\n{output[-6000:]}"
+    results = re.findall(r"^result: (.*)$", output, flags=re.MULTILINE)
+    assert len(results) == 1, output[-4000:]
+    return json.loads(results[0])
+
+
+def assert_same_curve(got: list[float], want: list[float]) -> None:
+    assert len(got) == len(want) == 12
+    for step, (a, b) in enumerate(zip(got, want)):
+        assert abs(a - b) <= TOLERANCE + TOLERANCE * abs(b), f"step {step}: {a} vs {b}"
+
+
+def test_only_the_launch_flags_change_between_ddp_deepspeed_and_fsdp(tmp_path):
+    (tmp_path / "train.py").write_text(SCRIPT)
+    ddp = launch([], tmp_path)
+    deepspeed = launch(["--use_deepspeed", "--zero_stage", "2"], tmp_path)
+    fsdp = launch(["--use_fsdp", "--fsdp_sharding_strategy", "FULL_SHARD"], tmp_path)
+    assert (ddp["type"], deepspeed["type"], fsdp["type"]) == ("MULTI_CPU", "DEEPSPEED", "FSDP")
+    assert sum(ddp["losses"][-4:]) < 0.5 * sum(ddp["losses"][:4])  # it learns
+    assert_same_curve(deepspeed["losses"], ddp["losses"])
+    assert_same_curve(fsdp["losses"], deepspeed["losses"])
