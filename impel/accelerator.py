@@ -17,11 +17,11 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
 import logging
 import os
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -42,6 +42,7 @@ from .plugins import (
     Handlers,
     ProjectConfiguration,
 )
+from .process_utilities import ProcessUtilities
 from .resilience import Resilience
 from .state import ProcessState
 from .strategies.base import Strategy, load_strategy
@@ -59,7 +60,7 @@ except ImportError:  # pragma: no cover - torch < 2.0
 _PREPARABLE = "torch.nn.Module, torch.optim.Optimizer, torch.utils.data.DataLoader, torch.optim.lr_scheduler.LRScheduler"
 
 
-class Accelerator:
+class Accelerator(ProcessUtilities):
     """Runs one training loop unchanged on CPU, one GPU, several GPUs or several machines."""
 
     def __init__(self, device_placement: bool = True, split_batches: bool | None = None,
@@ -319,7 +320,7 @@ class Accelerator:
         self.strategy.backward(loss, **kwargs)
         gs.end_auto()
 
-    def accumulate(self, *models: nn.Module) -> "MicroStep":
+    def accumulate(self, *models: nn.Module) -> MicroStep:
         """One micro-step: gradients sync (and the optimizer steps) only when it ends a group."""
         return MicroStep(self.gradient_state)
 
@@ -360,94 +361,6 @@ class Accelerator:
         targets = self._optimizers if optimizer is None else [optimizer]
         for opt in targets:
             self.strategy.unscale_gradients(opt.optimizer if isinstance(opt, AcceleratedOptimizer) else opt)
-
-    # --- collectives ------------------------------------------------------------------------------------------
-    def gather(self, tensor: Any) -> Any:
-        return collectives.gather(tensor)
-
-    def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
-        """Gather across ranks and drop the samples ``even_batches`` duplicated in the last batch."""
-        as_objects = use_gather_object
-        if not as_objects:
-            try:
-                data = collectives.gather(input_data)
-            except TypeError:
-                as_objects = True
-        if as_objects:
-            data = collectives.gather_object(input_data)
-        remainder = self.gradient_state.remainder
-        if remainder < 0:
-            return data
-        return data[:remainder] if as_objects else collectives.truncate(data, remainder)
-
-    def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
-        return collectives.reduce(tensor, reduction, scale)
-
-    def pad_across_processes(self, tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
-        return collectives.pad_across_processes(tensor, dim, pad_index, pad_first)
-
-    def broadcast(self, data: Any, from_process: int = 0) -> Any:
-        return collectives.broadcast(data, from_process)
-
-    def broadcast_object_list(self, object_list: list[Any], from_process: int = 0) -> list[Any]:
-        return collectives.broadcast_object_list(object_list, from_process)
-
-    def wait_for_everyone(self) -> None:
-        self.state.wait_for_everyone()
-
-    # --- process control --------------------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def main_process_first(self) -> Iterator[None]:
-        with self._first(self.is_main_process):
-            yield
-
-    @contextlib.contextmanager
-    def local_main_process_first(self) -> Iterator[None]:
-        with self._first(self.is_local_main_process):
-            yield
-
-    @contextlib.contextmanager
-    def _first(self, leader: bool) -> Iterator[None]:
-        if not leader:
-            self.wait_for_everyone()
-        yield
-        if leader:
-            self.wait_for_everyone()
-
-    def on_main_process(self, function: Callable[..., Any]) -> Callable[..., Any]:
-        return self._only(function, lambda: self.is_main_process)
-
-    def on_local_main_process(self, function: Callable[..., Any]) -> Callable[..., Any]:
-        return self._only(function, lambda: self.is_local_main_process)
-
-    def on_last_process(self, function: Callable[..., Any]) -> Callable[..., Any]:
-        return self._only(function, lambda: self.is_last_process)
-
-    def on_process(self, function: Callable[..., Any] | None = None, process_index: int | None = None) -> Any:
-        if function is None:
-            return functools.partial(self.on_process, process_index=process_index)
-        if process_index is None:
-            raise ConfigError("on_process needs process_index=N")
-        return self._only(function, lambda: self.process_index == process_index)
-
-    @staticmethod
-    def _only(function: Callable[..., Any], predicate: Callable[[], bool]) -> Callable[..., Any]:
-        @functools.wraps(function)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            return function(*args, **kwargs) if predicate() else None
-
-        return wrapper
-
-    def print(self, *args: Any, **kwargs: Any) -> None:
-        if self.is_main_process:
-            print(*args, **kwargs)
-
-    @contextlib.contextmanager
-    def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> Iterator[Any]:
-        """Yield this rank's contiguous share of a list, tuple, dict of sequences or tensor."""
-        from .splitting import split_for_rank
-
-        yield split_for_rank(inputs, self.num_processes, self.process_index, apply_padding)
 
     # --- models and memory ------------------------------------------------------------------------------------
     def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True) -> nn.Module:
