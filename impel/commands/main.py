@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import config, env, estimate, launch, test
+from . import config, env, estimate, launch, merge, test
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -17,8 +17,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="impel", description="Run one PyTorch training loop anywhere: one CPU, "
                                      "one GPU, many GPUs or many machines, with DDP, FSDP2 or DeepSpeed.")
     parser.add_argument("--version", action="version", version=f"impel {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{config,launch,env,test,estimate-memory}")
-    for module in (config, launch, env, test, estimate):
+    sub = parser.add_subparsers(dest="command", metavar="{config,launch,env,test,estimate-memory,merge-weights}")
+    for module in (config, launch, env, test, estimate, merge):
         module.register(sub)
     return parser
 

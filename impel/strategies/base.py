@@ -10,8 +10,9 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, AbstractSet, Any, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, AbstractSet, Any
 
 import torch
 from torch import nn
@@ -40,9 +41,9 @@ class Strategy:
 
     name = "NO"
     # The Accelerator's accumulation state, set right after construction (DeepSpeed's engine needs its boundary).
-    gradient_state: "GradientState | None" = None
+    gradient_state: GradientState | None = None
 
-    def __init__(self, state: "ProcessState", config: "RunConfig", handlers: "Handlers") -> None:
+    def __init__(self, state: ProcessState, config: RunConfig, handlers: Handlers) -> None:
         self.state = state
         self.config = config
         self.handlers = handlers
@@ -58,7 +59,7 @@ class Strategy:
     def before_setup(self, dataloaders: Sequence[Any], schedulers: Sequence[Any]) -> None:
         """Called by ``prepare`` before ``setup`` with every dataloader prepared so far and this call's raw
         schedulers (DeepSpeed sizes its batch and fills its JSON's "auto" values from them)."""
-        return None
+        return
 
     def resolve_scheduler(self, scheduler: Any) -> Any:
         """The scheduler ``prepare`` wraps (DeepSpeed swaps a DummyScheduler for the one its engine built)."""
@@ -88,7 +89,7 @@ class Strategy:
     # --- the training step ----------------------------------------------------------------------------------
     def set_grad_sync(self, model: nn.Module, enabled: bool) -> None:
         """Turn the cross-rank gradient reduction of the next backward on or off (accumulation)."""
-        return None
+        return
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         self.precision.backward(loss, **kwargs)
@@ -146,17 +147,23 @@ class Strategy:
     def load_checkpoint(self, models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
                         directory: Path, metadata: Mapping[str, Any], *,
                         skip_models: AbstractSet[int] = frozenset()) -> None:
-        """Load what ``save_checkpoint`` wrote (``metadata`` is its returned section), on every rank."""
-        from ..checkpoint.full import load_full
+        """Load what ``save_checkpoint`` wrote (``metadata`` is its returned section), on every rank.
 
-        load_full(models, optimizers, directory, metadata, skip_models=skip_models)
+        Base: full files, or a sharded (DCP) checkpoint from FSDP, which DCP reads into full tensors on every rank.
+        """
+        from ..checkpoint import full, sharded
+
+        if metadata.get("format") == sharded.FORMAT:
+            sharded.load_sharded(models, optimizers, directory, metadata, skip_models=skip_models)
+        else:
+            full.load_full(models, optimizers, directory, metadata, skip_models=skip_models)
 
     def teardown(self) -> None:
         return None
 
 
-def load_strategy(distributed_type: str, state: "ProcessState", config: "RunConfig",
-                  handlers: "Handlers") -> Strategy:
+def load_strategy(distributed_type: str, state: ProcessState, config: RunConfig,
+                  handlers: Handlers) -> Strategy:
     if distributed_type == "AUTO":
         raise ConfigError("distributed_type='AUTO' is resolved by impel launch from a memory estimate; run the script "
                           "with `impel launch --strategy auto --auto_model MODEL` or set a concrete distributed_type")

@@ -1,0 +1,40 @@
+"""``impel merge-weights CHECKPOINT OUT``: full weights (Hugging Face layout) from any impel checkpoint."""
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser("merge-weights", help="write full weights from a sharded (FSDP) or ZeRO checkpoint",
+                              description="Reads a save_state checkpoint on this one process (no GPUs or ranks "
+                                          "needed) and writes model.safetensors (or shards + index) into OUT.")
+    p.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint directory written by save_state")
+    p.add_argument("out", metavar="OUT", help="the directory to write the weights into")
+    p.add_argument("--model_index", type=int, default=0, help="which prepared model (default: the first)")
+    p.add_argument("--max_shard_size", default="10GB", help="split files larger than this (e.g. 5GB)")
+    p.add_argument("--unsafe_serialization", action="store_true",
+                   help="write pytorch_model.bin (torch.save) instead of safetensors")
+    p.set_defaults(handler=main)
+
+
+def main(ns: argparse.Namespace) -> int:
+    import os
+
+    from ..checkpoint.layout import CheckpointError
+    from ..checkpoint.merge import merge_weights
+    from ..config import ConfigError
+
+    if not os.path.isdir(ns.checkpoint):
+        raise ConfigError(f"checkpoint {ns.checkpoint!r} is not a directory; pass a directory written by save_state "
+                          "(e.g. project_dir/checkpoints/checkpoint_3)")
+    try:
+        files = merge_weights(ns.checkpoint, ns.out, model_index=ns.model_index,
+                              safe_serialization=not ns.unsafe_serialization, max_shard_size=ns.max_shard_size)
+    except CheckpointError as exc:
+        raise ConfigError(str(exc)) from None
+    total = sum(os.path.getsize(f) for f in files)
+    print(f"wrote {len(files)} file(s), {total / 1e6:.1f} MB, to {ns.out}:")
+    for f in files:
+        print(f"  {f}")
+    return 0
