@@ -88,9 +88,15 @@ class Resilience:
 
     # --- dataloader hooks -------------------------------------------------------------------------------------
     def on_iter_start(self, loader: Any) -> None:
-        if self.resume_pending:
-            self.resume_pending = False
-            self._resume()
+        self.resume_now()
+
+    def resume_now(self) -> str | None:
+        """Do the pending auto-resume now (the Trainer calls this before it plans its loop); the checkpoint path,
+        or None when there was nothing to resume from (or it already happened)."""
+        if not self.resume_pending:
+            return None
+        self.resume_pending = False
+        return self._resume()
 
     def before_batch(self, loader: Any) -> None:
         if not self.handle_preemption or not self.acc.gradient_state.sync_gradients:
@@ -102,7 +108,7 @@ class Resilience:
                       "command to continue)", flush=True)
             raise SystemExit(PREEMPTED_EXIT_CODE)
 
-    def _resume(self) -> None:
+    def _resume(self) -> str | None:
         from .checkpoint import layout
         from .collectives import broadcast_object_list
 
@@ -113,12 +119,13 @@ class Resilience:
         if not found[0]:
             if self.acc.is_main_process:
                 print(f"impel: auto_resume: no complete checkpoint under {root} yet; starting fresh", flush=True)
-            return
+            return None
         self.resumed_from = self.acc.load_state()
         if self.acc.is_main_process:
             steps = sum(o.steps_taken for o in self.acc._optimizers)
             print(f"impel: auto_resume: resumed from {self.resumed_from} (optimizer steps taken: {steps})",
                   flush=True)
+        return self.resumed_from
 
     # --- non-finite losses ------------------------------------------------------------------------------------
     def observe(self, loss: torch.Tensor) -> None:

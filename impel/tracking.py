@@ -1,0 +1,180 @@
+"""Metric sinks: a JSONL file always (on the main process), TensorBoard / W&B / MLflow when asked for.
+
+Each tracker has ``log(values, step)`` and ``finish()``. A tracker that is asked for but not installed raises a
+ConfigError naming the ``pip install`` that fixes it, on every rank (so no rank waits for one that failed).
+The tracker packages are imported only when a tracker is built.
+
+Example::
+
+    trackers = make_trackers(["tensorboard"], "runs/a", run_name="a", config={"lr": 1e-3}, main_process=True,
+                             jsonl_path="runs/a/metrics.jsonl")
+    for t in trackers:
+        t.log({"loss": 0.5}, step=10)
+    for t in trackers:
+        t.finish()
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from .config import ConfigError
+
+# tracker name -> (module to import, pip package)
+PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow")}
+
+
+def installed_trackers() -> list[str]:
+    """The trackers whose packages are importable here (what ``report_to="all"`` means)."""
+    return [name for name, (module, _) in PACKAGES.items() if importlib.util.find_spec(module) is not None]
+
+
+def check_installed(names: Iterable[str]) -> None:
+    """Raise a ConfigError naming ``pip install <package>`` for the first tracker that is not installed."""
+    for name in names:
+        if name not in PACKAGES:
+            raise ConfigError(f"report_to={name!r} is not a tracker impel knows; use one of {', '.join(PACKAGES)}")
+        module, package = PACKAGES[name]
+        if importlib.util.find_spec(module) is None:
+            raise ConfigError(f"report_to={name!r} needs the {package!r} package, which is not installed: "
+                              f"pip install {package}  (or drop {name!r} from report_to)")
+
+
+def _plain(value: Any) -> Any:
+    """A JSON-friendly scalar: tensors and numpy numbers become Python numbers, non-finite floats stay floats."""
+    if hasattr(value, "item") and callable(value.item):
+        try:
+            value = value.item()
+        except (ValueError, RuntimeError):
+            return str(value)
+    return value
+
+
+class Tracker:
+    """Base class of the metric sinks."""
+
+    name = "base"
+
+    def log(self, values: Mapping[str, Any], step: int) -> None:
+        raise NotImplementedError
+
+    def finish(self) -> None:
+        """Flush and close; safe to call twice."""
+
+
+class JSONLTracker(Tracker):
+    """One JSON object per ``log`` call (``{"step": N, ...}``) appended to ``path``; each line is flushed.
+
+    ``history`` rows are written first, replacing the file: a resumed run rewrites the history up to its
+    checkpoint, so lines an interrupted run wrote after that checkpoint do not linger.
+    """
+
+    name = "jsonl"
+
+    def __init__(self, path: str | os.PathLike[str], history: Sequence[Mapping[str, Any]] = ()) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file: Any = open(self.path, "w", encoding="utf-8")  # noqa: SIM115 - open for the whole run
+        for row in history:
+            self._write(dict(row))
+
+    def _write(self, row: dict[str, Any]) -> None:
+        clean = {k: _plain(v) for k, v in row.items()}
+        # NaN/inf are written as JSON's non-standard tokens, which json.loads reads back
+        self._file.write(json.dumps(clean, allow_nan=True) + "\n")
+        self._file.flush()
+
+    def log(self, values: Mapping[str, Any], step: int) -> None:
+        self._write({"step": step, **{k: v for k, v in values.items() if k != "step"}})
+
+    def finish(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+
+
+class TensorBoardTracker(Tracker):
+    """Scalars to a TensorBoard event file under ``logging_dir`` (needs ``pip install tensorboard``)."""
+
+    name = "tensorboard"
+
+    def __init__(self, logging_dir: str, run_name: str | None, config: Mapping[str, Any]) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=os.path.join(logging_dir, "tensorboard", run_name or ""))
+        self.writer.add_text("config", "```\n" + json.dumps(dict(config), indent=1, default=str) + "\n```")
+
+    def log(self, values: Mapping[str, Any], step: int) -> None:
+        for key, value in values.items():
+            value = _plain(value)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                self.writer.add_scalar(key, value, global_step=step)
+        self.writer.flush()
+
+    def finish(self) -> None:
+        self.writer.close()
+
+
+class WandBTracker(Tracker):
+    """A Weights & Biases run (project from ``$WANDB_PROJECT``, else "impel"; needs ``pip install wandb``)."""
+
+    name = "wandb"
+
+    def __init__(self, logging_dir: str, run_name: str | None, config: Mapping[str, Any]) -> None:
+        import wandb
+
+        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "impel"), name=run_name,
+                              config=dict(config), dir=logging_dir)
+
+    def log(self, values: Mapping[str, Any], step: int) -> None:
+        self.run.log({k: _plain(v) for k, v in values.items()}, step=step)
+
+    def finish(self) -> None:
+        self.run.finish()
+
+
+class MLflowTracker(Tracker):
+    """An MLflow run (tracking URI from ``$MLFLOW_TRACKING_URI``; needs ``pip install mlflow``)."""
+
+    name = "mlflow"
+
+    def __init__(self, logging_dir: str, run_name: str | None, config: Mapping[str, Any]) -> None:
+        import mlflow
+
+        self.mlflow = mlflow
+        self.run = mlflow.start_run(run_name=run_name)
+        mlflow.log_params({k: str(v)[:500] for k, v in config.items()})
+
+    def log(self, values: Mapping[str, Any], step: int) -> None:
+        numbers = {k: float(_plain(v)) for k, v in values.items()
+                   if isinstance(_plain(v), (int, float)) and not isinstance(_plain(v), bool)}
+        self.mlflow.log_metrics(numbers, step=step)
+
+    def finish(self) -> None:
+        if self.mlflow.active_run() is not None:
+            self.mlflow.end_run()
+
+
+TRACKER_CLASSES: dict[str, type] = {"tensorboard": TensorBoardTracker, "wandb": WandBTracker, "mlflow": MLflowTracker}
+
+
+def make_trackers(names: Sequence[str], logging_dir: str, run_name: str | None, config: Mapping[str, Any],
+                  main_process: bool, jsonl_path: str | os.PathLike[str] | None = None,
+                  history: Sequence[Mapping[str, Any]] = ()) -> list[Tracker]:
+    """The JSONL tracker (when ``jsonl_path`` is given) plus ``names``, built on the main process only.
+
+    Installation is checked on every rank first.
+    """
+    check_installed(names)
+    if not main_process:
+        return []
+    trackers: list[Tracker] = []
+    if jsonl_path is not None:
+        trackers.append(JSONLTracker(jsonl_path, history))
+    for name in names:
+        trackers.append(TRACKER_CLASSES[name](logging_dir, run_name, config))
+    return trackers

@@ -1,0 +1,100 @@
+"""What the Trainer knows about the run: counters and the log history (checkpointed), and its outputs.
+
+``TrainerState`` is registered with ``accelerator.register_for_checkpointing``: ``state_dict`` is plain data
+(numbers, strings, lists, dicts), so it loads back with ``torch.load(weights_only=True)``.
+
+Example::
+
+    state = TrainerState(max_steps=100)
+    state.global_step += 1
+    state.log_history.append({"step": 1, "loss": 0.69})
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import numpy as np
+
+_SAVED = ("global_step", "epoch", "log_history", "samples_seen", "loss_sum", "loss_count")
+
+
+@dataclass
+class TrainerState:
+    """Counters of a run. ``epoch`` is fractional (2.5 = half-way through the third epoch); ``samples_seen`` counts
+    training samples over all ranks; ``loss_sum`` / ``loss_count`` are the logging window not yet logged."""
+
+    global_step: int = 0
+    epoch: float = 0.0
+    max_steps: int = 0
+    num_train_epochs: int = 0
+    steps_per_epoch: int | None = None
+    train_batch_size: int = 0
+    logging_steps: int = 500
+    eval_steps: int = 500
+    save_steps: int = 500
+    log_history: list[dict[str, Any]] = field(default_factory=list)
+    samples_seen: int = 0
+    loss_sum: float = 0.0
+    loss_count: int = 0
+    is_world_process_zero: bool = True
+    is_local_process_zero: bool = True
+    last_checkpoint: str | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in _SAVED}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for name in _SAVED:
+            if name in state:
+                setattr(self, name, state[name])
+        self.log_history = [dict(row) for row in self.log_history]
+
+
+@dataclass
+class TrainerControl:
+    """Decisions for the current step; callbacks may change them in ``on_step_end`` / ``on_epoch_end``.
+
+    Every rank runs the callbacks, and every rank must reach the same decisions (they drive collectives).
+    """
+
+    should_training_stop: bool = False
+    should_epoch_stop: bool = False
+    should_log: bool = False
+    should_evaluate: bool = False
+    should_save: bool = False
+
+    def reset_step(self) -> None:
+        self.should_log = self.should_evaluate = self.should_save = False
+
+
+class TrainOutput(NamedTuple):
+    """What ``Trainer.train()`` returns, as in transformers."""
+
+    global_step: int
+    training_loss: float
+    metrics: dict[str, float]
+
+
+class EvalPrediction:
+    """``compute_metrics``' argument: gathered ``predictions`` and ``label_ids`` (numpy arrays, duplicates that
+    even batches added dropped). It also unpacks: ``logits, labels = eval_pred``.
+
+    Example::
+
+        def compute_metrics(p: EvalPrediction) -> dict[str, float]:
+            return {"accuracy": float((p.predictions.argmax(-1) == p.label_ids).mean())}
+    """
+
+    def __init__(self, predictions: np.ndarray | tuple[np.ndarray, ...], label_ids: np.ndarray | None) -> None:
+        self.predictions = predictions
+        self.label_ids = label_ids
+
+    def __iter__(self) -> Any:
+        return iter((self.predictions, self.label_ids))
+
+    def __getitem__(self, index: int) -> Any:
+        return (self.predictions, self.label_ids)[index]
+
+    def __len__(self) -> int:
+        return 2

@@ -1,0 +1,447 @@
+"""``Trainer``: transformers' training loop, built on the Accelerator only.
+
+The Trainer turns ``TrainingArguments`` into ``Accelerator(...)`` arguments (FSDP and DeepSpeed as plugins,
+checkpoints as a ``ProjectConfiguration``), prepares the model, an AdamW optimizer, the dataloaders and a
+schedule, and runs the loop every impel script would: ``accumulate`` / ``backward`` / clip at sync steps /
+``step``. Which strategy runs it is the launch config's and the arguments' business, never the Trainer's.
+
+Example::
+
+    args = TrainingArguments(output_dir="out", max_steps=100, eval_strategy="steps", eval_steps=25)
+    trainer = Trainer(model, args, train_dataset=train, eval_dataset=test, compute_metrics=accuracy)
+    trainer.train()
+    print(trainer.evaluate()["eval_accuracy"])
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, IterableDataset
+
+from ..accelerator import Accelerator
+from ..config import ConfigError
+from ..seeding import set_seed
+from ..tracking import Tracker, check_installed, make_trackers
+from .arguments import TrainingArguments
+from .callbacks import (
+    CallbackHandler,
+    ProgressCallback,
+    TrainerCallback,
+    format_summary,
+)
+from .collate import default_data_collator, padding_collator, remove_unused_columns
+from .distributed import accelerator_kwargs, deepspeed_sections
+from .evaluation import evaluate_batches, model_loss
+from .plot import write_loss_plot
+from .schedules import get_scheduler
+from .state import EvalPrediction, TrainerControl, TrainerState, TrainOutput
+
+METRICS_FILE = "metrics.jsonl"
+PLOT_FILE = "loss.png"
+
+
+def decay_parameter_names(model: nn.Module) -> set[str]:
+    """Parameters that get weight decay: all but biases and normalisation weights (transformers' rule)."""
+    no_decay: set[str] = set()
+    for module_name, module in model.named_modules():
+        is_norm = isinstance(module, (nn.LayerNorm, nn.GroupNorm)) or "norm" in type(module).__name__.lower()
+        for name, _ in module.named_parameters(recurse=False):
+            full = f"{module_name}.{name}" if module_name else name
+            if is_norm or "bias" in name.lower() or "norm" in full.lower().replace("_", ""):
+                no_decay.add(full)
+    return {name for name, _ in model.named_parameters() if name not in no_decay}
+
+
+class Trainer:
+    """Train and evaluate a model (anything returning ``.loss`` from ``model(**batch)``) with impel.
+
+    ``optimizers=(optimizer, scheduler)`` replaces the default AdamW + ``lr_scheduler_type`` schedule.
+    ``compute_metrics(EvalPrediction) -> dict`` adds metrics to ``evaluate()``. ``processing_class`` (a tokenizer
+    with ``pad``) supplies a padding collator when ``data_collator`` is not given.
+    """
+
+    def __init__(self, model: nn.Module | None = None, args: TrainingArguments | None = None,
+                 data_collator: Callable[[list[Any]], Any] | None = None, train_dataset: Any = None,
+                 eval_dataset: Any = None, processing_class: Any = None,
+                 compute_metrics: Callable[[EvalPrediction], dict[str, float]] | None = None,
+                 callbacks: Iterable[TrainerCallback | type] | None = None,
+                 optimizers: tuple[Any, Any] = (None, None)) -> None:
+        if model is None:
+            raise ConfigError("Trainer(model=None): pass the model to train")
+        self.args = args if args is not None else TrainingArguments()
+        if self.args.eval_strategy != "no" and eval_dataset is None:
+            raise ConfigError(f"eval_strategy={self.args.eval_strategy!r} needs an eval_dataset; pass one or set "
+                              "eval_strategy='no'")
+        check_installed(self.args.trackers)  # on every rank, before any process group work
+        self.accelerator = Accelerator(**accelerator_kwargs(self.args))
+        set_seed(self.args.seed)
+        self.model = model
+        self.label_names = list(self.args.label_names or ["labels"])
+        if self.args.remove_unused_columns:
+            train_dataset = remove_unused_columns(train_dataset, model, self.label_names, "training")
+            eval_dataset = remove_unused_columns(eval_dataset, model, self.label_names, "evaluation")
+        self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
+        if data_collator is None:
+            pads = processing_class is not None and callable(getattr(processing_class, "pad", None))
+            data_collator = padding_collator(processing_class) if pads else default_data_collator
+        self.data_collator = data_collator
+        self.processing_class = processing_class
+        self.compute_metrics = compute_metrics
+        self.optimizer, self.lr_scheduler = optimizers
+        self.state = TrainerState(is_world_process_zero=self.accelerator.is_main_process,
+                                  is_local_process_zero=self.accelerator.is_local_main_process)
+        self.control = TrainerControl()
+        self.callback_handler = CallbackHandler([ProgressCallback(), *(callbacks or ())])
+        self.trackers: list[Tracker] = []
+        self.train_dataloader: Any = None
+        self.eval_dataloader: Any = None
+        self._prepared = False
+        self._window = torch.zeros(2, dtype=torch.float64, device=self.accelerator.device)  # loss sum, count
+        self._event("on_init_end")
+
+    # --- callbacks and logging ------------------------------------------------------------------------------
+    def _event(self, name: str, **kwargs: Any) -> None:
+        self.callback_handler.call(name, self.args, self.state, self.control, model=self.model,
+                                   optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
+                                   train_dataloader=self.train_dataloader, eval_dataloader=self.eval_dataloader,
+                                   **kwargs)
+
+    def add_callback(self, callback: TrainerCallback | type) -> None:
+        self.callback_handler.add(callback)
+
+    def pop_callback(self, callback: TrainerCallback | type) -> TrainerCallback | None:
+        return self.callback_handler.pop(callback)
+
+    def _open_trackers(self) -> None:
+        """(Re)open the sinks; metrics.jsonl is rewritten from the log history (a resume's history)."""
+        for tracker in self.trackers:
+            tracker.finish()
+        args = self.args
+        self.trackers = make_trackers(args.trackers, self.accelerator.logging_dir or args.output_dir, args.run_name,
+                                      args.to_dict(), self.accelerator.is_main_process,
+                                      jsonl_path=os.path.join(args.output_dir, METRICS_FILE),
+                                      history=self.state.log_history)
+
+    def log(self, logs: dict[str, float]) -> None:
+        """Record metrics (every rank calls it with the same values): log history, trackers, ``on_log``."""
+        row = {**logs, "epoch": round(self.state.epoch, 4), "step": self.state.global_step}
+        self.state.log_history.append(row)
+        if not self.trackers and self.accelerator.is_main_process:
+            self._open_trackers()
+        else:
+            for tracker in self.trackers:
+                tracker.log({k: v for k, v in row.items() if k != "step"}, self.state.global_step)
+        self._event("on_log", logs=row)
+
+    # --- data -----------------------------------------------------------------------------------------------
+    def get_train_dataloader(self) -> DataLoader:
+        """Shuffled (seeded by ``args.seed``) per-rank batches of ``per_device_train_batch_size``."""
+        if self.train_dataset is None:
+            raise ConfigError("Trainer.train() needs a train_dataset")
+        iterable = isinstance(self.train_dataset, IterableDataset)
+        return DataLoader(self.train_dataset, batch_size=self.args.per_device_train_batch_size,
+                          shuffle=not iterable, collate_fn=self.data_collator,
+                          num_workers=self.args.dataloader_num_workers, drop_last=self.args.dataloader_drop_last,
+                          generator=None if iterable else torch.Generator().manual_seed(self.args.seed))
+
+    def get_eval_dataloader(self, eval_dataset: Any = None) -> DataLoader:
+        """In-order per-rank batches of ``per_device_eval_batch_size`` (the last one is never dropped)."""
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if dataset is None:
+            raise ConfigError("evaluate() needs an eval_dataset (pass it to Trainer or to evaluate())")
+        return DataLoader(dataset, batch_size=self.args.per_device_eval_batch_size, shuffle=False,
+                          collate_fn=self.data_collator, num_workers=self.args.dataloader_num_workers)
+
+    # --- optimizer, schedule, prepare -----------------------------------------------------------------------
+    def create_optimizer(self) -> torch.optim.Optimizer:
+        """AdamW with ``learning_rate``, ``adam_*`` and ``weight_decay`` (not on biases and norm weights); when a
+        DeepSpeed JSON defines its ``optimizer``, DeepSpeed's placeholder carrying the same values."""
+        args = self.args
+        decay = decay_parameter_names(self.model)
+        params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        groups = [{"params": [p for n, p in params if n in decay], "weight_decay": args.weight_decay},
+                  {"params": [p for n, p in params if n not in decay], "weight_decay": 0.0}]
+        groups = [g for g in groups if g["params"]]
+        betas = (args.adam_beta1, args.adam_beta2)
+        if "optimizer" in deepspeed_sections(args):
+            from impel import DummyOptim
+
+            return DummyOptim(groups, lr=args.learning_rate, weight_decay=args.weight_decay, betas=betas,
+                              eps=args.adam_epsilon)
+        return torch.optim.AdamW(groups, lr=args.learning_rate, betas=betas, eps=args.adam_epsilon)
+
+    def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer) -> Any:
+        """``lr_scheduler_type`` with warmup; DeepSpeed's placeholder when its JSON defines the ``scheduler``."""
+        warmup = self.args.warmup_for(num_training_steps)
+        if "scheduler" in deepspeed_sections(self.args):
+            from impel import DummyScheduler
+
+            return DummyScheduler(optimizer, total_num_steps=num_training_steps, warmup_num_steps=warmup)
+        return get_scheduler(self.args.lr_scheduler_type, optimizer, warmup, num_training_steps)
+
+    def _plan_steps(self, loader: Any) -> None:
+        """Fill ``state.max_steps`` etc. from the prepared loader: optimizer steps, not batches."""
+        args, state, acc = self.args, self.state, self.accelerator
+        accum = acc.gradient_accumulation_steps
+        try:
+            state.steps_per_epoch = max(1, math.ceil(len(loader) / accum))
+        except TypeError:
+            state.steps_per_epoch = None
+        if args.max_steps > 0:
+            state.max_steps = args.max_steps
+        elif state.steps_per_epoch is None:
+            raise ConfigError("the train_dataset has no length, so num_train_epochs cannot be converted to steps; "
+                              "set max_steps")
+        else:
+            state.max_steps = max(1, math.ceil(args.num_train_epochs * state.steps_per_epoch))
+        spe = state.steps_per_epoch
+        state.num_train_epochs = math.ceil(state.max_steps / spe) if spe else 0
+        state.train_batch_size = args.per_device_train_batch_size * acc.num_processes * accum
+        state.logging_steps = args.interval("logging_steps", state.max_steps)
+        state.eval_steps = args.interval("eval_steps", state.max_steps)
+        state.save_steps = args.interval("save_steps", state.max_steps)
+
+    def _setup(self) -> None:
+        """Prepare everything once, in a fixed order (checkpoints pair prepared objects by order)."""
+        if self._prepared:
+            return
+        acc = self.accelerator
+        if self.train_dataset is not None:
+            self.train_dataloader = acc.prepare(self.get_train_dataloader())
+            self._plan_steps(self.train_dataloader)
+            optimizer = self.optimizer if self.optimizer is not None else self.create_optimizer()
+            scheduler = self.lr_scheduler
+            if scheduler is None:
+                scheduler = self.create_scheduler(self.state.max_steps, optimizer)
+            self.model, self.optimizer, self.lr_scheduler = acc.prepare(self.model, optimizer, scheduler)
+        else:
+            self.model = acc.prepare(self.model)
+        if self.eval_dataset is not None:
+            self.eval_dataloader = acc.prepare(self.get_eval_dataloader())
+        acc.register_for_checkpointing(self.state)
+        self._prepared = True
+
+    # --- training -------------------------------------------------------------------------------------------
+    def compute_loss(self, model: nn.Module, inputs: Any, return_outputs: bool = False) -> Any:
+        """``model(**inputs)``'s loss; override for custom losses (return ``(loss, outputs)`` when asked)."""
+        if not isinstance(inputs, Mapping):
+            raise ConfigError(f"the Trainer calls model(**batch), but a batch is a {type(inputs).__name__}; make the "
+                              "dataset or data_collator return dicts (e.g. {'input_ids': ..., 'labels': ...}) or "
+                              "subclass Trainer and override compute_loss")
+        outputs = model(**inputs)
+        loss = model_loss(outputs, loss_first=any(n in inputs for n in self.label_names))
+        if loss is None:
+            raise ConfigError(f"{type(self.accelerator.unwrap_model(model)).__name__} returned no loss; put the labels "
+                              f"in the batch (keys {self.label_names}) or override Trainer.compute_loss")
+        return (loss, outputs) if return_outputs else loss
+
+    def training_step(self, model: nn.Module, inputs: Any) -> torch.Tensor:
+        """One micro-step: forward, backward (divided by the accumulation group's length), clip at sync, step."""
+        acc, args = self.accelerator, self.args
+        with acc.accumulate(model):
+            loss = self.compute_loss(model, inputs)
+            acc.backward(loss)
+            if acc.sync_gradients and args.max_grad_norm:
+                # read at logging time: no device sync per step, and DeepSpeed fills it during step()
+                self._grad_norm = acc.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            self.optimizer.step()
+            self.lr_scheduler.step()
+            self.optimizer.zero_grad()
+        return loss.detach()
+
+    def train(self, resume_from_checkpoint: str | os.PathLike[str] | bool | None = None) -> TrainOutput:
+        """Train for ``max_steps`` (or ``num_train_epochs``); ``resume_from_checkpoint`` = a checkpoint directory
+        or True (the newest under ``output_dir/checkpoints``) continues exactly where that checkpoint was saved."""
+        resume = self.args.resume_from_checkpoint if resume_from_checkpoint is None else resume_from_checkpoint
+        self._setup()
+        acc, state = self.accelerator, self.state
+        if self.train_dataloader is None:
+            raise ConfigError("Trainer.train() needs a train_dataset")
+        resumed = None
+        if resume:
+            resumed = acc.load_state(None if resume is True else os.fspath(resume))
+        elif acc._resilience is not None:  # `impel launch --auto_resume`: resume before the loop is planned
+            resumed = acc._resilience.resume_now()
+        if resumed:
+            state.last_checkpoint = resumed
+            self._window = torch.tensor([state.loss_sum, state.loss_count], dtype=torch.float64, device=acc.device)
+        self._open_trackers()
+        self.control = TrainerControl()
+        self._grad_norm: torch.Tensor | None = None
+        self._empty_passes = 0
+        started, start_step, start_samples = time.perf_counter(), state.global_step, state.samples_seen
+        self._event("on_train_begin")
+        self.model.train()
+        while state.global_step < state.max_steps and not self.control.should_training_stop:
+            self._train_epoch()
+        runtime = time.perf_counter() - started
+        metrics = self._final_metrics(runtime, state.global_step - start_step, state.samples_seen - start_samples)
+        self._event("on_train_end")
+        self._finish(metrics)
+        return TrainOutput(state.global_step, metrics["train_loss"], metrics)
+
+    def _train_epoch(self) -> None:
+        loader, state, control = self.train_dataloader, self.state, self.control
+        self._event("on_epoch_begin")
+        control.should_epoch_stop = False
+        batches = 0
+        per_step = self.args.per_device_train_batch_size * self.accelerator.num_processes
+        for batch in loader:
+            batches += 1
+            if self.accelerator.gradient_state.micro_in_group == 0:
+                self._event("on_step_begin")
+            loss = self.training_step(self.model, batch)
+            self._window += torch.stack([loss.double().to(self._window.device), self._window.new_ones(())])
+            state.samples_seen += per_step
+            if self.accelerator.sync_gradients:
+                state.global_step += 1
+                state.epoch = self._epoch_progress(loader)
+                self._after_step()
+                if control.should_training_stop:
+                    break
+                if control.should_epoch_stop:  # a callback ends this epoch early: the next pass is a new epoch
+                    loader.set_epoch(loader.epoch + 1)
+                    break
+        # a resume from a checkpoint taken on an epoch's last batch replays an empty rest of that epoch, once
+        self._empty_passes = 0 if batches else self._empty_passes + 1
+        if self._empty_passes > 1:
+            raise ConfigError("the training dataloader produced no batches (an empty train_dataset, or "
+                              "dataloader_drop_last=True with fewer samples than one global batch)")
+        state.epoch = self._epoch_progress(loader)
+        control.should_evaluate = self.args.eval_strategy == "epoch"
+        control.should_save = self.args.save_strategy == "epoch"
+        control.should_log = False
+        self._event("on_epoch_end")
+        self._act()
+
+    def _epoch_progress(self, loader: Any) -> float:
+        try:
+            return loader.epoch + loader.position / max(1, len(loader))
+        except TypeError:
+            return float(loader.epoch)
+
+    def _after_step(self) -> None:
+        args, state, control = self.args, self.state, self.control
+        control.reset_step()
+        step, last = state.global_step, state.global_step >= state.max_steps
+        control.should_log = step % state.logging_steps == 0 or (args.logging_first_step and step == 1) or last
+        control.should_evaluate = args.eval_strategy == "steps" and (step % state.eval_steps == 0 or last)
+        control.should_save = args.save_strategy == "steps" and (step % state.save_steps == 0 or last)
+        control.should_training_stop = control.should_training_stop or last
+        self._event("on_step_end")
+        self._act()
+
+    def _act(self) -> None:
+        """Log, evaluate and save as ``control`` says (after the callbacks had their say)."""
+        control = self.control
+        if control.should_log:
+            self._log_window()
+        if control.should_evaluate and self.eval_dataloader is not None:
+            self.evaluate()
+        if control.should_save:
+            self._save_checkpoint()
+        control.reset_step()
+
+    def _log_window(self) -> None:
+        window = self.accelerator.reduce(self._window, "sum")  # loss averaged over every rank's micro-steps
+        self._window.zero_()
+        if window[1] == 0:
+            return
+        logs: dict[str, float] = {"loss": float(window[0] / window[1])}
+        if self._grad_norm is not None:
+            logs["grad_norm"] = float(self._grad_norm)
+        logs["learning_rate"] = float(self.lr_scheduler.get_last_lr()[0])
+        self.log(logs)
+
+    def _save_checkpoint(self) -> None:
+        window = self.accelerator.reduce(self._window, "mean")  # the unlogged window, the same on every rank
+        self.state.loss_sum, self.state.loss_count = float(window[0]), round(float(window[1]))
+        self.state.last_checkpoint = self.accelerator.save_state()
+        self._event("on_save")
+
+    def _final_metrics(self, runtime: float, steps: int, samples: int) -> dict[str, float]:
+        losses = [row["loss"] for row in self.state.log_history if "loss" in row]
+        metrics = {"train_runtime": round(runtime, 3),
+                   "train_samples_per_second": round(samples / runtime, 3) if runtime > 0 else 0.0,
+                   "train_steps_per_second": round(steps / runtime, 3) if runtime > 0 else 0.0,
+                   "train_loss": sum(losses) / len(losses) if losses else float("nan")}
+        self.log(dict(metrics))
+        return metrics
+
+    def _finish(self, metrics: dict[str, float]) -> None:
+        plot_path = self._write_plot()
+        if self.accelerator.is_main_process:
+            print(format_summary(self.state, self.accelerator, metrics, self._last_eval(),
+                                 os.path.join(self.args.output_dir, METRICS_FILE), plot_path), flush=True)
+        for tracker in self.trackers:
+            tracker.finish()
+        self.trackers = []
+        self.accelerator.wait_for_everyone()
+
+    def _last_eval(self) -> dict[str, float]:
+        for row in reversed(self.state.log_history):
+            if any(k.startswith("eval_") for k in row):
+                return {k: v for k, v in row.items() if k.startswith("eval_") and not k.endswith(
+                    ("_runtime", "_per_second"))}
+        return {}
+
+    def _write_plot(self) -> str | None:
+        """``output_dir/loss.png`` on the main process, as ``args.plot_loss`` says (see TrainingArguments)."""
+        if not self.accelerator.is_main_process:
+            return None
+        return write_loss_plot(self.state.log_history, os.path.join(self.args.output_dir, PLOT_FILE),
+                               self.args.plot_loss)
+
+    # --- evaluation -----------------------------------------------------------------------------------------
+    def evaluate(self, eval_dataset: Any = None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """Loss (and ``compute_metrics``) over the whole eval set, gathered from every rank; logged and returned."""
+        self._setup()
+        acc = self.accelerator
+        if eval_dataset is None:
+            if self.eval_dataloader is None:
+                raise ConfigError("evaluate() needs an eval_dataset (pass it to Trainer or to evaluate())")
+            metrics = self.evaluation_loop(self.eval_dataloader, metric_key_prefix)
+        else:
+            if self.args.remove_unused_columns:
+                eval_dataset = remove_unused_columns(eval_dataset, acc.unwrap_model(self.model), self.label_names,
+                                                     "evaluation")
+            loader = acc.prepare(self.get_eval_dataloader(eval_dataset))
+            try:
+                metrics = self.evaluation_loop(loader, metric_key_prefix)
+            finally:  # a one-off loader must not become part of the checkpointed state
+                acc._dataloaders.remove(loader)
+        self.log(metrics)
+        self._event("on_evaluate", metrics=metrics)
+        return metrics
+
+    def evaluation_loop(self, loader: Any, prefix: str = "eval") -> dict[str, float]:
+        """Metrics over one prepared loader (see :func:`impel.trainer.evaluation.evaluate_batches`)."""
+
+        def forward(batch: Any, has_labels: bool) -> tuple[Any, Any]:
+            if has_labels:
+                return self.compute_loss(self.model, batch, return_outputs=True)
+            return None, self.model(**batch)
+
+        return evaluate_batches(self.accelerator, self.model, loader, forward, self.label_names,
+                                self.compute_metrics, prefix)
+
+    # --- saving ---------------------------------------------------------------------------------------------
+    def save_model(self, output_dir: str | os.PathLike[str] | None = None) -> str:
+        """Full weights (``model.safetensors``) plus the model's config and the processing class, if they can
+        ``save_pretrained``; collective. Returns the directory."""
+        directory = os.fspath(output_dir) if output_dir is not None else self.args.output_dir
+        self._setup()
+        self.accelerator.save_model(self.model, directory)
+        if self.accelerator.is_main_process:
+            inner = self.accelerator.unwrap_model(self.model)
+            for owner in (getattr(inner, "config", None), self.processing_class):
+                if owner is not None and callable(getattr(owner, "save_pretrained", None)):
+                    owner.save_pretrained(directory)
+        self.accelerator.wait_for_everyone()
+        return directory

@@ -1,0 +1,37 @@
+"""The seed exercise (examples/train_genre_classifier.py) runs under ``impel launch`` on 2 CPU ranks, shortened.
+
+A few steps cannot show the accuracy (README has the full run's number); this checks that the run finishes, the
+main process alone prints the accuracy and the plot path, and the files land where they are announced.
+"""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from cli_helpers import ROOT, impel
+
+pytest.importorskip("datasets")
+pytestmark = pytest.mark.slow
+
+EXAMPLE = ROOT / "examples" / "train_genre_classifier.py"
+
+
+def test_genre_example_runs_on_two_ranks_and_reports(tmp_path):
+    out = tmp_path / "run"
+    res = impel(["launch", "--config_file", str(ROOT / "examples" / "configs" / "ddp_cpu.yaml"), str(EXAMPLE),
+                 "--max_steps", "2", "--train_per_class", "16", "--test_per_class", "6", "--batch_size", "4",
+                 "--max_length", "24", "--eval_steps", "2", "--logging_steps", "1", "--output_dir", str(out),
+                 "--disable_tqdm"], tmp_path, timeout=150)
+    assert res.returncode == 0, res.output[-4000:]
+    assert "Traceback" not in res.output
+    accuracy = re.findall(r"^eval accuracy: ([0-9.]+) on 12 passages", res.stdout, flags=re.MULTILINE)
+    assert len(accuracy) == 1 and 0.0 <= float(accuracy[0]) <= 1.0  # printed once, by the main process
+    assert "2 process(es) (MULTI_CPU)" in res.stdout
+    assert "split (by play)" in res.stdout and "test tragedy: macbeth, othello" in res.stdout
+    plot = re.findall(r"^loss plot: (.+)$", res.stdout, flags=re.MULTILINE)
+    if plot != ["not written (pip install matplotlib)"]:
+        assert plot == [str(out / "loss.png")] and (out / "loss.png").read_bytes().startswith(b"\x89PNG")
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2]
+    assert [r["step"] for r in rows if "eval_accuracy" in r] == [2]
