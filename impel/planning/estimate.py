@@ -9,7 +9,7 @@ a the load dtype's size (4 fp32, 2 bf16/fp16), c the compute dtype's size:
 | FSDP, no mixed precision | a / W | a / W | k*a / W | gathered units in a |
 | FSDP, 16-bit mixed precision | 4 / W (upcast at prepare) | 4 / W | 4k / W | gathered units in c=2 |
 | ZeRO-1/2/3, 16-bit mixed precision | 2 (/W at 3) | 2 (/W at 2, 3) | (4 + 4k) / W (fp32 master + states) | |
-| ZeRO-1/2/3, no mixed precision | 4 (/W at 3) | 4 (/W at 2, 3) | 4k / W (the fp32 weights are the master) | |
+| ZeRO-1/2/3, no mixed precision | 4 (/W at 3) | 4 (/W at 2, 3) | (4 + 4k) / W (DeepSpeed still keeps a separate fp32 partition) | |
 
 FSDP's NO_SHARD divides by 1, SHARD_GRAD_OP keeps the whole model gathered between forward and backward (P*c
 transient), FULL_SHARD gathers one unit plus the prefetched next (2 x the largest unit); HYBRID shards within a
@@ -114,7 +114,7 @@ def estimate_all(facts: ModelFacts, setup: Setup) -> list[Estimate]:
     out.append(Estimate("FSDP FULL_SHARD + offload", 0.0, 0.0, 0.0, unit, act,
                         cpu=(2 + k) * P * fp / W, notes=["parameters, gradients and optimizer states in CPU RAM"]))
     dp = 2 if mp else 4  # DeepSpeed: 16-bit model weights with mixed precision, else fp32
-    master = (4 + 4 * k) if mp else 4 * k
+    master = 4 + 4 * k  # measured: ZeRO keeps its own fp32 partition (master) even when the model is fp32
     for stage in (1, 2, 3):
         params = P * dp / (W if stage == 3 else 1)
         grads = P * dp / (W if stage >= 2 else 1)

@@ -49,7 +49,7 @@ def test_deepspeed_always_has_fp32_master_weights():
     assert (z2.params, z2.grads) == (2 * P, 2 * P / 4)
     assert (z3.params, z3.grads, z3.optimizer) == (2 * P / 4, 2 * P / 4, 12 * P / 4)
     z3_plain = by_name(Setup(world=4, load_dtype="bf16"))["ZeRO-3"]
-    assert (z3_plain.params, z3_plain.optimizer) == (4 * P / 4, 8 * P / 4)  # upcast: the fp32 weights are the master
+    assert (z3_plain.params, z3_plain.optimizer) == (4 * P / 4, 12 * P / 4)  # upcast, and a separate fp32 master
 
 
 def test_offload_moves_states_to_cpu():
