@@ -122,7 +122,8 @@ def test_two_machines_on_loopback_train_together(tmp_path):
     assert max(r["diff"] for r in reports) < 1e-5  # and it is the single-process model of the same global batch
 
 
-def test_impel_test_passes_on_two_ranks(tmp_path):
-    res = impel(["test", "--cpu", "--num_processes", "2", "--gradient_accumulation_steps", "2"], tmp_path)
+@pytest.mark.parametrize("strategy", [[], ["--use_fsdp"], ["--use_deepspeed", "--zero_stage", "3"]])
+def test_impel_test_passes_on_two_ranks(strategy, tmp_path):
+    res = impel(["test", "--cpu", "--num_processes", "2", "--gradient_accumulation_steps", "2", *strategy], tmp_path)
     assert res.returncode == 0, res.output
     assert res.stdout.count("PASS [rank 0]") == 3 and "impel test: PASS" in res.stdout
