@@ -53,10 +53,14 @@ def main() -> None:
     checkpoint_dir = sys.argv[2] if len(sys.argv) > 2 else None
     acc = Accelerator()
     base = tensor_bytes()
-    model = build(n_layer)
-    n_params = sum(p.numel() for p in model.parameters())
+    import transformers.models.gpt2.modeling_gpt2  # noqa: F401  (import before zero.Init patches torch.Tensor)
+
+    with acc.init_context():  # ZeRO-3 partitions at construction; other strategies build normally
+        model = build(n_layer)
+    n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ZeRO-3: partitioned
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    model, opt = acc.prepare(model, opt)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(8, 1)), batch_size=2)
+    model, opt, _ = acc.prepare(model, opt, loader)  # DeepSpeed sizes its batch from the prepared dataloader
     after_prepare = tensor_bytes() - base
     x = torch.randint(0, 8192, (2, 128), generator=torch.Generator().manual_seed(acc.process_index))
     acc.backward(model(input_ids=x.to(acc.device), labels=x.to(acc.device)).loss)

@@ -25,7 +25,7 @@ WORKER = str(Path(__file__).resolve().parent / "_memory_worker.py")
 STRATEGIES = {
     "DDP": [],
     "FSDP FULL_SHARD": ["--use_fsdp", "--fsdp_sharding_strategy", "FULL_SHARD"],
-    "ZeRO-3": ["--use_deepspeed", "--zero_stage", "3"],
+    "ZeRO-3": ["--use_deepspeed", "--zero_stage", "3", "--zero3_init_flag"],
 }
 
 

@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -168,15 +169,21 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
+def sha256_files(paths: list[Path]) -> list[str]:
+    """sha256 of several files, on threads (hashlib releases the GIL): the hashing runs at the cores' speed."""
+    if len(paths) < 2:
+        return [sha256_file(p) for p in paths]
+    with ThreadPoolExecutor(max_workers=min(len(paths), os.cpu_count() or 1)) as pool:
+        return list(pool.map(sha256_file, paths))
+
+
 def build_manifest(directory: Path) -> dict[str, dict[str, Any]]:
     """Every file under ``directory`` (relative posix path) with its size and sha256, marker and metadata excluded."""
-    manifest: dict[str, dict[str, Any]] = {}
-    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
-        rel = path.relative_to(directory).as_posix()
-        if rel in (METADATA_FILE, MARKER_FILE):
-            continue
-        manifest[rel] = {"size": path.stat().st_size, "sha256": sha256_file(path)}
-    return manifest
+    paths = [p for p in sorted(directory.rglob("*")) if p.is_file()
+             and p.relative_to(directory).as_posix() not in (METADATA_FILE, MARKER_FILE)]
+    digests = sha256_files(paths)
+    return {p.relative_to(directory).as_posix(): {"size": p.stat().st_size, "sha256": d}
+            for p, d in zip(paths, digests)}
 
 
 def commit(temp: Path, final: Path, metadata: dict[str, Any]) -> None:
@@ -232,13 +239,16 @@ def read_metadata(directory: Path) -> dict[str, Any]:
 def verify(directory: Path, checksums: bool = True) -> dict[str, Any]:
     """Check that every file of the manifest exists with its size (and sha256); return the metadata."""
     data = read_metadata(directory)
-    for rel, entry in data["files"].items():
+    for rel in data["files"]:
+        if not (directory / rel).is_file():
+            raise CheckpointError(f"checkpoint file {directory / rel} is missing; the checkpoint is incomplete: copy "
+                                  "it again or load an earlier checkpoint")
+    sizes_ok = [(directory / rel).stat().st_size == entry["size"] for rel, entry in data["files"].items()]
+    digests = sha256_files([directory / rel for rel in data["files"]]) if checksums and all(sizes_ok) else None
+    for i, (rel, entry) in enumerate(data["files"].items()):
         path = directory / rel
-        if not path.is_file():
-            raise CheckpointError(f"checkpoint file {path} is missing; the checkpoint is incomplete: copy it "
-                                  "again or load an earlier checkpoint")
         size = path.stat().st_size
-        if size != entry["size"] or (checksums and sha256_file(path) != entry["sha256"]):
+        if not sizes_ok[i] or (digests is not None and digests[i] != entry["sha256"]):
             raise CheckpointError(f"checkpoint file {path} is truncated or corrupted ({size} bytes, the manifest "
                                   f"says {entry['size']} bytes, sha256 {entry['sha256'][:12]}...); load an earlier "
                                   "checkpoint or save again")

@@ -61,7 +61,6 @@ def test_ddp_trainer_matches_the_reference_and_one_process(tmp_path):
     assert _close(results[0]["history"], one["history"], 1e-5)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("impel.strategies.fsdp") is None, reason="FSDP strategy not present")
 def test_fsdp_knob_trains_the_same_recipe(tmp_path):
     results = run_on_ranks(_train, 2, args=(str(tmp_path / "fsdp"),), kwargs={"fsdp": "full_shard auto_wrap"},
                            timeout=120)
