@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import signal
 import subprocess
@@ -82,15 +81,10 @@ def deepspeed_available() -> bool:
 
 
 def _check_json(path: str) -> str:
-    if not os.path.isfile(path):
-        raise ConfigError(f"deepspeed_config_file={path!r} does not exist; pass the path of a DeepSpeed JSON file")
-    try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"deepspeed_config_file={path!r} is not valid JSON ({exc}); fix the file") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"deepspeed_config_file={path!r} must hold a JSON object")
+    """The DeepSpeed JSON loads (the strategy's own reader says what is wrong); the ranks get its absolute path."""
+    from ..strategies.deepspeed_config import load_json
+
+    load_json(path)
     return os.path.abspath(path)
 
 
