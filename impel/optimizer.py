@@ -6,11 +6,23 @@ per optimizer step that really happened: not once per rank, not on skipped fp16 
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
 from .accumulation import GradientState
+
+
+def optimizer_owners(models: Sequence[torch.nn.Module],
+                     optimizers: Sequence[torch.optim.Optimizer]) -> list[int | None]:
+    """For each optimizer, the index of the model that owns all its parameters (None when no single one does)."""
+    owned = [{id(p) for p in m.parameters()} for m in models]
+    owners: list[int | None] = []
+    for opt in optimizers:
+        params = {id(p) for group in opt.param_groups for p in group["params"]}
+        owners.append(next((i for i, mine in enumerate(owned) if params <= mine), None))
+    return owners
 
 
 class AcceleratedOptimizer(torch.optim.Optimizer):
@@ -68,15 +80,15 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         if gs.num_steps > 1:
             gs.on_optimizer_step()
         if not gs.sync_gradients:
-            return None
+            return
         if self.guard is not None and not self.guard.allow_step(self):
             self.step_was_skipped = True
-            return None
+            return
         stepped = self.strategy.optimizer_step(self.optimizer, closure)
         self.step_was_skipped = not stepped
         if stepped:
             self.steps_taken += 1
-        return None
+        return
 
     def train(self) -> None:
         if hasattr(self.optimizer, "train"):

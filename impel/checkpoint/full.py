@@ -39,16 +39,14 @@ def optimizer_file(index: int) -> str:
 
 def pair_optimizers(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer]) -> list[int]:
     """For each optimizer, the index of the model that owns all its parameters."""
-    owners = [{id(p) for p in m.parameters()} for m in models]
-    pairs = []
-    for i, opt in enumerate(optimizers):
-        params = {id(p) for group in opt.param_groups for p in group["params"]}
-        owner = next((j for j, mine in enumerate(owners) if params <= mine), None)
+    from ..optimizer import optimizer_owners
+
+    owners = optimizer_owners(models, optimizers)
+    for i, (opt, owner) in enumerate(zip(optimizers, owners)):
         if owner is None:
             raise CheckpointError(f"optimizer {i} ({type(opt).__name__}) has parameters that no single prepared "
                                   "model owns; prepare the model(s) with accelerator.prepare, one optimizer per model")
-        pairs.append(owner)
-    return pairs
+    return owners  # type: ignore[return-value]
 
 
 def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, options: Any = None) -> dict[str, Any]:

@@ -207,16 +207,14 @@ class DeepSpeedStrategy(Strategy):
         if len(optimizers) + (self.train_engine is not None) > 1:
             raise ConfigError("DeepSpeed trains one model with one optimizer per Accelerator (one engine); prepare() "
                               f"got {len(optimizers)} optimizer(s) after {len(self.engines)} engine(s) were built")
-        owned = [{id(p) for p in m.parameters()} for m in models]
-        owners = []
-        for opt in optimizers:
-            params = {id(p) for g in opt.param_groups for p in g["params"]}
-            owner = next((i for i, mine in enumerate(owned) if params <= mine), None)
+        from ..optimizer import optimizer_owners
+
+        owners = optimizer_owners(models, optimizers)
+        for opt, owner in zip(optimizers, owners):
             if owner is None:
                 raise ConfigError(f"the optimizer {type(opt).__name__} passed to prepare() updates parameters that "
                                   "no model in the same call owns; pass the model and its optimizer together")
-            owners.append(owner)
-        return owners
+        return owners  # type: ignore[return-value]
 
     def _build_engine(self, model: nn.Module, optimizer: Any, place: bool) -> Any:
         from ..precision_report import dtype_of

@@ -5,21 +5,15 @@ SHARD_GRAD_OP and print the same final loss, to all printed digits (the runs are
 """
 from __future__ import annotations
 
-import os
 import re
-import signal
-import subprocess
 from pathlib import Path
 
 import pytest
+from cli_helpers import impel
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
-IMPEL = ROOT / ".venv" / "bin" / "impel"
 TIMEOUT_S = 180
-LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-               "IMPEL_CONFIG", "TORCHELASTIC_RUN_ID")
 
 SCRIPT = '''
 import torch
@@ -58,20 +52,11 @@ fsdp_config:
 
 
 def launch(args: list[str], cwd: Path) -> str:
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", IMPEL_CONFIG_FILE=str(cwd / "absent.yaml"))
-    cmd = [str(IMPEL), "launch", *args, str(cwd / "train.py")]
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"{' '.join(cmd)} did not finish in {TIMEOUT_S}s:\n{output[-4000:]}")
-    assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}:\n{output[-6000:]}"
-    results = re.findall(r"^result: (.*)$", output, flags=re.MULTILINE)
-    assert len(results) == 1, output[-4000:]
+    """Run ``impel launch`` (via tests/cli_helpers: no user config is read, bounded by a timeout)."""
+    res = impel(["launch", *args, str(cwd / "train.py")], cwd, timeout=TIMEOUT_S)
+    assert res.returncode == 0, res.output[-6000:]
+    results = re.findall(r"^result: (.*)$", res.stdout, flags=re.MULTILINE)
+    assert len(results) == 1, res.output[-4000:]
     return results[0]
 
 
