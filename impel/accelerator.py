@@ -459,7 +459,10 @@ class Accelerator(ProcessUtilities):
     clear = free_memory
 
     def end_training(self) -> None:
+        """Stop impel's signal handling, tear down the strategy, wait for every rank and destroy the process group
+        impel created (as Accelerate does): collectives after this raise."""
         if self._resilience is not None:
             self._resilience.uninstall()
         self.strategy.teardown()
         self.wait_for_everyone()
+        self.state.destroy_process_group()

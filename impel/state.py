@@ -5,7 +5,9 @@ process group (nccl on CUDA, gloo on CPU): it never trains independent replicas 
 """
 from __future__ import annotations
 
+import atexit
 import logging
+import sys
 from datetime import timedelta
 from typing import Any
 
@@ -56,6 +58,7 @@ class ProcessState:
         self.topology = topo
         self.device = pick_device(topo.local_rank, cpu)
         self.backend: str | None = None
+        self.owns_group = False
         self.timeout = timeout or DEFAULT_TIMEOUT
         if topo.distributed:
             self.backend = backend or ("nccl" if self.device.type == "cuda" else "gloo")
@@ -83,6 +86,9 @@ class ProcessState:
         if init_method is None and topo.restart_count is not None:
             kwargs["store"] = self._attempt_store(topo)
         dist.init_process_group(**kwargs)
+        self.owns_group = True
+        atexit.unregister(_destroy_at_exit)
+        atexit.register(_destroy_at_exit)
         logger.debug("rank %d/%d joined a %s process group", topo.rank, topo.world_size, self.backend)
 
     def _attempt_store(self, topo: Any) -> Any:
@@ -130,12 +136,30 @@ class ProcessState:
         if self.use_distributed:
             dist.barrier()
 
+    def destroy_process_group(self) -> None:
+        """Destroy the default process group if impel created it (a group the script made stays the script's).
+
+        ``Accelerator.end_training()`` calls this after a final barrier, as Accelerate does; impel also calls it
+        when the interpreter exits normally, so gloo and nccl shut down while everything is alive instead of in
+        the interpreter's teardown (where gloo can abort with "terminate called without an active exception").
+        """
+        if self.__dict__.get("owns_group") and dist.is_initialized():
+            dist.destroy_process_group()
+        self.owns_group = False
+
     @classmethod
     def _reset(cls) -> None:
         """Forget the state (tests only); destroys the process group if this state created one."""
         if cls._shared.get("initialized") and dist.is_initialized():
             dist.destroy_process_group()
         cls._shared.clear()
+
+
+def _destroy_at_exit() -> None:
+    """atexit: destroy impel's process group on a normal exit. After an unhandled exception (``sys.last_value``
+    is set) the group is left alone: a peer may be dead and an nccl teardown could then block."""
+    if getattr(sys, "last_value", None) is None and ProcessState._shared.get("initialized"):
+        ProcessState().destroy_process_group()
 
 
 PartialState = ProcessState

@@ -127,3 +127,15 @@ def test_impel_test_passes_on_two_ranks(strategy, tmp_path):
     res = impel(["test", "--cpu", "--num_processes", "2", "--gradient_accumulation_steps", "2", *strategy], tmp_path)
     assert res.returncode == 0, res.output
     assert res.stdout.count("PASS [rank 0]") == 3 and "impel test: PASS" in res.stdout
+
+
+@pytest.mark.parametrize("mode", ["end_training", "implicit"])
+def test_the_process_group_is_destroyed_before_the_interpreter_exits(tmp_path, mode):
+    """end_training() destroys impel's group (as Accelerate does); a script that never calls it gets the same from
+    impel's exit handler, so gloo never tears down inside interpreter finalisation."""
+    res = impel(["launch", "--cpu", "--num_processes", "2", str(SCRIPTS / "shutdown.py"), mode], tmp_path)
+    assert res.returncode == 0, res.output
+    rows = res.reports()
+    assert [r["group_alive"] for r in rows if "group_alive" in r] == [False, False]
+    if mode == "end_training":
+        assert [r["after_end_training"] for r in rows if "after_end_training" in r] == [False, False]
