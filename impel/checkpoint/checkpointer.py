@@ -3,7 +3,9 @@
 save: all ranks check in (a call on one rank raises) -> agree on the target -> the leader cleans leftovers and
 picks a temporary directory -> pre-hooks -> the strategy writes models and optimizers -> the leader writes
 schedulers, counters, dataloader positions, the GradScaler and registered objects -> each rank writes its RNG
-state -> the leader seals (manifest, metadata, marker, fsync) and renames -> rotation (``total_limit``).
+state (each finished file is hashed and fsynced in the background meanwhile) -> the files nobody hashed yet (DCP,
+DeepSpeed, hooks) are hashed by all ranks in parallel -> the leader seals (manifest from those digests, metadata,
+marker, fsync) and renames -> rotation (``total_limit``).
 
 load: check in -> the leader finds the directory (newest complete one by default) and verifies sizes and
 checksums -> pre-hooks -> GradScaler, models and optimizers (strategy), schedulers, counters, dataloaders,
@@ -28,6 +30,7 @@ from torch.utils.hooks import RemovableHandle
 from ..config import ConfigError
 from ..plugins import ProjectConfiguration
 from . import collective, layout
+from .digests import sealing, share_digests
 from .files import read_torch, write_torch
 from .full import suffix
 from .state import (
@@ -115,9 +118,12 @@ class Checkpointer:
             temp.mkdir(parents=True, exist_ok=True)
         collective.barrier()
         try:
-            strategy_meta = collective.run_shared(lambda: self._write(acc, temp, leader, safe_serialization),
-                                                  "save_state")
-            collective.run_shared(lambda: self._commit(acc, temp, final, strategy_meta) if leader else None,
+            with sealing(temp) as sealer:
+                strategy_meta = collective.run_shared(lambda: self._write(acc, temp, leader, safe_serialization),
+                                                      "save_state")
+                known = collective.run_shared(sealer.entries, "save_state")
+            known = share_digests(temp, known, shared_dir=not self.config.save_on_each_node)
+            collective.run_shared(lambda: self._commit(acc, temp, final, strategy_meta, known) if leader else None,
                                   "committing the checkpoint")
         except BaseException:
             if leader:
@@ -179,7 +185,8 @@ class Checkpointer:
         remaining = {id(w) for w in weights}
         return frozenset(i for i, w in enumerate(ids) if w not in remaining)
 
-    def _commit(self, acc: Accelerator, temp: Path, final: Path, strategy_meta: dict[str, Any]) -> None:
+    def _commit(self, acc: Accelerator, temp: Path, final: Path, strategy_meta: dict[str, Any],
+                known: dict[str, Any]) -> None:
         from .. import __version__
 
         metadata = {
@@ -192,7 +199,7 @@ class Checkpointer:
             "mixed_precision": acc.mixed_precision, "strategy": dict(strategy_meta, name=acc.strategy.name),
             "counts": self._counts(acc),
         }
-        layout.commit(temp, final, metadata)
+        layout.commit(temp, final, metadata, known)
         if self.config.automatic_checkpoint_naming:
             layout.rotate(final.parent, self.config.total_limit)
 

@@ -2,7 +2,8 @@
 
 Tensors go to safetensors (no code at all). Everything else goes through ``torch.save`` and comes back through
 ``torch.load(weights_only=True)``, whose unpickler only rebuilds tensors, numbers, strings and containers: a file
-that asks for any other global (``os.system``, a user class) fails to load and runs nothing. Every writer fsyncs.
+that asks for any other global (``os.system``, a user class) fails to load and runs nothing. Every writer fsyncs
+(during save_state in the background, together with the manifest's checksum: see ``digests``).
 """
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from typing import Any
 
 import torch
 
-from .layout import CheckpointError, fsync_file
+from .digests import appending, seal
+from .layout import CheckpointError
 
 ALIASES_KEY = "impel_aliases"
 
@@ -61,7 +63,7 @@ def write_safetensors(tensors: Mapping[str, torch.Tensor], path: Path) -> None:
     if aliases:
         metadata[ALIASES_KEY] = json.dumps(aliases, sort_keys=True)
     save_file(kept, str(path), metadata=metadata)
-    fsync_file(path)
+    seal(path)
 
 
 def read_safetensors(path: Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
@@ -83,11 +85,22 @@ def read_safetensors(path: Path, device: str | torch.device = "cpu") -> dict[str
 
 
 def write_torch(obj: Any, path: Path) -> None:
-    """``torch.save`` then fsync; only save tensors, numbers, strings and containers (they load back safely)."""
-    with open(path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
+    """``torch.save`` then fsync; only save tensors, numbers, strings and containers (they load back safely).
+
+    The zip records' crc32 is not computed: the manifest's sha256 covers every byte, and crc32 costs a pass.
+    """
+    import torch.serialization as serialization
+
+    switch = getattr(serialization, "set_crc32_options", None)
+    crc32 = serialization.get_crc32_options() if switch else None
+    if switch:
+        switch(False)
+    try:
+        with appending(path) as f:
+            torch.save(obj, f)
+    finally:
+        if switch:
+            switch(crc32)
 
 
 def read_torch(path: Path, what: str) -> Any:

@@ -2,7 +2,8 @@
 
 A checkpoint is written into a hidden temporary directory next to its final name (``.impel-tmp-<name>-<token>``).
 When every rank has written and fsynced its files, the committing rank writes ``impel_checkpoint.json`` (step,
-world size, strategy, versions and a manifest of every file with its size and sha256), then the completion
+world size, strategy, versions and a manifest of every file with its size and the sha256 of each 64 MiB block),
+then the completion
 marker ``COMPLETE`` (holding the sha256 of that JSON), fsyncs, and renames the directory into place. A directory
 without the marker is never loaded; leftover temporary directories are deleted by the next save or load.
 """
@@ -15,9 +16,10 @@ import os
 import re
 import shutil
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+
+from . import hashing
 
 logger = logging.getLogger("impel")
 
@@ -26,9 +28,8 @@ METADATA_FILE = "impel_checkpoint.json"
 MARKER_FILE = "COMPLETE"
 TMP_PREFIX = ".impel-tmp-"
 OLD_PREFIX = ".impel-old-"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: sha256 per 64 MiB block (hashing.py); 1: one sha256 per file, still verified
 _NAME = re.compile(r"^checkpoint_(\d+)$")
-_CHUNK = 1 << 20
 
 
 class CheckpointError(RuntimeError):
@@ -161,37 +162,44 @@ def fsync_dir(path: Path) -> None:
 
 
 # --- manifest ----------------------------------------------------------------------------------------------------
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(_CHUNK), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+def manifest_entry(size: int, blocks: list[str]) -> dict[str, Any]:
+    return {"size": size, "sha256_blocks": blocks}
 
 
-def sha256_files(paths: list[Path]) -> list[str]:
-    """sha256 of several files, on threads (hashlib releases the GIL): the hashing runs at the cores' speed."""
-    if len(paths) < 2:
-        return [sha256_file(p) for p in paths]
-    with ThreadPoolExecutor(max_workers=min(len(paths), os.cpu_count() or 1)) as pool:
-        return list(pool.map(sha256_file, paths))
+def build_manifest(directory: Path, known: dict[str, dict[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
+    """Every file under ``directory`` (relative posix path) with its size and block digests, marker and metadata
+    excluded.
 
-
-def build_manifest(directory: Path) -> dict[str, dict[str, Any]]:
-    """Every file under ``directory`` (relative posix path) with its size and sha256, marker and metadata excluded."""
+    ``known``: digests computed while the files were written; an entry whose size still matches is taken as is,
+    everything else is hashed here.
+    """
+    known = known or {}
     paths = [p for p in sorted(directory.rglob("*")) if p.is_file()
              and p.relative_to(directory).as_posix() not in (METADATA_FILE, MARKER_FILE)]
-    digests = sha256_files(paths)
-    return {p.relative_to(directory).as_posix(): {"size": p.stat().st_size, "sha256": d}
-            for p, d in zip(paths, digests)}
+    entries: dict[str, dict[str, Any]] = {}
+    missing: list[Path] = []
+    for path in paths:
+        rel, size = path.relative_to(directory).as_posix(), path.stat().st_size
+        entry = known.get(rel)
+        if entry is not None and entry["size"] == size:
+            entries[rel] = manifest_entry(size, entry["sha256_blocks"])
+        else:
+            missing.append(path)
+    for path, blocks in zip(missing, hashing.file_digests(missing)):
+        entries[path.relative_to(directory).as_posix()] = manifest_entry(path.stat().st_size, blocks)
+    return {rel: entries[rel] for rel in sorted(entries)}
 
 
-def commit(temp: Path, final: Path, metadata: dict[str, Any]) -> None:
-    """Seal ``temp`` (manifest, metadata, marker, fsync) and rename it to ``final``, replacing an old checkpoint."""
+def commit(temp: Path, final: Path, metadata: dict[str, Any], known: dict[str, dict[str, Any]] | None = None) -> None:
+    """Seal ``temp`` (manifest, metadata, marker, fsync) and rename it to ``final``, replacing an old checkpoint.
+
+    ``known``: digests already computed (:func:`build_manifest`); their files are already fsynced too.
+    """
+    known = known or {}
     for path in temp.rglob("*"):
-        if path.is_file():
+        if path.is_file() and path.relative_to(temp).as_posix() not in known:
             fsync_file(path)
-    body = dict(metadata, format_version=FORMAT_VERSION, files=build_manifest(temp))
+    body = dict(metadata, format_version=FORMAT_VERSION, block_size=hashing.BLOCK, files=build_manifest(temp, known))
     text = json.dumps(body, indent=1, sort_keys=True)
     _write_text(temp / METADATA_FILE, text)
     _write_text(temp / MARKER_FILE, hashlib.sha256(text.encode()).hexdigest() + "\n")
@@ -237,19 +245,31 @@ def read_metadata(directory: Path) -> dict[str, Any]:
 
 
 def verify(directory: Path, checksums: bool = True) -> dict[str, Any]:
-    """Check that every file of the manifest exists with its size (and sha256); return the metadata."""
+    """Check that every file of the manifest exists with its size (and checksums); return the metadata."""
     data = read_metadata(directory)
-    for rel in data["files"]:
+    files: dict[str, dict[str, Any]] = data["files"]
+    for rel in files:
         if not (directory / rel).is_file():
             raise CheckpointError(f"checkpoint file {directory / rel} is missing; the checkpoint is incomplete: copy "
                                   "it again or load an earlier checkpoint")
-    sizes_ok = [(directory / rel).stat().st_size == entry["size"] for rel, entry in data["files"].items()]
-    digests = sha256_files([directory / rel for rel in data["files"]]) if checksums and all(sizes_ok) else None
-    for i, (rel, entry) in enumerate(data["files"].items()):
-        path = directory / rel
-        size = path.stat().st_size
-        if not sizes_ok[i] or (digests is not None and digests[i] != entry["sha256"]):
-            raise CheckpointError(f"checkpoint file {path} is truncated or corrupted ({size} bytes, the manifest "
-                                  f"says {entry['size']} bytes, sha256 {entry['sha256'][:12]}...); load an earlier "
+    for rel, entry in files.items():
+        size = (directory / rel).stat().st_size
+        if size != entry["size"]:
+            raise CheckpointError(f"checkpoint file {directory / rel} is truncated or corrupted ({size} bytes, the "
+                                  f"manifest says {entry['size']} bytes); load an earlier checkpoint or save again")
+    if not checksums:
+        return data
+    block = int(data.get("block_size") or hashing.BLOCK)
+    blocked = [rel for rel, entry in files.items() if "sha256_blocks" in entry]
+    for rel, got in zip(blocked, hashing.file_digests([directory / rel for rel in blocked], block)):
+        bad = hashing.first_bad_block(files[rel]["sha256_blocks"], got)
+        if bad is not None:
+            lo, hi = bad * block, min((bad + 1) * block, files[rel]["size"])
+            raise CheckpointError(f"checkpoint file {directory / rel} is corrupted (bytes {lo}-{hi} differ from the "
+                                  f"manifest's sha256 {files[rel]['sha256_blocks'][bad][:12]}...); load an earlier "
                                   "checkpoint or save again")
+    for rel, entry in files.items():  # format version 1: one sha256 per file
+        if "sha256_blocks" not in entry and hashing.whole_file_digest(directory / rel) != entry["sha256"]:
+            raise CheckpointError(f"checkpoint file {directory / rel} is corrupted (its sha256 differs from the "
+                                  f"manifest's {entry['sha256'][:12]}...); load an earlier checkpoint or save again")
     return data

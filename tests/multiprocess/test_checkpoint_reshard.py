@@ -87,3 +87,33 @@ def test_merge_weights_of_a_sharded_checkpoint_equals_the_full_state_dict(tmp_pa
     merged = {k: v for f in files if str(f).endswith(".safetensors") for k, v in load_file(f).items()}
     assert merged.keys() == full.keys()
     assert all(torch.equal(merged[k], full[k]) for k in full)
+
+
+def _run_small_blocks(*args):
+    from impel.checkpoint import hashing
+
+    hashing.BLOCK = 512  # many blocks per file, dealt to both ranks
+    return _run(*args)
+
+
+def test_the_manifest_of_a_two_rank_sharded_save_matches_every_file(tmp_path):
+    """DCP's shards and metadata are hashed by the ranks in parallel (their blocks dealt round-robin), impel's own
+    files while they are written; the committed manifest must list every file with the digests of the bytes on
+    disk, and the checkpoint must load (which verifies every block)."""
+    import hashlib
+
+    from impel.checkpoint import layout
+
+    ckpt = tmp_path / "ckpt"
+    run_on_ranks(_run_small_blocks, 2, args=(0, STEPS, None, str(ckpt)), timeout=240,
+                 env={"IMPEL_CONFIG": json.dumps(FSDP)})
+    run_on_ranks(_run_small_blocks, 2, args=(STEPS, 1, str(ckpt), None), timeout=240,
+                 env={"IMPEL_CONFIG": json.dumps(FSDP)})
+    meta = json.loads((ckpt / layout.METADATA_FILE).read_text())
+    on_disk = {p.relative_to(ckpt).as_posix() for p in ckpt.rglob("*") if p.is_file()} - {
+        layout.METADATA_FILE, layout.MARKER_FILE}
+    assert set(meta["files"]) == on_disk and any(rel.endswith(".distcp") for rel in on_disk)
+    for rel, entry in meta["files"].items():
+        data = (ckpt / rel).read_bytes()
+        want = [hashlib.sha256(data[i:i + 512]).hexdigest() for i in range(0, max(len(data), 1), 512)]
+        assert entry == {"size": len(data), "sha256_blocks": want}, rel

@@ -1,0 +1,211 @@
+"""Checksums for the manifest, computed while the checkpoint is being written instead of after it.
+
+Hashing a checkpoint after it is written costs as much time as writing it. Two things hide that cost:
+
+* :class:`Sealer`: impel's own writers (``write_torch``, ``write_safetensors``) hand each finished file to
+  background threads that hash its blocks (from the page cache, on every core) and fsync it, while the main thread
+  serializes the next file; the disk's writeback, the hashing and the serialization overlap.
+* :func:`share_digests`: files impel did not write itself (DCP shards, DeepSpeed's engine files, files of a
+  ``register_save_state_pre_hook``) are split across the ranks by size, and every rank hashes its part.
+
+The committing rank receives every digest and only hashes what is still unknown (see ``layout.build_manifest``).
+"""
+from __future__ import annotations
+
+import contextvars
+import os
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from .collective import distributed
+from . import hashing
+from .layout import MARKER_FILE, METADATA_FILE, CheckpointError, fsync_file, manifest_entry
+
+Entry = dict[str, Any]  # layout.manifest_entry: {"size": int, "sha256_blocks": [str, ...]}
+_current: contextvars.ContextVar[Sealer | None] = contextvars.ContextVar("impel_sealer", default=None)
+
+
+class Sealer:
+    """Hashes (every 64 MiB block on its own thread) and fsyncs (on an I/O thread, at the same time) the files
+    written under ``root``; :meth:`entries` waits for them."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._hash_pool = ThreadPoolExecutor(max_workers=hashing.workers(), thread_name_prefix="impel-hash")
+        self._sync_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="impel-fsync")
+        self._pending: dict[str, tuple[int, list[Future[str]], Future[None]]] = {}
+
+    def submit(self, path: Path) -> bool:
+        """Queue a finished file if it lies under the root; False (the caller seals it itself) otherwise."""
+        rel = self.relative(path)
+        if rel is None:
+            return False
+        size = Path(path).stat().st_size
+        self.add(rel, size, [self.hash_block(Path(path), i) for i in range(hashing.block_count(size))],
+                 self.sync(fsync_file, path))
+        return True
+
+    def relative(self, path: Path) -> str | None:
+        try:
+            return Path(path).absolute().relative_to(self.root).as_posix()
+        except ValueError:
+            return None
+
+    def add(self, rel: str, size: int, blocks: list[Future[str]], synced: Future[Any]) -> None:
+        self._pending[rel] = (size, blocks, synced)
+
+    def hash_block(self, path: Path, index: int) -> Future[str]:
+        return self._hash_pool.submit(hashing.block_digest, path, index)
+
+    def sync(self, fn: Any, *args: Any) -> Future[Any]:
+        return self._sync_pool.submit(fn, *args)
+
+    def entries(self) -> dict[str, Entry]:
+        """Every queued file's manifest entry (relative posix path -> entry); raises what hashing or fsync raised."""
+        out = {}
+        for rel, (size, blocks, synced) in self._pending.items():
+            synced.result()
+            out[rel] = manifest_entry(size, [block.result() for block in blocks])
+        return out
+
+    def close(self) -> None:
+        self._hash_pool.shutdown(wait=True)
+        self._sync_pool.shutdown(wait=True)
+
+
+@contextmanager
+def sealing(root: Path) -> Iterator[Sealer]:
+    """While active, files that impel's writers finish under ``root`` are sealed in the background."""
+    sealer = Sealer(Path(root).absolute())
+    token = _current.set(sealer)
+    try:
+        yield sealer
+    finally:
+        _current.reset(token)
+        sealer.close()
+
+
+class _AppendingWriter:
+    """What ``torch.save`` writes into under an active :class:`Sealer`: it only appends, so a 64 MiB block is final
+    once the writer has passed it. Each finished block is hashed (read back from the page cache) and the file is
+    flushed to disk in the background while later blocks are still being serialized."""
+
+    def __init__(self, sealer: Sealer, path: Path, rel: str) -> None:
+        self.sealer, self.path, self.rel = sealer, path, rel
+        self.file = open(path, "wb")  # noqa: SIM115 - closed in close()
+        self.offset = 0
+        self.blocks: list[Future[str]] = []
+        self.flushing: Future[Any] | None = None
+
+    def write(self, data: Any) -> int:
+        n = memoryview(data).nbytes
+        self.file.write(data)
+        self.offset += n
+        if self.offset // hashing.BLOCK > len(self.blocks):
+            self.file.flush()  # the finished blocks must be in the kernel before another thread reads them
+            while len(self.blocks) < self.offset // hashing.BLOCK:
+                self.blocks.append(self.sealer.hash_block(self.path, len(self.blocks)))
+            if self.flushing is None or self.flushing.done():
+                self.flushing = self.sealer.sync(os.fdatasync, self.file.fileno())
+        return n
+
+    def flush(self) -> None:
+        self.file.flush()
+
+    def close(self) -> None:
+        """Hash the last (partial) block and queue the final fsync; the file is closed after it."""
+        self.file.flush()
+        while len(self.blocks) < hashing.block_count(self.offset):
+            self.blocks.append(self.sealer.hash_block(self.path, len(self.blocks)))
+        self.sealer.add(self.rel, self.offset, self.blocks, self.sealer.sync(_sync_and_close, self.file))
+
+    def abort(self) -> None:
+        if self.flushing is not None:
+            self.flushing.result()
+        self.file.close()
+
+
+def _sync_and_close(file: Any) -> None:
+    try:
+        os.fsync(file.fileno())
+    finally:
+        file.close()
+
+
+@contextmanager
+def appending(path: Path) -> Iterator[Any]:
+    """A write-only file for ``torch.save``: sealed in the background under an active :class:`Sealer`, else
+    fsynced before the block ends."""
+    sealer = _current.get()
+    rel = sealer.relative(path) if sealer is not None else None
+    if sealer is None or rel is None:
+        with open(path, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        return
+    writer = _AppendingWriter(sealer, Path(path).absolute(), rel)
+    try:
+        yield writer
+    except BaseException:
+        writer.abort()
+        raise
+    writer.close()
+
+
+def seal(path: Path) -> None:
+    """A writer finished ``path``: hand it to the active :class:`Sealer`, or fsync it now when none is active."""
+    sealer = _current.get()
+    if sealer is None or not sealer.submit(path):
+        fsync_file(path)
+
+
+def share_digests(root: Path, known: dict[str, Entry], shared_dir: bool) -> dict[str, Entry]:
+    """Collective: every rank's known digests, plus those of the files nobody hashed yet, whose 64 MiB blocks are
+    dealt round-robin to the ranks (each rank also fsyncs the files it read). Every returned file is fsynced.
+
+    ``shared_dir``: all ranks see the same directory (otherwise each node commits its own copy and only this
+    rank's entries are returned; the committer hashes the rest itself). Should the ranks list the directory
+    differently, a file left out here is hashed by the committer (``layout.build_manifest``).
+    """
+    if not (distributed() and shared_dir):
+        return dict(known)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, known)
+    merged: dict[str, Entry] = {}
+    for entries in everyone:
+        merged.update(entries)
+    sizes = {p: p.stat().st_size for p in sorted(root.rglob("*")) if p.is_file()
+             and p.relative_to(root).as_posix() not in merged and p.name not in (METADATA_FILE, MARKER_FILE)}
+    units = [(path, i) for path, size in sizes.items() for i in range(hashing.block_count(size))]
+    mine = units[rank::world]  # the same plan on every rank
+    try:  # no raise between the collectives: a failure travels in the gathered payload to every rank
+        with ThreadPoolExecutor(max_workers=hashing.workers(), thread_name_prefix="impel-hash") as pool:
+            digests = list(pool.map(lambda unit: hashing.block_digest(*unit), mine))
+        for path in {path for path, _ in mine}:
+            fsync_file(path)
+        payload: Any = [(path.relative_to(root).as_posix(), i, d) for (path, i), d in zip(mine, digests)]
+        error: BaseException | None = None
+    except OSError as exc:
+        payload, error = f"{type(exc).__name__}: {exc}", exc
+    dist.all_gather_object(everyone, payload)
+    if error is not None:
+        raise error
+    blocks: dict[str, dict[int, str]] = {}
+    for r, part in enumerate(everyone):
+        if isinstance(part, str):
+            raise CheckpointError(f"checksumming the checkpoint failed on rank {r} ({part})")
+        for rel, i, digest in part:
+            blocks.setdefault(rel, {})[i] = digest
+    for path, size in sizes.items():
+        rel = path.relative_to(root).as_posix()
+        got = blocks.get(rel, {})
+        if len(got) == hashing.block_count(size):
+            merged[rel] = manifest_entry(size, [got[i] for i in range(len(got))])
+    return merged
