@@ -3,8 +3,7 @@
 Builds a ~100M-parameter GPT-2 after the Accelerator (so ZeRO-3 / RAM-efficient loading could partition at
 construction), prepares it with AdamW, takes one optimizer step, and reports the tensor bytes this rank holds
 (every distinct CPU storage reachable from Python objects: parameters, gradients, optimizer states, buffers),
-the peak RSS, and optionally the time to save_state (a first and a second save) / load_state and the checkpoint's
-size on disk.
+the peak RSS, and optionally save_state / load_state times against the disk's bandwidth (measure_checkpoints).
 """
 from __future__ import annotations
 
@@ -12,12 +11,18 @@ import gc
 import json
 import os
 import resource
+import shutil
 import sys
 import time
+from typing import Any
 
+import _common
 import torch
 
 from impel import Accelerator
+
+
+REPEATS = 3
 
 
 def tensor_bytes() -> int:
@@ -49,6 +54,33 @@ def dir_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
 
 
+def timed(acc: Accelerator, fn: Any) -> float:
+    acc.wait_for_everyone()
+    t0 = time.perf_counter()
+    fn()
+    acc.wait_for_everyone()
+    return time.perf_counter() - t0
+
+
+def measure_checkpoints(acc: Accelerator, checkpoint_dir: str, out: dict[str, Any]) -> None:
+    """A first save (it pays one-time imports), then REPEATS saves, each right after rank 0 measured the disk's
+    fsynced write bandwidth for a file of the checkpoint's size (disks drift; a ratio pairs neighbours), then a
+    load of the last one."""
+    first = checkpoint_dir + "-first"
+    out["first_save_s"] = timed(acc, lambda: acc.save_state(first))
+    out["checkpoint_bytes"] = dir_bytes(first)
+    out["save_s"], out["disk_Bps"] = [], []
+    previous = first
+    for rep in range(REPEATS):
+        if acc.is_main_process:
+            shutil.rmtree(previous)  # outside the timing; keeps the disk from filling up
+            out["disk_Bps"].append(_common.disk_write_bandwidth(os.path.dirname(checkpoint_dir),
+                                                                out["checkpoint_bytes"]))
+        previous = f"{checkpoint_dir}-{rep}"
+        out["save_s"].append(timed(acc, lambda target=previous: acc.save_state(target)))
+    out["load_s"] = timed(acc, lambda: acc.load_state(previous))
+
+
 def main() -> None:
     n_layer = int(sys.argv[1])
     checkpoint_dir = sys.argv[2] if len(sys.argv) > 2 else None
@@ -73,17 +105,7 @@ def main() -> None:
            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
            "strategy": str(acc.distributed_type)}
     if checkpoint_dir:
-        for key, target in (("first_save_s", checkpoint_dir + "-first"), ("save_s", checkpoint_dir)):
-            acc.wait_for_everyone()  # the first save pays one-time imports; a training run saves many times
-            t0 = time.perf_counter()
-            acc.save_state(target)
-            acc.wait_for_everyone()
-            out[key] = time.perf_counter() - t0
-        out["checkpoint_bytes"] = dir_bytes(checkpoint_dir)
-        t0 = time.perf_counter()
-        acc.load_state(checkpoint_dir)
-        acc.wait_for_everyone()
-        out["load_s"] = time.perf_counter() - t0
+        measure_checkpoints(acc, checkpoint_dir, out)
     sys.stdout.write("REPORT " + json.dumps(out) + "\n")
     sys.stdout.flush()
     acc.end_training()

@@ -101,6 +101,7 @@ class _AppendingWriter:
         self.offset = 0
         self.blocks: list[Future[str]] = []
         self.flushing: Future[Any] | None = None
+        self.closed = False
 
     def write(self, data: Any) -> int:
         n = memoryview(data).nbytes
@@ -114,11 +115,20 @@ class _AppendingWriter:
                 self.flushing = self.sealer.sync(os.fdatasync, self.file.fileno())
         return n
 
+    def tell(self) -> int:
+        return self.offset
+
+    def fileno(self) -> int:
+        return self.file.fileno()
+
     def flush(self) -> None:
         self.file.flush()
 
     def close(self) -> None:
-        """Hash the last (partial) block and queue the final fsync; the file is closed after it."""
+        """Hash the last (partial) block and queue the final fsync; the file is closed after it. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
         self.file.flush()
         while len(self.blocks) < hashing.block_count(self.offset):
             self.blocks.append(self.sealer.hash_block(self.path, len(self.blocks)))
@@ -139,15 +149,14 @@ def _sync_and_close(file: Any) -> None:
 
 @contextmanager
 def appending(path: Path) -> Iterator[Any]:
-    """A write-only file for ``torch.save``: sealed in the background under an active :class:`Sealer`, else
-    fsynced before the block ends."""
+    """A write-only, append-only file (``write``, ``tell``, ``flush``, ``fileno``, ``close``) for ``torch.save`` and
+    DCP: sealed in the background under an active :class:`Sealer`, else fsynced before the block ends."""
     sealer = _current.get()
     rel = sealer.relative(path) if sealer is not None else None
     if sealer is None or rel is None:
         with open(path, "wb") as f:
             yield f
-            f.flush()
-            os.fsync(f.fileno())
+        fsync_file(path)
         return
     writer = _AppendingWriter(sealer, Path(path).absolute(), rel)
     try:

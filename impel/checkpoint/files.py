@@ -11,7 +11,8 @@ import json
 import os
 import pickle
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -89,18 +90,25 @@ def write_torch(obj: Any, path: Path) -> None:
 
     The zip records' crc32 is not computed: the manifest's sha256 covers every byte, and crc32 costs a pass.
     """
+    with crc32_off(), appending(path) as f:
+        torch.save(obj, f)
+
+
+@contextmanager
+def crc32_off() -> Iterator[None]:
+    """``torch.save`` without the zip records' crc32 (a pass over every byte) where torch allows it."""
     import torch.serialization as serialization
 
     switch = getattr(serialization, "set_crc32_options", None)
-    crc32 = serialization.get_crc32_options() if switch else None
-    if switch:
-        switch(False)
+    if switch is None:
+        yield
+        return
+    before = serialization.get_crc32_options()
+    switch(False)
     try:
-        with appending(path) as f:
-            torch.save(obj, f)
+        yield
     finally:
-        if switch:
-            switch(crc32)
+        switch(before)
 
 
 def read_torch(path: Path, what: str) -> Any:

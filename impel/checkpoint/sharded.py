@@ -10,9 +10,10 @@ rebuilds only DCP's own metadata classes, so a doctored ``.metadata`` fails inst
 from __future__ import annotations
 
 import io
+from contextlib import contextmanager
 import pickle
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,8 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 
 from .collective import distributed
+from .digests import appending
+from .files import crc32_off
 from .full import optimizer_state, pair_optimizers, suffix
 from .layout import CheckpointError
 
@@ -83,6 +86,27 @@ def _dcp(call: Callable[..., Any], *args: Any, reader: SafeFileSystemReader | No
         raise
 
 
+def _writer(path: Path) -> Any:
+    """DCP's file writer whose shard files (``*.distcp``) are written through ``digests.appending``: hashed and
+    fsynced in the background while they are written (under save_state), so DCP's own fsync is off."""
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    class _SealingFileSystem(FileSystem):
+        @contextmanager
+        def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+            if mode == "wb" and str(path).endswith(".distcp"):
+                with appending(Path(path)) as stream:
+                    yield stream
+            else:
+                with super().create_stream(path, mode) as stream:
+                    yield stream
+
+    writer = FileSystemWriter(path, sync_files=False)
+    writer.fs = _SealingFileSystem()
+    return writer
+
+
 def model_dir(index: int) -> str:
     return f"model{suffix(index)}"
 
@@ -98,15 +122,16 @@ def save_sharded(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.O
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     no_dist = not distributed()
-    for i, model in enumerate(models):
-        if i not in skip_models:
-            _dcp(dcp.save, {"model": get_model_state_dict(model, options=options)},
-                 checkpoint_id=directory / model_dir(i), no_dist=no_dist)
-    fresh = []
-    for i, (opt, owner) in enumerate(zip(optimizers, pair_optimizers(models, optimizers))):
-        fresh.append(not opt.state)
-        _dcp(dcp.save, {"optimizer": optimizer_state(models[owner], opt, options)},
-             checkpoint_id=directory / optimizer_dir(i), no_dist=no_dist)
+    with crc32_off():
+        for i, model in enumerate(models):
+            if i not in skip_models:
+                _dcp(dcp.save, {"model": get_model_state_dict(model, options=options)},
+                     storage_writer=_writer(directory / model_dir(i)), no_dist=no_dist)
+        fresh = []
+        for i, (opt, owner) in enumerate(zip(optimizers, pair_optimizers(models, optimizers))):
+            fresh.append(not opt.state)
+            _dcp(dcp.save, {"optimizer": optimizer_state(models[owner], opt, options)},
+                 storage_writer=_writer(directory / optimizer_dir(i)), no_dist=no_dist)
     return {"format": FORMAT, "models": [model_dir(i) for i in range(len(models))],
             "optimizers": [optimizer_dir(i) for i in range(len(optimizers))], "fresh_optimizers": fresh}
 
