@@ -21,7 +21,6 @@ import torch
 
 from impel import Accelerator
 
-
 REPEATS = 3
 
 

@@ -2,11 +2,12 @@
 
 Hashing a checkpoint after it is written costs as much time as writing it. Two things hide that cost:
 
-* :class:`Sealer`: impel's own writers (``write_torch``, ``write_safetensors``) hand each finished file to
-  background threads that hash its blocks (from the page cache, on every core) and fsync it, while the main thread
-  serializes the next file; the disk's writeback, the hashing and the serialization overlap.
-* :func:`share_digests`: files impel did not write itself (DCP shards, DeepSpeed's engine files, files of a
-  ``register_save_state_pre_hook``) are split across the ranks by size, and every rank hashes its part.
+* :class:`Sealer` and :func:`appending`: files written through ``torch.save`` (impel's own and DCP's shards) go
+  through an append-only file object whose finished 64 MiB blocks are hashed on background threads (read back
+  from the page cache, on every core) while the file is flushed to disk with ``fdatasync`` and later blocks are
+  still being serialized; safetensors files are hashed and fsynced in the background after they are written.
+* :func:`share_digests`: files nobody hashed yet (DCP's metadata, DeepSpeed's engine files, files of a
+  ``register_save_state_pre_hook``) have their blocks dealt round-robin to the ranks.
 
 The committing rank receives every digest and only hashes what is still unknown (see ``layout.build_manifest``).
 """
@@ -22,9 +23,15 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .collective import distributed
 from . import hashing
-from .layout import MARKER_FILE, METADATA_FILE, CheckpointError, fsync_file, manifest_entry
+from .collective import distributed
+from .layout import (
+    MARKER_FILE,
+    METADATA_FILE,
+    CheckpointError,
+    fsync_file,
+    manifest_entry,
+)
 
 Entry = dict[str, Any]  # layout.manifest_entry: {"size": int, "sha256_blocks": [str, ...]}
 _current: contextvars.ContextVar[Sealer | None] = contextvars.ContextVar("impel_sealer", default=None)
@@ -135,6 +142,10 @@ class _AppendingWriter:
         self.sealer.add(self.rel, self.offset, self.blocks, self.sealer.sync(_sync_and_close, self.file))
 
     def abort(self) -> None:
+        """The writer failed: wait for a running fdatasync, then close (unless close() already handed it over)."""
+        if self.closed:
+            return
+        self.closed = True
         if self.flushing is not None:
             self.flushing.result()
         self.file.close()

@@ -8,7 +8,6 @@ that asks for any other global (``os.system``, a user class) fails to load and r
 from __future__ import annotations
 
 import json
-import os
 import pickle
 import re
 from collections.abc import Iterator, Mapping
@@ -97,7 +96,7 @@ def write_torch(obj: Any, path: Path) -> None:
 @contextmanager
 def crc32_off() -> Iterator[None]:
     """``torch.save`` without the zip records' crc32 (a pass over every byte) where torch allows it."""
-    import torch.serialization as serialization
+    from torch import serialization
 
     switch = getattr(serialization, "set_crc32_options", None)
     if switch is None:

@@ -10,11 +10,11 @@ rebuilds only DCP's own metadata classes, so a doctored ``.metadata`` fails inst
 from __future__ import annotations
 
 import io
-from contextlib import contextmanager
 import pickle
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 

@@ -53,7 +53,11 @@ def test_block_digests_computed_while_writing_match_the_bytes_on_disk(tmp_path, 
 
     monkeypatch.setattr(hashing, "BLOCK", 1000)
     acc, _model, _opt = prepared()
-    acc.register_save_state_pre_hook(lambda models, weights, out: open(f"{out}/extra.bin", "wb").write(b"x" * 2500))
+    def hook(models, weights, out):
+        with open(f"{out}/extra.bin", "wb") as f:
+            f.write(b"x" * 2500)
+
+    acc.register_save_state_pre_hook(hook)
     acc.save_state(tmp_path / "ckpt")
     meta = json.loads((tmp_path / "ckpt" / layout.METADATA_FILE).read_text())
     assert "extra.bin" in meta["files"] and meta["format_version"] == 2
