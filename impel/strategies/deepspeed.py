@@ -227,7 +227,8 @@ class DeepSpeedStrategy(Strategy):
         scheduler = next((s for s in self._call_schedulers if getattr(s, "optimizer", None) is optimizer
                           and optimizer is not None), None)
         cfg = fill_runtime(self.resolved, micro_batch=self._micro_batch(), world=self.state.num_processes,
-                           optimizer=optimizer, scheduler=scheduler, has_optimizer=optimizer is not None)
+                           optimizer=optimizer, scheduler=scheduler, has_optimizer=optimizer is not None,
+                           model=model)
         self._check_accumulation(cfg)
         kwargs: dict[str, Any] = {"model": model, "config": cfg}
         if isinstance(optimizer, DummyOptim):

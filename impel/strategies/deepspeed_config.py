@@ -275,7 +275,7 @@ def init_config(r: Resolved) -> dict[str, Any]:
 
 # --- at prepare --------------------------------------------------------------------------------------------------
 def fill_runtime(r: Resolved, *, micro_batch: int | None, world: int, optimizer: Any, scheduler: Any,
-                 has_optimizer: bool) -> dict[str, Any]:
+                 has_optimizer: bool, model: Any = None) -> dict[str, Any]:
     """The concrete JSON for one engine; raises for "auto" values nothing can fill."""
     ds = copy.deepcopy(r.ds)
     micro = settle(ds, "train_micro_batch_size_per_gpu", micro_batch, "the prepared DataLoader's batch size "
@@ -293,6 +293,7 @@ def fill_runtime(r: Resolved, *, micro_batch: int | None, world: int, optimizer:
            r.source)
     _fill_optimizer(ds, optimizer, r.source)
     _fill_scheduler(ds, optimizer, scheduler, r.source)
+    _fill_model_sizes(ds, model, r.source)
     if has_optimizer and not isinstance(optimizer, DummyOptim):
         ds.setdefault("zero_allow_untested_optimizer", True)  # any torch optimizer works under ZeRO
         if r.offload("optimizer") != "none":
@@ -302,6 +303,36 @@ def fill_runtime(r: Resolved, *, micro_batch: int | None, world: int, optimizer:
         raise ConfigError(f"{r.source} has \"auto\" values impel cannot fill: {', '.join(left)}; write concrete "
                           "values for them")
     return ds
+
+
+# "auto" bucket sizes from the model's width, as transformers' and Accelerate's DeepSpeed integrations fill them
+MODEL_SIZED = {"reduce_bucket_size": lambda h: h * h, "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
+               "stage3_param_persistence_threshold": lambda h: 10 * h}
+
+
+def hidden_size(model: Any) -> int | None:
+    """``config.hidden_size`` (or the largest of ``config.hidden_sizes``) of a transformers-style model."""
+    config = getattr(getattr(model, "module", model), "config", None)
+    size = getattr(config, "hidden_size", None)
+    sizes = getattr(config, "hidden_sizes", None)
+    if not isinstance(size, int) and isinstance(sizes, (list, tuple)) and sizes:
+        size = max(sizes)
+    return size if isinstance(size, int) and size > 0 else None
+
+
+def _fill_model_sizes(ds: dict[str, Any], model: Any, source: str) -> None:
+    zero = ds.get("zero_optimization")
+    wanted = [key for key in MODEL_SIZED if isinstance(zero, dict) and zero.get(key) == AUTO]
+    if not wanted:
+        return
+    width = hidden_size(model)
+    if width is None:
+        keys = ", ".join(f"zero_optimization.{key}" for key in wanted)
+        raise ConfigError(f"{source} sets {keys} to \"auto\", which impel fills from the model's config.hidden_size, "
+                          f"and {type(model).__name__} has none; write concrete values (DeepSpeed's defaults are "
+                          "5e8 for the bucket sizes and 1e5 for the persistence threshold)")
+    for key in wanted:
+        zero[key] = MODEL_SIZED[key](width)
 
 
 def _fill_optimizer(ds: dict[str, Any], optimizer: Any, source: str) -> None:

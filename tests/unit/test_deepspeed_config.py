@@ -134,9 +134,30 @@ def test_auto_values_nothing_can_fill_are_listed():
     with pytest.raises(ConfigError, match=r"DummyOptim gives no betas"):
         fill_runtime(resolved, micro_batch=2, world=1, optimizer=DummyOptim(tiny_params(), lr=0.1), scheduler=None,
                      has_optimizer=True)
-    with pytest.raises(ConfigError, match=r"cannot fill: zero_optimization.reduce_bucket_size"):
+    with pytest.raises(ConfigError, match=r"sets zero_optimization.reduce_bucket_size to \"auto\", which impel "
+                                          r"fills from the model's config.hidden_size, and Linear has none"):
         fill_runtime(resolved, micro_batch=2, world=1, optimizer=DummyOptim(tiny_params(), lr=0.1, betas=(0.9, 0.9)),
-                     scheduler=None, has_optimizer=True)
+                     scheduler=None, has_optimizer=True, model=torch.nn.Linear(2, 2))
+    resolved, _ = resolve({"zero_optimization": {"stage": 2, "sub_group_size": "auto"}})
+    with pytest.raises(ConfigError, match=r"cannot fill: zero_optimization.sub_group_size"):
+        fill_runtime(resolved, micro_batch=2, world=1, optimizer=None, scheduler=None, has_optimizer=False)
+
+
+def test_bucket_sizes_of_auto_come_from_the_model_width():
+    """transformers' example ZeRO-3 JSON writes "auto" for these; they follow config.hidden_size as in
+    transformers' and Accelerate's integrations."""
+    from transformers import BertConfig, BertModel
+
+    model = BertModel(BertConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+                                 vocab_size=50))
+    resolved, _ = resolve({"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto",
+                                                 "stage3_prefetch_bucket_size": "auto",
+                                                 "stage3_param_persistence_threshold": "auto"}})
+    ds = fill_runtime(resolved, micro_batch=2, world=1, optimizer=None, scheduler=None, has_optimizer=False,
+                      model=model)
+    zero = ds["zero_optimization"]
+    assert (zero["reduce_bucket_size"], zero["stage3_prefetch_bucket_size"],
+            zero["stage3_param_persistence_threshold"]) == (64 * 64, int(0.9 * 64 * 64), 640)
 
 
 def test_optimizer_and_scheduler_come_from_code_or_json_not_both():
