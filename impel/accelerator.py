@@ -46,6 +46,7 @@ from .process_utilities import ProcessUtilities
 from .resilience import Resilience
 from .state import ProcessState
 from .strategies.base import Strategy, load_strategy
+from .tracking import AcceleratorTrackers
 
 if TYPE_CHECKING:
     from .precision_report import PrecisionReport
@@ -71,7 +72,8 @@ class Accelerator(ProcessUtilities):
                  kwargs_handlers: Sequence[Any] | None = None, project_dir: str | os.PathLike[str] | None = None,
                  project_config: ProjectConfiguration | None = None,
                  fsdp_plugin: FullyShardedDataParallelPlugin | None = None,
-                 deepspeed_plugin: DeepSpeedPlugin | None = None, nonfinite_loss: str | None = None) -> None:
+                 deepspeed_plugin: DeepSpeedPlugin | None = None, nonfinite_loss: str | None = None,
+                 log_with: str | Sequence[str] | None = None) -> None:
         if gradient_accumulation_plugin is not None and gradient_accumulation_steps not in (None, 1):
             raise ConfigError("pass either gradient_accumulation_steps or gradient_accumulation_plugin, not both")
         if gradient_accumulation_plugin is not None:
@@ -87,6 +89,7 @@ class Accelerator(ProcessUtilities):
             code.update(deepspeed_plugin.code_arguments(gradient_accumulation_steps))
         self.config: RunConfig = merge_code_arguments(env.read_launch_config(), code)
         self.handlers = Handlers.collect(kwargs_handlers)
+        self._tracking = AcceleratorTrackers(log_with)  # unknown or missing tracker packages raise now
         self.handlers.extra["deepspeed_plugin"] = deepspeed_plugin  # its dict JSON stays in the process
         self.dataloader_config = dataloader_config or DataLoaderConfiguration()
         if split_batches is not None:
@@ -458,9 +461,37 @@ class Accelerator(ProcessUtilities):
 
     clear = free_memory
 
+    # --- trackers (Accelerate's API) ----------------------------------------------------------------------------
+    def init_trackers(self, project_name: str, config: dict[str, Any] | None = None,
+                      init_kwargs: dict[str, Any] | None = None) -> None:
+        """Start the ``log_with`` trackers (main process only) under ``logging_dir`` (else ``project_dir``, else
+        the working directory), storing ``config`` as the run's hyper-parameters."""
+        if init_kwargs:
+            raise ConfigError(f"init_trackers(init_kwargs={init_kwargs!r}) is not supported: impel builds each "
+                              "tracker from logging_dir, project_name and config; set the tracker's environment "
+                              "(WANDB_PROJECT, MLFLOW_TRACKING_URI) instead")
+        where = self.project_configuration.logging_dir or self.project_configuration.project_dir or "."
+        self._tracking.start(project_name, str(where), config, self.is_main_process)
+
+    def log(self, values: dict[str, Any], step: int | None = None, log_kwargs: dict[str, Any] | None = None) -> None:
+        """Log ``values`` to every tracker (main process only; a no-op without trackers). ``step`` defaults to
+        ``accelerator.step``."""
+        if log_kwargs:
+            raise ConfigError(f"log(log_kwargs={log_kwargs!r}) is not supported; pass values and step only")
+        self._tracking.log(values, self.step if step is None else step)
+
+    @property
+    def trackers(self) -> list[Any]:
+        return list(self._tracking.trackers)
+
+    def get_tracker(self, name: str, unwrap: bool = False) -> Any:
+        """The tracker called ``name`` (unwrap: its SummaryWriter / wandb run / mlflow module)."""
+        return self._tracking.get(name, unwrap)
+
     def end_training(self) -> None:
-        """Stop impel's signal handling, tear down the strategy, wait for every rank and destroy the process group
-        impel created (as Accelerate does): collectives after this raise."""
+        """Close the trackers, stop impel's signal handling, tear down the strategy, wait for every rank and destroy
+        the process group impel created (as Accelerate does): collectives after this raise."""
+        self._tracking.finish()
         if self._resilience is not None:
             self._resilience.uninstall()
         self.strategy.teardown()

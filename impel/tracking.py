@@ -34,15 +34,16 @@ def installed_trackers() -> list[str]:
     return [name for name, (module, _) in PACKAGES.items() if importlib.util.find_spec(module) is not None]
 
 
-def check_installed(names: Iterable[str]) -> None:
+def check_installed(names: Iterable[str], what: str = "report_to", extra: Sequence[str] = ()) -> None:
     """Raise a ConfigError naming ``pip install <package>`` for the first tracker that is not installed."""
     for name in names:
         if name not in PACKAGES:
-            raise ConfigError(f"report_to={name!r} is not a tracker impel knows; use one of {', '.join(PACKAGES)}")
+            raise ConfigError(f"{what}={name!r} is not a tracker impel knows; use one of "
+                              f"{', '.join([*PACKAGES, *extra])}")
         module, package = PACKAGES[name]
         if importlib.util.find_spec(module) is None:
-            raise ConfigError(f"report_to={name!r} needs the {package!r} package, which is not installed: "
-                              f"pip install {package}  (or drop {name!r} from report_to)")
+            raise ConfigError(f"{what}={name!r} needs the {package!r} package, which is not installed: "
+                              f"pip install {package}  (or drop {name!r} from {what})")
 
 
 def _plain(value: Any) -> Any:
@@ -65,6 +66,10 @@ class Tracker:
 
     def finish(self) -> None:
         """Flush and close; safe to call twice."""
+
+    def native(self) -> Any:
+        """The underlying object (SummaryWriter, wandb run, mlflow module; the tracker itself for JSONL)."""
+        return self
 
 
 class JSONLTracker(Tracker):
@@ -118,6 +123,9 @@ class TensorBoardTracker(Tracker):
     def finish(self) -> None:
         self.writer.close()
 
+    def native(self) -> Any:
+        return self.writer
+
 
 class WandBTracker(Tracker):
     """A Weights & Biases run (project from ``$WANDB_PROJECT``, else "impel"; needs ``pip install wandb``)."""
@@ -135,6 +143,9 @@ class WandBTracker(Tracker):
 
     def finish(self) -> None:
         self.run.finish()
+
+    def native(self) -> Any:
+        return self.run
 
 
 class MLflowTracker(Tracker):
@@ -158,6 +169,9 @@ class MLflowTracker(Tracker):
         if self.mlflow.active_run() is not None:
             self.mlflow.end_run()
 
+    def native(self) -> Any:
+        return self.mlflow
+
 
 TRACKER_CLASSES: dict[str, type] = {"tensorboard": TensorBoardTracker, "wandb": WandBTracker, "mlflow": MLflowTracker}
 
@@ -178,3 +192,49 @@ def make_trackers(names: Sequence[str], logging_dir: str, run_name: str | None, 
     for name in names:
         trackers.append(TRACKER_CLASSES[name](logging_dir, run_name, config))
     return trackers
+
+
+class AcceleratorTrackers:
+    """What ``Accelerator(log_with=...)``, ``init_trackers``, ``log``, ``get_tracker`` and ``end_training`` use.
+
+    ``log_with``: a tracker name, a list of them, ``"all"`` (every installed one) or None; besides Accelerate's
+    names, ``"jsonl"`` writes ``<logging_dir>/<project_name>/metrics.jsonl``. Names are checked (and packages
+    looked for) when the Accelerator is built, on every rank; trackers exist on the main process only.
+    """
+
+    def __init__(self, log_with: str | Sequence[str] | None) -> None:
+        names = [log_with] if isinstance(log_with, str) else list(log_with or [])
+        if "all" in names:
+            names = [n for n in names if n != "all"] + [n for n in installed_trackers() if n not in names]
+        self.jsonl = "jsonl" in names
+        self.names = [n for n in dict.fromkeys(names) if n != "jsonl"]
+        check_installed(self.names, "log_with", extra=("jsonl", "all"))
+        self.trackers: list[Tracker] = []
+        self.started = False
+
+    def start(self, project_name: str, logging_dir: str, config: Mapping[str, Any] | None,
+              main_process: bool) -> None:
+        if self.started:
+            raise ConfigError("init_trackers() was already called; call it once per run (end_training() closes "
+                              "the trackers)")
+        jsonl = os.path.join(logging_dir, project_name, "metrics.jsonl") if self.jsonl else None
+        self.trackers = make_trackers(self.names, logging_dir, project_name, dict(config or {}), main_process,
+                                      jsonl_path=jsonl)
+        self.started = True
+
+    def log(self, values: Mapping[str, Any], step: int) -> None:
+        for tracker in self.trackers:
+            tracker.log(values, step)
+
+    def get(self, name: str, unwrap: bool) -> Any:
+        for tracker in self.trackers:
+            if tracker.name == name:
+                return tracker.native() if unwrap else tracker
+        known = [t.name for t in self.trackers] or "none on this process (trackers live on the main process)"
+        raise ValueError(f"no tracker named {name!r}; the active ones are {known}")
+
+    def finish(self) -> None:
+        for tracker in self.trackers:
+            tracker.finish()
+        self.trackers = []
+        self.started = False

@@ -154,3 +154,20 @@ def _barrier_with_missing_peer():
 def test_process_group_timeout_is_configurable():
     r0, r1 = run_on_ranks(_barrier_with_missing_peer, 2, timeout=60)
     assert r0.startswith("raised") and r1 == "slept"
+
+
+def _trackers(project_dir: str):
+    from impel import Accelerator
+
+    acc = Accelerator(log_with="jsonl", project_dir=project_dir)
+    acc.init_trackers("run")
+    acc.log({"rank": acc.process_index}, step=1)
+    count = len(acc.trackers)
+    acc.end_training()
+    return count
+
+
+def test_trackers_live_on_the_main_process_only(tmp_path):
+    counts = run_on_ranks(_trackers, 2, args=(str(tmp_path),))
+    assert counts == [1, 0]
+    assert (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() == ['{"step": 1, "rank": 0}']
