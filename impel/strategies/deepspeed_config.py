@@ -165,6 +165,7 @@ class Resolved:
     clipping: float
     zero3_init: bool
     save_16bit: bool
+    json_given: bool = True
 
     def offload(self, what: str) -> str:
         device = get(self.ds, f"zero_optimization.offload_{what}.device")
@@ -190,7 +191,8 @@ def resolve_static(ds: dict[str, Any], source: str, config: RunConfig, json_give
                  "gradient_accumulation_steps", source, default=config.gradient_accumulation_steps)
     config.gradient_accumulation_steps = int(gas)
     dtype = _settle_precision(ds, config, source)
-    resolved = Resolved(ds, source, int(stage), dtype, float(clipping), bool(section.zero3_init_flag), save_16bit)
+    resolved = Resolved(ds, source, int(stage), dtype, float(clipping), bool(section.zero3_init_flag), save_16bit,
+                        json_given)
     _check_combinations(resolved)
     ds.setdefault("steps_per_print", 2 ** 62)  # DeepSpeed's progress lines; impel's loop logs what it wants
     ds.setdefault("wall_clock_breakdown", False)
@@ -293,7 +295,7 @@ def fill_runtime(r: Resolved, *, micro_batch: int | None, world: int, optimizer:
            r.source)
     _fill_optimizer(ds, optimizer, r.source)
     _fill_scheduler(ds, optimizer, scheduler, r.source)
-    _fill_model_sizes(ds, model, r.source)
+    _fill_model_sizes(ds, model, r.source, by_default=r.stage == 3 and not r.json_given)
     if has_optimizer and not isinstance(optimizer, DummyOptim):
         ds.setdefault("zero_allow_untested_optimizer", True)  # any torch optimizer works under ZeRO
         if r.offload("optimizer") != "none":
@@ -320,12 +322,19 @@ def hidden_size(model: Any) -> int | None:
     return size if isinstance(size, int) and size > 0 else None
 
 
-def _fill_model_sizes(ds: dict[str, Any], model: Any, source: str) -> None:
+def _fill_model_sizes(ds: dict[str, Any], model: Any, source: str, by_default: bool) -> None:
+    """Fill the "auto" sizes of MODEL_SIZED from the model's width. ``by_default`` (ZeRO-3 without a JSON): absent
+    ones too, when the model has a width: DeepSpeed's own defaults (5e8-element buckets) hold ~2 GB of buffers,
+    more than a 100M-parameter model's sharded states."""
     zero = ds.get("zero_optimization")
-    wanted = [key for key in MODEL_SIZED if isinstance(zero, dict) and zero.get(key) == AUTO]
+    if not isinstance(zero, dict):
+        return
+    wanted = [key for key in MODEL_SIZED if zero.get(key) == AUTO]
+    width = hidden_size(model)
+    if by_default and width is not None:
+        wanted += [key for key in MODEL_SIZED if key not in zero]
     if not wanted:
         return
-    width = hidden_size(model)
     if width is None:
         keys = ", ".join(f"zero_optimization.{key}" for key in wanted)
         raise ConfigError(f"{source} sets {keys} to \"auto\", which impel fills from the model's config.hidden_size, "

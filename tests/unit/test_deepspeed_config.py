@@ -143,13 +143,34 @@ def test_auto_values_nothing_can_fill_are_listed():
         fill_runtime(resolved, micro_batch=2, world=1, optimizer=None, scheduler=None, has_optimizer=False)
 
 
+def tiny_bert(hidden=64):
+    from transformers import BertConfig, BertModel
+
+    return BertModel(BertConfig(hidden_size=hidden, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+                                vocab_size=50))
+
+
+@pytest.mark.parametrize("stage,json_given,model,sized", [
+    (3, False, "bert", True),      # ZeRO-3 from flags/plugin: sized from the model, not DeepSpeed's 5e8 buckets
+    (3, False, "linear", False),   # no width to size from: DeepSpeed's defaults stay
+    (2, False, "bert", False),     # stage 2 keeps DeepSpeed's defaults
+    (3, True, "bert", False),      # a user's JSON is taken as written (only its "auto" values are filled)
+])
+def test_zero3_without_a_json_sizes_its_buckets_from_the_model(stage, json_given, model, sized):
+    config = run_config({"zero_stage": stage})
+    resolved = resolve_static({"zero_optimization": {"stage": stage}}, "the config", config, json_given=json_given)
+    module = tiny_bert(64) if model == "bert" else torch.nn.Linear(2, 2)
+    zero = fill_runtime(resolved, micro_batch=2, world=1, optimizer=None, scheduler=None, has_optimizer=False,
+                        model=module)["zero_optimization"]
+    expected = {"reduce_bucket_size": 4096, "stage3_prefetch_bucket_size": 3686,
+                "stage3_param_persistence_threshold": 640}
+    assert {k: zero[k] for k in expected if k in zero} == (expected if sized else {})
+
+
 def test_bucket_sizes_of_auto_come_from_the_model_width():
     """transformers' example ZeRO-3 JSON writes "auto" for these; they follow config.hidden_size as in
     transformers' and Accelerate's integrations."""
-    from transformers import BertConfig, BertModel
-
-    model = BertModel(BertConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
-                                 vocab_size=50))
+    model = tiny_bert(64)
     resolved, _ = resolve({"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto",
                                                  "stage3_prefetch_bucket_size": "auto",
                                                  "stage3_param_persistence_threshold": "auto"}})
