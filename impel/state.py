@@ -86,9 +86,7 @@ class ProcessState:
         if init_method is None and topo.restart_count is not None:
             kwargs["store"] = self._attempt_store(topo)
         dist.init_process_group(**kwargs)
-        self.owns_group = True
-        atexit.unregister(_destroy_at_exit)
-        atexit.register(_destroy_at_exit)
+        self._own_group()
         logger.debug("rank %d/%d joined a %s process group", topo.rank, topo.world_size, self.backend)
 
     def _attempt_store(self, topo: Any) -> Any:
@@ -135,6 +133,20 @@ class ProcessState:
     def wait_for_everyone(self) -> None:
         if self.use_distributed:
             dist.barrier()
+
+    def ensure_process_group(self) -> None:
+        """A process group of one (nccl on CUDA, gloo otherwise, over an in-memory store) for a single process that
+        needs one (FSDP2's mesh, DeepSpeed); impel owns it and destroys it like a launched one."""
+        if dist.is_initialized():
+            return
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        self._own_group()
+
+    def _own_group(self) -> None:
+        self.owns_group = True
+        atexit.unregister(_destroy_at_exit)
+        atexit.register(_destroy_at_exit)
 
     def destroy_process_group(self) -> None:
         """Destroy the default process group if impel created it (a group the script made stays the script's).

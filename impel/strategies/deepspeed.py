@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from .. import env
@@ -118,7 +117,7 @@ class DeepSpeedStrategy(Strategy):
                            "set fp16.loss_scale / fp16.initial_scale_power in the DeepSpeed JSON instead")
         self.batch_min = plugin.is_train_batch_min if plugin is not None else True
         self._check_nvme()
-        self._ensure_process_group()
+        self.state.ensure_process_group()  # DeepSpeed needs one even for one process
         self.engines: list[Any] = []
         self.train_engine: Any = None
         self._by_optimizer: dict[int, Any] = {}  # id(given or returned optimizer) -> engine
@@ -155,13 +154,6 @@ class DeepSpeedStrategy(Strategy):
                     f"offload_{what}_device='nvme' needs DeepSpeed's async I/O op (async_io), which cannot be built "
                     "on this machine: the libaio library and headers were not found. Install them (Debian/Ubuntu: "
                     f"apt-get install libaio-dev) and retry, or set offload_{what}_device to 'cpu'")
-
-    def _ensure_process_group(self) -> None:
-        """DeepSpeed needs a process group even for one process: a gloo/nccl group of one over an in-memory store."""
-        if dist.is_initialized():
-            return
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
     def _register_with_transformers(self) -> Any:
         """With zero3_init_flag, transformers' ``from_pretrained`` loads straight into ZeRO-3 partitions when it

@@ -80,9 +80,7 @@ class FSDPStrategy(Strategy):
         self._mesh: Any = None
         self._replacements = ParamReplacements()
         self._upcast = False
-        if not dist.is_initialized():  # one process: FSDP2 still needs a (1-rank) process group
-            backend = "nccl" if state.device.type == "cuda" else "gloo"
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        state.ensure_process_group()  # one process: FSDP2 still needs a (1-rank) process group
         if self.fsdp.cpu_ram_efficient_loading:
             env.announce_fsdp_ram_efficient_loading()
         if self.fsdp.backward_prefetch == "BACKWARD_POST":
