@@ -7,6 +7,7 @@ never imports torch (``impel config show`` must stay fast).
 """
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from collections.abc import Mapping
@@ -156,3 +157,19 @@ def dump_yaml(data: Mapping[str, Any]) -> str:
     import yaml
 
     return yaml.safe_dump(dict(data), sort_keys=False, default_flow_style=False)
+
+
+def read_json_object(path: str | os.PathLike[str], name: str) -> dict[str, Any]:
+    """The JSON object in the file ``path``; a ConfigError naming ``name=path`` when the file is missing, is not
+    JSON or holds something other than an object (the DeepSpeed JSON, the Trainer's dict knobs)."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise ConfigError(f"{name}={path!r} does not exist or is not a file; pass the path of a JSON file")
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{name}={path!r} is not valid JSON ({exc}); fix the file") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{name}={path!r} must hold a JSON object, got {type(data).__name__}")
+    return data

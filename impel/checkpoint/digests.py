@@ -206,8 +206,7 @@ def share_digests(root: Path, known: dict[str, Entry], shared_dir: bool) -> dict
     units = [(path, i) for path, size in sizes.items() for i in range(hashing.block_count(size))]
     mine = units[rank::world]  # the same plan on every rank
     try:  # no raise between the collectives: a failure travels in the gathered payload to every rank
-        with ThreadPoolExecutor(max_workers=hashing.workers(), thread_name_prefix="impel-hash") as pool:
-            digests = list(pool.map(lambda unit: hashing.block_digest(*unit), mine))
+        digests = hashing.digest_blocks(mine)
         for path in {path for path, _ in mine}:
             fsync_file(path)
         payload: Any = [(path.relative_to(root).as_posix(), i, d) for (path, i), d in zip(mine, digests)]

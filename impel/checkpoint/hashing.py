@@ -47,16 +47,18 @@ def whole_file_digest(path: Path) -> str:
     return block_digest(path, 0, block=max(1, path.stat().st_size))
 
 
+def digest_blocks(units: list[tuple[Path, int]], block: int | None = None) -> list[str]:
+    """The digests of ``(file, block index)`` units, in order, on a thread per core (hashlib releases the GIL)."""
+    if len(units) < 2:
+        return [block_digest(path, i, block) for path, i in units]
+    with ThreadPoolExecutor(max_workers=min(len(units), workers()), thread_name_prefix="impel-hash") as pool:
+        return list(pool.map(lambda unit: block_digest(unit[0], unit[1], block), units))
+
+
 def file_digests(paths: list[Path], block: int | None = None) -> list[list[str]]:
     """The block digests of each file (in order), every block of every file on its own thread."""
-    block = block or BLOCK
     counts = [block_count(path.stat().st_size, block) for path in paths]
-    jobs = [(path, i, block) for path, n in zip(paths, counts) for i in range(n)]
-    if len(jobs) > 1:
-        with ThreadPoolExecutor(max_workers=min(len(jobs), workers()), thread_name_prefix="impel-hash") as pool:
-            results = list(pool.map(lambda job: block_digest(*job), jobs))
-    else:
-        results = [block_digest(*job) for job in jobs]
+    results = digest_blocks([(path, i) for path, n in zip(paths, counts) for i in range(n)], block)
     out: list[list[str]] = []
     at = 0
     for n in counts:

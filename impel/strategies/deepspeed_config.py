@@ -11,7 +11,6 @@ Nothing here imports deepspeed: the placeholders are public (``impel.DummyOptim`
 from __future__ import annotations
 
 import copy
-import json
 import math
 import os
 from collections.abc import Callable, Iterable, Mapping
@@ -21,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..config import ConfigError
+from ..config_file import read_json_object
 
 if TYPE_CHECKING:
     from ..config import RunConfig
@@ -141,16 +141,7 @@ def load_json(source: Any) -> tuple[dict[str, Any], str]:
     if isinstance(source, Mapping):
         return copy.deepcopy(dict(source)), "DeepSpeedPlugin(hf_ds_config=<dict>)"
     path = os.fspath(source)
-    if not os.path.isfile(path):
-        raise ConfigError(f"deepspeed_config_file={path!r} does not exist; pass the path of a DeepSpeed JSON file")
-    try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"deepspeed_config_file={path!r} is not valid JSON ({exc}); fix the file") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"deepspeed_config_file={path!r} must hold a JSON object, got {type(data).__name__}")
-    return data, f"the DeepSpeed JSON {path!r}"
+    return read_json_object(path, "deepspeed_config_file"), f"the DeepSpeed JSON {path!r}"
 
 
 # --- at Accelerator creation -------------------------------------------------------------------------------------

@@ -14,11 +14,11 @@ Example::
 from __future__ import annotations
 
 import copy
-import json
 import os
 from typing import TYPE_CHECKING, Any
 
 from ..config import ConfigError, did_you_mean
+from ..config_file import read_json_object
 
 if TYPE_CHECKING:
     from ..plugins import FullyShardedDataParallelPlugin
@@ -76,14 +76,7 @@ def fsdp_options(fsdp: Any) -> list[str] | None:
 def load_json_knob(name: str, value: Any) -> dict[str, Any]:
     """A dict knob given as a dict or as the path of a JSON file holding one."""
     if isinstance(value, (str, os.PathLike)):
-        path = os.fspath(value)
-        if not os.path.isfile(path):
-            raise ConfigError(f"{name}={path!r} is not a file; pass a dict or the path of a JSON file")
-        try:
-            with open(path, encoding="utf-8") as f:
-                value = json.load(f)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{name}={path!r} is not valid JSON ({exc}); fix the file") from None
+        return read_json_object(value, name)
     if not isinstance(value, dict):
         raise ConfigError(f"{name} must be a dict or a JSON file holding an object, got {value!r}")
     return copy.deepcopy(value)
