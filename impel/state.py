@@ -153,7 +153,8 @@ class ProcessState:
 
         ``Accelerator.end_training()`` calls this after a final barrier, as Accelerate does; impel also calls it
         when the interpreter exits normally, so gloo and nccl shut down while everything is alive instead of in
-        the interpreter's teardown (where gloo can abort with "terminate called without an active exception").
+        the interpreter's teardown. (A rare SIGABRT of an FSDP2/gloo rank at exit, "terminate called without an
+        active exception", was seen even after this; its cause is still open.)
         """
         if self.__dict__.get("owns_group") and dist.is_initialized():
             dist.destroy_process_group()
