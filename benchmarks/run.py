@@ -29,7 +29,9 @@ HERE = _common.HERE
 
 
 def discover() -> list[str]:
-    return sorted(p.stem for p in HERE.glob("*.py") if p.stem != "run" and not p.stem.startswith("_"))
+    """Modules that define NAME; standalone tools in this folder (soak_exit.py, mutants.py) are run by hand."""
+    return sorted(p.stem for p in HERE.glob("*.py") if p.stem != "run" and not p.stem.startswith("_")
+                  and any(line.startswith("NAME = ") for line in p.read_text(encoding="utf-8").splitlines()))
 
 
 def run_worker(module_name: str, quick: bool, results: Path) -> int:

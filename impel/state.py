@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from . import env
 from .config import ConfigError
+from .teardown import release_process_groups
 
 logger = logging.getLogger("impel")
 
@@ -153,8 +154,8 @@ class ProcessState:
 
         ``Accelerator.end_training()`` calls this after a final barrier, as Accelerate does; impel also calls it
         when the interpreter exits normally, so gloo and nccl shut down while everything is alive instead of in
-        the interpreter's teardown. (A rare SIGABRT of an FSDP2/gloo rank at exit, "terminate called without an
-        active exception", was seen even after this; its cause is still open.)
+        the interpreter's teardown; at exit it also releases the references torch objects keep to the group, so
+        that gloo's worker threads are joined before the interpreter finalises (see :mod:`impel.teardown`).
         """
         if self.__dict__.get("owns_group") and dist.is_initialized():
             dist.destroy_process_group()
@@ -169,10 +170,12 @@ class ProcessState:
 
 
 def _destroy_at_exit() -> None:
-    """atexit: destroy impel's process group on a normal exit. After an unhandled exception (``sys.last_value``
-    is set) the group is left alone: a peer may be dead and an nccl teardown could then block."""
+    """atexit: destroy impel's process group on a normal exit, then let its C++ object (and gloo's worker threads)
+    go while the interpreter is alive (:mod:`impel.teardown` says why). After an unhandled exception
+    (``sys.last_value`` is set) the group is left alone: a peer may be dead and a teardown could then block."""
     if getattr(sys, "last_value", None) is None and ProcessState._shared.get("initialized"):
         ProcessState().destroy_process_group()
+        release_process_groups()
 
 
 PartialState = ProcessState

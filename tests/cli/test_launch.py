@@ -1,6 +1,10 @@
 """``impel launch`` end to end: ranks, config files, precedence, and the two-"machine" loopback run."""
 from __future__ import annotations
 
+import os
+import signal
+import socket
+
 import pytest
 from cli_helpers import FIXTURES, SCRIPTS, finish, impel, start_impel
 
@@ -106,13 +110,43 @@ def test_module_mode(tmp_path):
     assert "impel test: PASS" in res.stdout
 
 
+def _port_taken(result) -> bool:
+    return "EADDRINUSE" in result.output or "address already in use" in result.output.lower()
+
+
+def machines_on_a_free_port(home, machine_args, next_port=free_port, attempts: int = 3):
+    """Start one ``impel launch`` per machine on a port that was free a moment ago. Another process can take it
+    before machine 0's agent binds it (free_port's race): then machine 0 fails with EADDRINUSE, the other machines
+    are stopped, and the launch is retried on a new port. Returns the results and the ports tried."""
+    tried = []
+    for attempt in range(attempts):
+        tried.append(next_port())
+        procs = [start_impel(args, home) for args in machine_args(tried[-1])]
+        first = finish(procs[0], timeout=150)
+        if _port_taken(first) and attempt + 1 < attempts:
+            for proc in procs[1:]:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate()
+            continue
+        return [first] + [finish(proc, timeout=60) for proc in procs[1:]], tried  # machine 0 is done: the rest too
+    raise AssertionError("unreachable")
+
+
 def test_two_machines_on_loopback_train_together(tmp_path):
-    """Two `impel launch` invocations, one per "machine", rendezvous over 127.0.0.1 and train one model."""
-    port = free_port()
-    common = ["launch", "--cpu", "--num_machines", "2", "--num_processes", "2", "--main_process_ip", "127.0.0.1",
-              "--main_process_port", str(port), str(SCRIPTS / "train_small.py"), "6"]
-    procs = [start_impel(common[:1] + ["--machine_rank", str(r)] + common[1:], tmp_path) for r in (0, 1)]
-    results = [finish(p, timeout=180) for p in procs]
+    """Two `impel launch` invocations, one per "machine", rendezvous over 127.0.0.1 and train one model. The first
+    port offered is already taken (as another process may take free_port()'s port): the launch retries."""
+    def machine_args(port):
+        common = ["launch", "--cpu", "--num_machines", "2", "--num_processes", "2", "--main_process_ip", "127.0.0.1",
+                  "--main_process_port", str(port), str(SCRIPTS / "train_small.py"), "6"]
+        return [common[:1] + ["--machine_rank", str(r)] + common[1:] for r in (0, 1)]
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        busy = taken.getsockname()[1]
+        offered = iter([busy])
+        results, tried = machines_on_a_free_port(tmp_path, machine_args, lambda: next(offered, None) or free_port())
+    assert tried[0] == busy and len(tried) == 2  # the taken port failed and was replaced, once
     for res in results:
         assert res.returncode == 0, res.output
     reports = [r for res in results for r in res.reports()]
@@ -137,5 +171,22 @@ def test_the_process_group_is_destroyed_before_the_interpreter_exits(tmp_path, m
     assert res.returncode == 0, res.output
     rows = res.reports()
     assert [r["group_alive"] for r in rows if "group_alive" in r] == [False, False]
+    assert [r["gloo_threads"] for r in rows if "gloo_threads" in r] == [0, 0]
     if mode == "end_training":
         assert [r["after_end_training"] for r in rows if "after_end_training" in r] == [False, False]
+
+
+@pytest.mark.parametrize("strategy", ["--use_fsdp", "ddp"])
+@pytest.mark.parametrize("mode", ["end_training", "implicit"])
+def test_gloo_worker_threads_end_before_the_interpreter_after_a_prepared_model(tmp_path, strategy, mode):
+    """The cause of the rare SIGABRT at exit (impel/teardown.py): a prepared FSDP2 or DDP model keeps the destroyed
+    group's C++ object, and so gloo's worker threads, alive into interpreter finalisation, where a worker that
+    releases a finished collective's tensors needs the GIL and aborts. impel's exit handler releases those
+    references: no gloo worker thread may be left when the interpreter finalises (deterministic, unlike the abort)."""
+    flags = [strategy] if strategy.startswith("--") else []
+    res = impel(["launch", "--cpu", "--num_processes", "2", *flags, str(SCRIPTS / "shutdown.py"), mode, "model"],
+                tmp_path)
+    assert res.returncode == 0, res.output
+    rows = res.reports()
+    assert [r["gloo_threads_while_training"] for r in rows if "gloo_threads_while_training" in r] == [2, 2]
+    assert [r["gloo_threads"] for r in rows if "gloo_threads" in r] == [0, 0]
