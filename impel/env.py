@@ -117,30 +117,67 @@ def announce_fsdp_ram_efficient_loading() -> None:
     """Tell transformers' ``from_pretrained`` (Accelerate's variables) that only local rank 0 reads real weights.
 
     Set by the FSDP strategy, i.e. when the Accelerator is created: build the Accelerator before the model.
+
+    Process-wide on purpose (not scoped like ``DS_ACCELERATOR``): the reader is the user's own
+    ``from_pretrained`` call, which comes *after* the Accelerator exists, outside any block impel controls; under
+    Accelerate the same two variables come from ``accelerate launch`` and live as long as the process too. Only an
+    FSDP Accelerator with ``cpu_ram_efficient_loading`` sets them (see docs/design.md, "RAM-efficient loading").
     """
     os.environ["ACCELERATE_USE_FSDP"] = "true"
     os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = "true"
 
 
-def prepare_deepspeed_environment(device_type: str, local_rank: int) -> None:
-    """What DeepSpeed reads from the environment: its accelerator (``DS_ACCELERATOR``, read once, when deepspeed is
-    first imported) must match impel's device, and its engine asserts ``LOCAL_RANK`` (unset in a plain process)."""
-    if device_type in ("cpu", "cuda"):
-        os.environ["DS_ACCELERATOR"] = device_type
+@contextlib.contextmanager
+def scoped_environ(values: Mapping[str, str]) -> Iterator[None]:
+    """Set ``values`` in ``os.environ`` for the block, then restore each variable (or remove it) as it was."""
+    before = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+@contextlib.contextmanager
+def deepspeed_import_environment(device_type: str, local_rank: int) -> Iterator[None]:
+    """What DeepSpeed reads from the environment, for the block that imports it.
+
+    ``DS_ACCELERATOR`` must match impel's device, and DeepSpeed reads it once, in the first ``get_accelerator()``
+    (cached afterwards): it is set around that import only, then the user's value (or its absence) is back, so it
+    does not leak into later code or the subprocesses the script starts. ``LOCAL_RANK`` stays set where it was
+    missing (a plain process: 0): DeepSpeed's engine asserts it later, in ``deepspeed.initialize``.
+    """
     os.environ.setdefault("LOCAL_RANK", str(local_rank))
+    with scoped_environ({"DS_ACCELERATOR": device_type} if device_type in ("cpu", "cuda") else {}):
+        yield
 
 
 @contextlib.contextmanager
 def forced_weights_only_load() -> Iterator[None]:
     """Every ``torch.load`` in this block runs with ``weights_only=True``, even where a library (DeepSpeed's
     checkpoint readers) asks for ``weights_only=False``: torch's own ``TORCH_FORCE_WEIGHTS_ONLY_LOAD`` switch."""
-    name = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"
-    before = os.environ.get(name)
-    os.environ[name] = "1"
-    try:
+    with scoped_environ({"TORCH_FORCE_WEIGHTS_ONLY_LOAD": "1"}):
         yield
-    finally:
-        if before is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = before
+
+
+def accelerate_log_level() -> str | None:
+    """The level ``get_logger`` applies when none is given: ``$IMPEL_LOG_LEVEL``, else Accelerate's
+    ``$ACCELERATE_LOG_LEVEL``, else None."""
+    return os.environ.get("IMPEL_LOG_LEVEL") or os.environ.get("ACCELERATE_LOG_LEVEL") or None
+
+
+def read_flag(name: str, default: bool = False) -> bool:
+    """A yes/no variable (``1/true/yes/on`` vs ``0/false/no/off``); ``default`` when unset or empty."""
+    raw = os.environ.get(name, "").strip().lower()
+    if not raw:
+        return default
+    if raw in ("1", "true", "yes", "y", "on"):
+        return True
+    if raw in ("0", "false", "no", "n", "off"):
+        return False
+    raise ValueError(f"environment variable {name}={raw!r} is not a yes/no value; use 1/true or 0/false")
+

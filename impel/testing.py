@@ -1,8 +1,9 @@
 """Run a function on N CPU ranks over gloo: for impel's own tests and for users' tests.
 
 Each rank is a fresh process, forked from a server that preloaded torch, with torchrun's variables set
-(127.0.0.1, a free port, OMP_NUM_THREADS=1).
-The whole job is bounded by ``timeout``: a dead or hung rank fails the call instead of hanging the test run.
+(127.0.0.1, OMP_NUM_THREADS=1) and the caller's environment as it is at the call.
+The whole job is bounded by ``timeout``: a dead or hung rank fails the call instead of hanging the test run, and a
+hung rank's Python stack comes back in the error.
 
 Example::
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
+import signal
 import socket
 import tempfile
 import time
@@ -24,8 +26,13 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+GRACE_AFTER_FAILURE_S = 20.0  # the other ranks' time to fail or finish after one rank failed
+_STACK_SIGNAL = getattr(signal, "SIGUSR1", None)  # POSIX: ask a hung rank for its Python stack
+
 
 def free_port() -> int:
+    """A port that was free a moment ago. Racy: another process can take it before you bind it, so retry on
+    ``EADDRINUSE`` (``run_on_ranks`` does not use it: its rendezvous store binds port 0 itself)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -35,12 +42,19 @@ class RankFailed(RuntimeError):
     """A rank raised, crashed or timed out; the message carries its traceback."""
 
 
-def _child(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any], rank: int, world: int, port: int,
-           out_dir: str, extra_env: dict[str, str]) -> None:
-    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-                       "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                       "OMP_NUM_THREADS": "1", **extra_env})
+def _child(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any], rank: int, environ: dict[str, str],
+           out_dir: str) -> None:
+    # The forkserver's own environment is the one it was started with (the first job of this process); the
+    # caller's environment of *this* call replaces it, so a later os.environ change (monkeypatch.setenv) arrives.
+    os.environ.clear()
+    os.environ.update(environ)
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank)})
     path = Path(out_dir) / f"rank{rank}.pkl"
+    if _STACK_SIGNAL is not None:
+        import faulthandler
+
+        stack_file = open(Path(out_dir) / f"rank{rank}.stack", "w")  # noqa: SIM115 - open until the process ends
+        faulthandler.register(_STACK_SIGNAL, file=stack_file, all_threads=True)
     try:
         import torch
 
@@ -75,47 +89,100 @@ def _context() -> Any:
     return ctx
 
 
+def _rendezvous_store(world_size: int) -> Any:
+    """The job's TCPStore, hosted here on a port the OS picks while binding it (no free-port race), as torchrun's
+    agent hosts it: the ranks connect as clients (``TORCHELASTIC_USE_AGENT_STORE``). None for one rank."""
+    if world_size == 1:
+        return None
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+
+
+def _wait(procs: list[Any], timeout: float) -> str:
+    """Until every rank has exited; else why the ranks still running are stopped."""
+    deadline = time.monotonic() + timeout
+    failed_at: float | None = None
+    while any(p.is_alive() for p in procs):
+        now = time.monotonic()
+        if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
+            failed_at = now
+        if now > deadline:
+            return f"timed out after {timeout:.0f}s"
+        if failed_at is not None and now - failed_at > GRACE_AFTER_FAILURE_S:
+            return f"was still running {GRACE_AFTER_FAILURE_S:.0f}s after another rank failed"
+        time.sleep(0.05)
+    return ""
+
+
+def _stacks_of(procs: list[Any], out_dir: str) -> dict[int, str]:
+    """Ask the ranks still running for their Python stacks (faulthandler), then kill them."""
+    alive = {r: p for r, p in enumerate(procs) if p.is_alive()}
+    if alive and _STACK_SIGNAL is not None:
+        for p in alive.values():
+            try:
+                os.kill(p.pid, _STACK_SIGNAL)
+            except ProcessLookupError:  # it exited meanwhile
+                pass
+        time.sleep(1.0)
+    stacks = {}
+    for r in alive:
+        path = Path(out_dir) / f"rank{r}.stack"
+        stacks[r] = path.read_text(errors="replace")[-4000:] if path.exists() else ""
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+        p.join(5)
+    return stacks
+
+
 def run_on_ranks(fn: Callable[..., Any], world_size: int = 2, args: Sequence[Any] = (),
                  kwargs: dict[str, Any] | None = None, timeout: float = 180.0,
                  env: dict[str, str] | None = None) -> list[Any]:
-    """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return each rank's result, in rank order."""
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return each rank's result, in rank order.
+
+    ``env``: variables set on the ranks on top of this process's environment. Keep ``timeout`` below the test
+    runner's own limit (pytest-timeout), so that a hang reports the ranks' stacks rather than the runner's.
+    """
     ctx = _context()
-    port = free_port()
-    with tempfile.TemporaryDirectory(prefix="impel-ranks-") as out_dir:
-        procs = [ctx.Process(target=_child, args=(fn, tuple(args), kwargs or {}, r, world_size, port, out_dir,
-                                                  dict(env or {})), daemon=True) for r in range(world_size)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout
-        failed_at: float | None = None
-        while any(p.is_alive() for p in procs):
-            now = time.monotonic()
-            if any(p.exitcode not in (None, 0) for p in procs) and failed_at is None:
-                failed_at = now
-            if now > deadline or (failed_at is not None and now - failed_at > 20):
-                break
-            time.sleep(0.05)
-        alive = [r for r, p in enumerate(procs) if p.is_alive()]
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join(5)
-        results: list[Any] = []
-        errors: list[str] = []
-        for r, p in enumerate(procs):
-            path = Path(out_dir) / f"rank{r}.pkl"
-            if not path.exists():
-                why = "timed out" if r in alive else f"exited with code {p.exitcode} without a result"
-                errors.append(f"rank {r} {why}")
-                results.append(None)
-                continue
-            with open(path, "rb") as f:
-                payload = pickle.load(f)
-            if payload["ok"]:
-                results.append(payload["result"])
+    store = _rendezvous_store(world_size)
+    environ = dict(os.environ)
+    environ.update({"WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": str(store.port if store is not None else 0), "TORCHELASTIC_RESTART_COUNT": "0",
+                    "TORCHELASTIC_USE_AGENT_STORE": str(store is not None), "OMP_NUM_THREADS": "1"})
+    environ.update(env or {})
+    try:
+        with tempfile.TemporaryDirectory(prefix="impel-ranks-") as out_dir:
+            procs = [ctx.Process(target=_child, args=(fn, tuple(args), kwargs or {}, r, environ, out_dir),
+                                 daemon=True) for r in range(world_size)]
+            for p in procs:
+                p.start()
+            why = _wait(procs, timeout)
+            stacks = _stacks_of(procs, out_dir)
+            return _collect(procs, out_dir, stacks, why, timeout)
+    finally:
+        del store  # the last reference: its server stops
+
+
+def _collect(procs: list[Any], out_dir: str, stacks: dict[int, str], why: str, timeout: float) -> list[Any]:
+    results: list[Any] = []
+    errors: list[str] = []
+    for r, p in enumerate(procs):
+        path = Path(out_dir) / f"rank{r}.pkl"
+        if not path.exists():
+            if r in stacks:
+                errors.append(f"rank {r} {why}; its Python stack:\n{stacks[r] or '(not available)'}")
             else:
-                errors.append(f"rank {r} raised:\n{payload['error']}")
-                results.append(None)
-        if errors:
-            raise RankFailed(f"{len(errors)} of {world_size} ranks failed (timeout {timeout:.0f}s):\n" + "\n".join(errors))
-        return results
+                errors.append(f"rank {r} exited with code {p.exitcode} without a result")
+            results.append(None)
+            continue
+        with open(path, "rb") as f:
+            payload = pickle.load(f)
+        if payload["ok"]:
+            results.append(payload["result"])
+        else:
+            errors.append(f"rank {r} raised:\n{payload['error']}")
+            results.append(None)
+    if errors:
+        raise RankFailed(f"{len(errors)} of {len(procs)} ranks failed (timeout {timeout:.0f}s):\n" + "\n".join(errors))
+    return results

@@ -61,15 +61,15 @@ INSTALL_HINT = "pip install 'impel[deepspeed]'"
 
 def import_deepspeed(device: torch.device, local_rank: int = 0) -> Any:
     """deepspeed, imported with its accelerator matching impel's device; a clear ImportError when missing."""
-    env.prepare_deepspeed_environment(device.type, local_rank)
-    try:
-        import deepspeed
-        from deepspeed.accelerator import get_accelerator
-    except ImportError as exc:
-        raise ImportError(f"distributed_type=DEEPSPEED needs DeepSpeed, which cannot be imported ({exc}); run "
-                          f"{INSTALL_HINT} or use FSDP (--use_fsdp)") from exc
+    with env.deepspeed_import_environment(device.type, local_rank):
+        try:
+            import deepspeed
+            from deepspeed.accelerator import get_accelerator
+        except ImportError as exc:
+            raise ImportError(f"distributed_type=DEEPSPEED needs DeepSpeed, which cannot be imported ({exc}); run "
+                              f"{INSTALL_HINT} or use FSDP (--use_fsdp)") from exc
+        have = get_accelerator().device_name()  # DeepSpeed resolves (and caches) its accelerator here
     _quiet_deepspeed()
-    have = get_accelerator().device_name()
     if have.split(":")[0] != device.type:
         raise ConfigError(f"deepspeed was imported with its {have!r} accelerator but impel runs on {device}; "
                           "create the Accelerator before importing deepspeed, or set DS_ACCELERATOR to match")
@@ -99,6 +99,7 @@ class DeepSpeedStrategy(Strategy):
     """ZeRO through ``deepspeed.initialize``; see the module docstring."""
 
     name = "DEEPSPEED"
+    scheduler_steps_per_process = False  # DeepSpeed's engine steps it once per optimizer step (as in Accelerate)
 
     def __init__(self, state: ProcessState, config: RunConfig, handlers: Handlers) -> None:
         self.deepspeed = import_deepspeed(state.device, state.local_process_index)
@@ -174,7 +175,10 @@ class DeepSpeedStrategy(Strategy):
             return contextlib.nullcontext()
         # mem_efficient_linear=False: DeepSpeed's default replaces torch.nn.functional.linear for the whole process,
         # for good ("This will persist unless manually reset"), which would reach every other model.
-        return self.deepspeed.zero.Init(config_dict_or_path=init_config(self.resolved), dtype=self.resolved.dtype,
+        # dtype=None: the config's bf16/fp16 sections say it (resolved.dtype came from them). Given explicitly, DeepSpeed
+        # 0.19.8 ignores it where the accelerator has no fp16 (``dtype or fp16 if fp16_ok else bf16 if ...`` binds the
+        # conditional first): a CPU without fp16 then built an fp32 run's parameters in bf16.
+        return self.deepspeed.zero.Init(config_dict_or_path=init_config(self.resolved), dtype=None,
                                         mem_efficient_linear=False)
 
     def before_setup(self, dataloaders: Sequence[Any], schedulers: Sequence[Any]) -> None:

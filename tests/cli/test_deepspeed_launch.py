@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from cli_helpers import impel
 
-pytestmark = pytest.mark.slow
-
 TIMEOUT_S = 240
+# three launches per test: pytest-timeout sits above their sum, so a hang is reported by the launch's limit
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(3 * TIMEOUT_S + 60)]
 TOLERANCE = 1e-5
 
 SCRIPT = '''

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from cli_helpers import impel
 
-pytestmark = pytest.mark.slow
-
 TIMEOUT_S = 180
+# two launches per test: pytest-timeout sits above their sum, so a hang is reported by the launch's limit
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2 * TIMEOUT_S + 60)]
 
 SCRIPT = '''
 import torch

@@ -130,6 +130,7 @@ def _fsdp_or_plain(steps: int) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().clone() for k, v in state.items()}
 
 
+@pytest.mark.timeout(2 * 300 + 60)  # two jobs of 300 s: a hang is reported by run_on_ranks
 def test_fsdp2_over_nccl_on_one_gpu_matches_plain_training():
     fsdp = run_on_ranks(_fsdp_or_plain, 1, args=(10,), timeout=300,
                         env={"IMPEL_CONFIG": json.dumps({"distributed_type": "FSDP"})})[0]

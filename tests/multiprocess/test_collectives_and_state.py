@@ -1,6 +1,8 @@
 """Process state, collectives and data order on 2 real ranks over gloo."""
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 import torch
 from torch.utils.data import DataLoader
@@ -79,6 +81,8 @@ def test_shuffles_agree_across_ranks_and_differ_per_epoch():
         assert set(e0[epoch]).isdisjoint(e1[epoch])
         assert sorted(e0[epoch] + e1[epoch]) == list(range(24))
     assert e0[0] != e0[1] != e0[2]
+    # gather_for_metrics: every rank gets rank 0's samples then rank 1's, each sample once
+    assert all0 == all1 == e0[0] + e1[0]
 
 
 def _mismatched_gather():
@@ -123,8 +127,8 @@ def _train_mixed(precision: str):
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_mixed_precision_trains_under_ddp_and_tracks_fp32(precision):
-    refs = run_on_ranks(_train_mixed, 2, args=("no",))
-    results = run_on_ranks(_train_mixed, 2, args=(precision,))
+    refs = run_on_ranks(_train_mixed, 2, args=("no",), timeout=120)  # both jobs within pytest-timeout's 300 s
+    results = run_on_ranks(_train_mixed, 2, args=(precision,), timeout=120)
     want = torch.bfloat16 if precision == "bf16" else torch.float16
     for (losses, dtypes, _), (ref_losses, ref_dtypes, _) in zip(results, refs):
         assert ref_dtypes == {torch.float32}
@@ -135,25 +139,31 @@ def test_mixed_precision_trains_under_ddp_and_tracks_fp32(precision):
 
 
 def _barrier_with_missing_peer():
-    import time
-    from datetime import timedelta
+    import torch.distributed as dist
 
     from impel import Accelerator, InitProcessGroupKwargs
 
-    acc = Accelerator(cpu=True, kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=3))])
+    acc = Accelerator(cpu=True, kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=97))])
+    configured = dist.group.WORLD._get_backend(torch.device("cpu")).options._timeout  # what gloo was built with
+    store = dist.distributed_c10d._get_default_store()
     if acc.process_index == 1:
-        time.sleep(12)  # never reaches the collective in time
-        return "slept"
+        store.wait(["rank0_done"], timedelta(seconds=60))  # never reaches the barrier while rank 0 waits in it
+        return configured, "stayed away"
+    # Only the one collective that must time out gets a short limit; the job ran under the configured 97 s.
+    dist.group.WORLD.set_timeout(timedelta(seconds=3))
     try:
         acc.wait_for_everyone()
+        outcome = "passed"
     except RuntimeError as exc:
-        return f"raised: {exc}"
-    return "passed"
+        outcome = f"raised: {exc}"
+    store.set("rank0_done", "1")
+    return configured, outcome
 
 
 def test_process_group_timeout_is_configurable():
-    r0, r1 = run_on_ranks(_barrier_with_missing_peer, 2, timeout=60)
-    assert r0.startswith("raised") and r1 == "slept"
+    (configured0, r0), (configured1, r1) = run_on_ranks(_barrier_with_missing_peer, 2, timeout=60)
+    assert configured0 == configured1 == timedelta(seconds=97)  # InitProcessGroupKwargs reached the gloo group
+    assert r0.startswith("raised") and "timed out" in r0.lower() and r1 == "stayed away"  # a timeout, not a hang
 
 
 def _trackers(project_dir: str):

@@ -21,7 +21,10 @@ from torch.utils.data import DataLoader
 
 from impel.testing import run_on_ranks
 
-pytestmark = pytest.mark.multiprocess
+JOB_TIMEOUT = 300
+# the module fixture's job plus the test's own work: pytest-timeout sits above, so a hang is reported by
+# run_on_ranks (with the ranks' stacks)
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(JOB_TIMEOUT + 120)]
 
 
 class NotAllowed:
@@ -139,7 +142,7 @@ def _all_runs(tmp: str) -> dict:
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("deepspeed")
-    return tmp, run_on_ranks(_all_runs, 2, args=(str(tmp),), timeout=300)
+    return tmp, run_on_ranks(_all_runs, 2, args=(str(tmp),), timeout=JOB_TIMEOUT)
 
 
 def test_zero3_init_context_partitions_the_model_at_construction(saved):

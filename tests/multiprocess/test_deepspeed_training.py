@@ -25,7 +25,10 @@ from torch.utils.data import DataLoader
 
 from impel.testing import run_on_ranks
 
-pytestmark = pytest.mark.multiprocess
+JOB_TIMEOUT = 400
+# the module fixture's job plus the test's own work: pytest-timeout sits above, so a hang is reported by
+# run_on_ranks (with the ranks' stacks)
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(JOB_TIMEOUT + 120)]
 
 STEPS = 10
 FP32_TOL = 1e-5
@@ -195,7 +198,7 @@ def _all_runs(nvme_dir: str | None) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     nvme_dir = str(tmp_path_factory.mktemp("nvme")) if async_io_built() else None
-    return run_on_ranks(_all_runs, 2, args=(nvme_dir,), timeout=400)
+    return run_on_ranks(_all_runs, 2, args=(nvme_dir,), timeout=JOB_TIMEOUT)
 
 
 def test_every_zero_stage_matches_ddp_in_fp32(runs):

@@ -14,7 +14,9 @@ from torch.utils.data import DataLoader
 
 from impel.testing import run_on_ranks
 
-pytestmark = pytest.mark.multiprocess
+JOB_TIMEOUT = 180
+# the module fixture runs two jobs: pytest-timeout sits above their sum, so a hang is reported by run_on_ranks
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(2 * JOB_TIMEOUT + 60)]
 
 STEPS = 10
 PARAM_TOL = 1e-5
@@ -71,7 +73,8 @@ JOBS = {"one_node": ((("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"
 
 @pytest.fixture(scope="module")
 def runs():
-    return {name: run_on_ranks(_compare, 2, args=args, env=env, timeout=180) for name, (args, env) in JOBS.items()}
+    return {name: run_on_ranks(_compare, 2, args=args, env=env, timeout=JOB_TIMEOUT)
+            for name, (args, env) in JOBS.items()}
 
 
 @pytest.mark.parametrize("strategy, job, mesh", [

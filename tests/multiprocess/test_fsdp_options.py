@@ -117,6 +117,7 @@ def _inductor_job():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(360)  # above the job's 300 s: a hang is reported by run_on_ranks
 @pytest.mark.skipif(not os.environ.get("IMPEL_TEST_INDUCTOR"), reason="inductor compiles C++ (~50 s cold on 2 "
                     "cores); set IMPEL_TEST_INDUCTOR=1")
 def test_torch_compile_inductor_on_fsdp_model():

@@ -61,12 +61,12 @@ def test_auto_resume_needs_a_project_with_automatic_naming(tmp_path):
 
 
 def test_auto_resume_starts_fresh_then_resumes(tmp_path, capsys):
-    def run(steps: int):
+    def run(project, steps: int):
         from impel.state import ProcessState
 
         ProcessState._reset()
         acc = Accelerator(cpu=True, project_config=ProjectConfiguration(
-            str(tmp_path), automatic_checkpoint_naming=True, automatic_resume=True))
+            str(project), automatic_checkpoint_naming=True, automatic_resume=True))
         model = make_mlp()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         model, opt, loader = acc.prepare(model, opt, DataLoader(make_regression(48), batch_size=8, shuffle=True))
@@ -80,6 +80,11 @@ def test_auto_resume_starts_fresh_then_resumes(tmp_path, capsys):
         acc.end_training()
         return opt.steps_taken, [p.detach().clone() for p in model.parameters()]
 
-    assert run(2)[0] == 2 and "no complete checkpoint" in capsys.readouterr().out
-    steps, _ = run(5)  # resumes at step 2 and continues to step 5 of the same epoch
+    steps, at_two = run(tmp_path / "cut", 2)
+    assert steps == 2 and "no complete checkpoint" in capsys.readouterr().out
+    steps, resumed = run(tmp_path / "cut", 5)  # resumes at step 2 and continues to step 5 of the same epoch
     assert steps == 5 and "resumed from" in capsys.readouterr().out
+    _, uninterrupted = run(tmp_path / "whole", 5)
+    # the resumed run continued from step 2's weights, optimizer, RNG and data position: bit for bit the same run
+    assert all(torch.equal(a, b) for a, b in zip(resumed, uninterrupted))
+    assert not all(torch.equal(a, b) for a, b in zip(resumed, at_two))

@@ -25,7 +25,9 @@ def _args(tmp_path, **overrides):
 
 
 def accuracy(pred):
-    return {"accuracy": float((np.argmax(pred.predictions, -1) == pred.label_ids).mean())}
+    true_class = pred.predictions[np.arange(len(pred.label_ids)), pred.label_ids]  # needs predictions aligned to labels
+    return {"accuracy": float((np.argmax(pred.predictions, -1) == pred.label_ids).mean()),
+            "true_class_logit": float(true_class.mean())}
 
 
 def test_trainer_equals_a_hand_written_loop(tmp_path):
@@ -49,7 +51,16 @@ def test_a_run_writes_metrics_plot_and_summary(tmp_path, capsys):
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "loss" in r] == [2, 4, 6, 7]  # every logging_steps, and the last step
     assert [r["step"] for r in rows if "eval_loss" in r] == [3, 6, 7]
-    assert all(0.0 <= r["eval_accuracy"] <= 1.0 for r in rows if "eval_loss" in r)
+    # the last evaluation ran on the final weights: its loss and metrics are the ones computed here by hand
+    model = trainer.accelerator.unwrap_model(trainer.model).eval()
+    data = TokenDataset(10, seed=1)
+    with torch.no_grad():
+        logits = model(input_ids=data.ids, attention_mask=torch.ones_like(data.ids)).logits
+    last = [r for r in rows if "eval_loss" in r][-1]
+    assert last["eval_loss"] == pytest.approx(float(torch.nn.functional.cross_entropy(logits, data.labels)), rel=1e-5)
+    assert last["eval_accuracy"] == pytest.approx(float((logits.argmax(-1) == data.labels).float().mean()))
+    assert last["eval_true_class_logit"] == pytest.approx(float(logits[torch.arange(10), data.labels].mean()),
+                                                          rel=1e-5)
     assert rows[-1]["train_loss"] > 0 and rows == trainer.state.log_history
     png = (tmp_path / "loss.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 5000
@@ -131,7 +142,14 @@ def test_tuple_batches_name_the_fix(tmp_path):
         trainer.train()
 
 
-def test_bf16_knob_trains_under_autocast(tmp_path):
-    trainer = Trainer(tiny_bert(), _args(tmp_path, max_steps=2, bf16=True), train_dataset=TokenDataset())
-    assert trainer.accelerator.mixed_precision == "bf16"
+@pytest.mark.parametrize("bf16", [True, False])
+def test_bf16_knob_trains_under_autocast(tmp_path, bf16):
+    model = tiny_bert()
+    seen = []  # the dtype a Linear inside the model computes in, at every training forward
+    model.classifier.register_forward_hook(lambda module, args, out: seen.append((module.training, out.dtype)))
+    trainer = Trainer(model, _args(tmp_path, max_steps=2, gradient_accumulation_steps=1, bf16=bf16),
+                      train_dataset=TokenDataset())
+    assert trainer.accelerator.mixed_precision == ("bf16" if bf16 else "no")
     assert trainer.train().global_step == 2 and trainer.state.log_history[0]["loss"] > 0
+    assert seen == [(True, torch.bfloat16 if bf16 else torch.float32)] * 2
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # autocast, not a bf16 model
