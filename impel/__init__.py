@@ -43,6 +43,17 @@ _EXPORTS = {
     "TrainingArguments": "impel.trainer.arguments",
     "TrainerCallback": "impel.trainer.callbacks",
     "EvalPrediction": "impel.trainer.state",
+    # Accelerate's other top-level names
+    "find_executable_batch_size": "impel.memory",
+    "notebook_launcher": "impel.launchers",
+    "debug_launcher": "impel.launchers",
+    "init_empty_weights": "impel.model_loading",
+    "init_on_device": "impel.model_loading",
+    "load_checkpoint_in_model": "impel.model_loading",
+    "synchronize_rng_states": "impel.seeding",
+    "DDPCommunicationHookType": "impel.ddp_hooks",
+    "ProfileKwargs": "impel.profiling",
+    "is_rich_available": "impel.availability",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

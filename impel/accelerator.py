@@ -44,7 +44,8 @@ from .plugins import (
 )
 from .process_utilities import ProcessUtilities
 from .resilience import Resilience
-from .state import ProcessState
+from .run_settings import RunSettings
+from .shared_state import AcceleratorState
 from .strategies.base import Strategy, load_strategy
 from .tracking import AcceleratorTrackers
 
@@ -61,13 +62,14 @@ except ImportError:  # pragma: no cover - torch < 2.0
 _PREPARABLE = "torch.nn.Module, torch.optim.Optimizer, torch.utils.data.DataLoader, torch.optim.lr_scheduler.LRScheduler"
 
 
-class Accelerator(ProcessUtilities):
+class Accelerator(ProcessUtilities, RunSettings):
     """Runs one training loop unchanged on CPU, one GPU, several GPUs or several machines."""
 
     def __init__(self, device_placement: bool = True, split_batches: bool | None = None,
                  mixed_precision: str | None = None, gradient_accumulation_steps: int | None = None,
                  cpu: bool | None = None, dataloader_config: DataLoaderConfiguration | None = None,
-                 step_scheduler_with_optimizer: bool = True,
+                 step_scheduler_with_optimizer: bool = True, step_scheduler_per_process: bool = True,
+                 cast_outputs_to_fp32: bool = True,
                  gradient_accumulation_plugin: GradientAccumulationPlugin | None = None,
                  kwargs_handlers: Sequence[Any] | None = None, project_dir: str | os.PathLike[str] | None = None,
                  project_config: ProjectConfiguration | None = None,
@@ -96,11 +98,14 @@ class Accelerator(ProcessUtilities):
             self.dataloader_config.split_batches = bool(split_batches)
         self.device_placement = device_placement
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
+        self.step_scheduler_per_process = step_scheduler_per_process
+        self.cast_outputs_to_fp32 = cast_outputs_to_fp32
         init = self.handlers.init
         cpu_only = self.config.use_cpu or self.config.distributed_type == "MULTI_CPU"
-        self.state = ProcessState(cpu=cpu_only, backend=init.backend if init else None,
-                                  timeout=init.timeout if init else None,
-                                  init_method=init.init_method if init else None)
+        self.state = AcceleratorState(cpu=cpu_only, backend=init.backend if init else None,
+                                      timeout=init.timeout if init else None,
+                                      init_method=init.init_method if init else None)
+        self.state.attach(self)
         self._check_topology()
         self.distributed_type = self._resolve_distributed_type()
         self._warn_unused_handlers()
@@ -188,24 +193,12 @@ class Accelerator(ProcessUtilities):
         return self.config.mixed_precision
 
     @property
-    def gradient_accumulation_steps(self) -> int:
-        return self.gradient_state.num_steps
-
-    @property
-    def sync_gradients(self) -> bool:
-        return self.gradient_state.sync_gradients
-
-    @property
     def optimizer_step_was_skipped(self) -> bool:
         return any(opt.step_was_skipped for opt in self._optimizers)
 
     @property
     def split_batches(self) -> bool:
         return self.dataloader_config.split_batches
-
-    @property
-    def even_batches(self) -> bool:
-        return self.dataloader_config.even_batches
 
     @property
     def scaler(self) -> Any:
@@ -254,11 +247,14 @@ class Accelerator(ProcessUtilities):
     def _finish_model(self, model: nn.Module) -> nn.Module:
         inner = self.strategy.unwrap_model(model)
         autocast = self.strategy.precision.autocast if self.strategy.precision.dtype is not None else None
+        cast = autocast is not None and self.cast_outputs_to_fp32  # as Accelerate: mixed precision returns fp32
         if inner is model:
-            patch_forward(model, ForwardContext(self.strategy, self.gradient_state, autocast, track=True))
+            patch_forward(model, ForwardContext(self.strategy, self.gradient_state, autocast, track=True,
+                                                cast_outputs=cast))
         else:
             patch_forward(inner, ForwardContext(self.strategy, self.gradient_state, autocast, track=False))
-            patch_forward(model, ForwardContext(self.strategy, self.gradient_state, None, track=True))
+            patch_forward(model, ForwardContext(self.strategy, self.gradient_state, None, track=True,
+                                                cast_outputs=cast))
         self._models.append(model)
         return model
 
@@ -307,7 +303,11 @@ class Accelerator(ProcessUtilities):
         scheduler = self.strategy.resolve_scheduler(scheduler)
         target = getattr(scheduler, "optimizer", None)
         opts = [o for o in self._optimizers if o is target or o.optimizer is target]
-        wrapped = AcceleratedScheduler(scheduler, opts, self.gradient_state, self.step_scheduler_with_optimizer)
+        # As Accelerate: N ranks consume N batches per step, so the scheduler steps N times (scripts size it so).
+        per_process = (self.step_scheduler_per_process and not self.dataloader_config.split_batches
+                       and self.strategy.scheduler_steps_per_process)
+        wrapped = AcceleratedScheduler(scheduler, opts, self.gradient_state, self.step_scheduler_with_optimizer,
+                                       self.num_processes if per_process else 1)
         self._schedulers.append(wrapped)
         return wrapped
 

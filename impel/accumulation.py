@@ -20,7 +20,10 @@ logger = logging.getLogger("impel")
 class GradientState:
     """Shared by the Accelerator, the prepared model, optimizer, scheduler and dataloaders."""
 
-    def __init__(self, plugin: GradientAccumulationPlugin) -> None:
+    def __init__(self, plugin: GradientAccumulationPlugin | None = None) -> None:
+        if plugin is None:  # Accelerate's GradientState() is a process-wide singleton; impel's is per Accelerator
+            raise TypeError("GradientState() without a plugin: impel keeps one gradient state per Accelerator; "
+                            "read accelerator.gradient_state instead")
         self.plugin = plugin
         self.num_steps = plugin.num_steps
         self.sync_gradients = True

@@ -14,19 +14,22 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def recursively_apply(fn: Callable[[torch.Tensor], Any], data: Any) -> Any:
-    """Apply ``fn`` to every tensor in nested lists, tuples, namedtuples and mappings."""
+def recursively_apply(fn: Callable[[torch.Tensor], Any], data: Any, error_on_other_type: bool = True) -> Any:
+    """Apply ``fn`` to every tensor in nested lists, tuples, namedtuples and mappings; other leaves raise, or with
+    ``error_on_other_type=False`` are returned unchanged."""
     if isinstance(data, torch.Tensor):
         return fn(data)
     if isinstance(data, (list, tuple)):
-        items = [recursively_apply(fn, d) for d in data]
+        items = [recursively_apply(fn, d, error_on_other_type) for d in data]
         return type(data)(*items) if hasattr(data, "_fields") else type(data)(items)
     if isinstance(data, Mapping):
-        out = {k: recursively_apply(fn, v) for k, v in data.items()}
+        out = {k: recursively_apply(fn, v, error_on_other_type) for k, v in data.items()}
         try:
             return type(data)(out)
         except TypeError:
             return out
+    if not error_on_other_type:
+        return data
     raise TypeError(f"cannot apply a collective to {type(data).__name__}; pass tensors or lists/tuples/dicts of "
                     "tensors (use gather_object for other Python objects)")
 
@@ -135,3 +138,9 @@ def pad_across_processes(data: Any, dim: int = 0, pad_index: int = 0, pad_first:
 def truncate(data: Any, length: int) -> Any:
     """Keep the first ``length`` rows of each gathered tensor (drops even-batches padding)."""
     return recursively_apply(lambda t: t[:length], data)
+
+
+def wait_for_everyone() -> None:
+    """A barrier across every rank of the default process group (a no-op on one process)."""
+    if _distributed():
+        dist.barrier()

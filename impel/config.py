@@ -17,20 +17,63 @@ from typing import Any
 
 
 class DistributedType(str, enum.Enum):
-    """How the run is distributed; members compare equal to their names (``DistributedType.FSDP == "FSDP"``)."""
+    """How the run is distributed; members compare equal to their names (``DistributedType.FSDP == "FSDP"``).
+
+    Every member of Accelerate's enum exists, so ``accelerator.distributed_type == DistributedType.XLA`` works;
+    selecting one impel does not drive (XLA, NPU, ...) raises (:func:`check_distributed_type`).
+    """
 
     NO = "NO"
     MULTI_CPU = "MULTI_CPU"
     MULTI_GPU = "MULTI_GPU"
-    FSDP = "FSDP"
+    MULTI_NPU = "MULTI_NPU"
+    MULTI_MLU = "MULTI_MLU"
+    MULTI_SDAA = "MULTI_SDAA"
+    MULTI_MUSA = "MULTI_MUSA"
+    MULTI_XPU = "MULTI_XPU"
     DEEPSPEED = "DEEPSPEED"
+    FSDP = "FSDP"
+    XLA = "XLA"
+    MEGATRON_LM = "MEGATRON_LM"
+    MULTI_HPU = "MULTI_HPU"
+    MULTI_NEURON = "MULTI_NEURON"
     AUTO = "AUTO"  # resolved by `impel launch` from a memory estimate; never reaches a rank
 
     def __str__(self) -> str:
         return self.value
 
 
-DISTRIBUTED_TYPES = tuple(t.value for t in DistributedType)
+DISTRIBUTED_TYPES = ("NO", "MULTI_CPU", "MULTI_GPU", "FSDP", "DEEPSPEED", "AUTO")  # what impel runs
+_NOT_DRIVEN = {"MULTI_NPU": "Ascend NPUs", "MULTI_MLU": "Cambricon MLUs", "MULTI_SDAA": "Tecorigin SDAAs",
+               "MULTI_MUSA": "Moore Threads MUSA GPUs", "MULTI_XPU": "Intel XPUs", "XLA": "TPUs through torch_xla",
+               "MEGATRON_LM": "Megatron-LM", "MULTI_HPU": "Habana HPUs", "MULTI_NEURON": "AWS Neuron cores"}
+
+
+def check_distributed_type(value: Any) -> None:
+    """Raise for an Accelerate distributed type naming hardware or an engine impel does not drive."""
+    name = str(value).upper() if isinstance(value, str) else value
+    if name in _NOT_DRIVEN:
+        raise ConfigError(f"distributed_type={str(value)!r} selects {_NOT_DRIVEN[name]}, which impel does not drive; "
+                          f"impel runs {', '.join(DISTRIBUTED_TYPES[:-1])} on CPUs and CUDA GPUs: pick one of those "
+                          "(or keep this script on Accelerate)")
+
+
+class PrecisionType(str, enum.Enum):
+    """Accelerate's mixed-precision modes; impel runs ``no``, ``fp16`` and ``bf16`` (``fp8`` raises)."""
+
+    NO = "no"
+    FP8 = "fp8"
+    FP16 = "fp16"
+    BF16 = "bf16"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def list(cls) -> list[str]:
+        return [m.value for m in cls]
+
+
 MIXED_PRECISIONS = ("no", "fp16", "bf16")
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
@@ -61,6 +104,8 @@ def coerce(name: str, value: Any, meta: Mapping[str, Any], from_text: bool = Fal
     """Check (and, for text from flags or prompts, convert) one value against its field schema."""
     if value is None:
         return None
+    if isinstance(value, enum.Enum):  # PrecisionType.BF16, DistributedType.FSDP: their plain values
+        value = value.value
     value = meta["aliases"].get(value, value) if _hashable(value) else value
     kind, choices = meta["kind"], meta["choices"]
     if from_text and isinstance(value, str):
@@ -307,6 +352,7 @@ class RunConfig:
         self.explicit: dict[str, Any] = {}
 
     def validate(self) -> RunConfig:
+        check_distributed_type(self.distributed_type)
         _validate_fields(self)
         for name in SECTIONS:
             section = getattr(self, name)

@@ -1,4 +1,6 @@
-"""The prepared model's forward: accumulation bookkeeping, the gradient-sync switch and autocast.
+"""The prepared model's forward: accumulation bookkeeping, the gradient-sync switch, autocast, and (under mixed
+precision, as Accelerate and Lightning Fabric do) floating outputs cast to fp32, so that a loss computed outside
+the model is computed in fp32. ``Accelerator(cast_outputs_to_fp32=False)`` skips the cast.
 
 impel replaces ``forward`` on the instance (the class is untouched) with a bound method, so ``copy.deepcopy`` of
 a prepared model rebinds to the copy, and ``unwrap_model(..., keep_fp32_wrapper=False)`` restores the original.
@@ -12,17 +14,27 @@ import torch
 from torch import nn
 
 from .accumulation import GradientState
+from .collectives import recursively_apply
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def outputs_to_fp32(outputs: Any) -> Any:
+    """fp16/bf16 tensors in (nested) outputs become fp32; everything else is returned as it is."""
+    return recursively_apply(lambda t: t.float() if t.dtype in _LOW_PRECISION else t, outputs,
+                             error_on_other_type=False)
 
 
 class ForwardContext:
     """What a prepared forward needs; shared, never copied with the model."""
 
     def __init__(self, strategy: Any, gradient_state: GradientState,
-                 autocast: Callable[[], ContextManager[Any]] | None, track: bool) -> None:
+                 autocast: Callable[[], ContextManager[Any]] | None, track: bool, cast_outputs: bool = False) -> None:
         self.strategy = strategy
         self.gradient_state = gradient_state
         self.autocast = autocast
         self.track = track  # the outermost module decides gradient sync for its backward
+        self.cast_outputs = cast_outputs  # the outermost module returns fp32 to the loop
         self.sync_state: bool | None = None
 
     def before_forward(self, model: nn.Module) -> None:
@@ -43,9 +55,11 @@ def _prepared_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     if ctx.track:
         ctx.before_forward(self)
     if ctx.autocast is None:
-        return self._impel_original_forward(*args, **kwargs)
-    with ctx.autocast():
-        return self._impel_original_forward(*args, **kwargs)
+        outputs = self._impel_original_forward(*args, **kwargs)
+    else:
+        with ctx.autocast():
+            outputs = self._impel_original_forward(*args, **kwargs)
+    return outputs_to_fp32(outputs) if ctx.cast_outputs else outputs
 
 
 def patch_forward(model: nn.Module, ctx: ForwardContext) -> None:

@@ -1,8 +1,10 @@
 """Prepared optimizer and scheduler.
 
 The optimizer's ``step()`` and ``zero_grad()`` are no-ops on micro-steps that do not end an accumulation group,
-apply the fp16 scaler through the strategy, and record whether the step was skipped. The scheduler steps once
-per optimizer step that really happened: not once per rank, not on skipped fp16 steps, not on micro-steps.
+apply the fp16 scaler through the strategy, and record whether the step was skipped. The scheduler steps as
+Accelerate's does, because Accelerate scripts size their schedules for it: ``steps_per_update`` times (the
+number of processes, or 1 with ``split_batches`` or ``Accelerator(step_scheduler_per_process=False)``) per
+optimizer step that really happened; never on skipped fp16 steps or on micro-steps.
 """
 from __future__ import annotations
 
@@ -109,22 +111,35 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
 
 
 class AcceleratedScheduler:
-    """Steps the wrapped scheduler once per real optimizer step (see module docstring)."""
+    """Steps the wrapped scheduler ``steps_per_update`` times per real optimizer step (see module docstring).
+
+    ``step_with_optimizer=False``: every call steps, whatever the optimizer did. On a micro-step that does not end
+    an accumulation group nothing steps (whatever ``adjust_scheduler`` says: in Accelerate 1.15 its micro-step
+    branch never runs, since the plugin only passes on non-default values and the state reads a False default).
+    """
 
     def __init__(self, scheduler: Any, optimizers: Sequence[AcceleratedOptimizer], gradient_state: GradientState,
-                 step_with_optimizer: bool = True) -> None:
+                 step_with_optimizer: bool = True, steps_per_update: int = 1) -> None:
+        if isinstance(steps_per_update, bool) or not isinstance(steps_per_update, int) or steps_per_update < 1:
+            raise ValueError(f"steps_per_update={steps_per_update!r} must be an integer >= 1")
         self.scheduler = scheduler
         self.optimizers = list(optimizers)
         self.gradient_state = gradient_state
         self.step_with_optimizer = step_with_optimizer
+        self.steps_per_update = steps_per_update
 
     def step(self, *args: Any, **kwargs: Any) -> None:
-        if self.step_with_optimizer and self.gradient_state.plugin.adjust_scheduler:
-            if not self.gradient_state.sync_gradients:
-                return
-            if any(opt.step_was_skipped for opt in self.optimizers):
-                return
-        self.scheduler.step(*args, **kwargs)
+        if not self.step_with_optimizer:
+            self.scheduler.step(*args, **kwargs)
+            return
+        if not self.gradient_state.sync_gradients:
+            return
+        if any(opt.step_was_skipped for opt in self.optimizers):
+            return
+        total = getattr(self.scheduler, "total_steps", None)  # OneCycleLR raises past its end: stop there
+        for _ in range(self.steps_per_update):
+            if total is None or self.scheduler._step_count <= total:
+                self.scheduler.step(*args, **kwargs)
 
     def get_last_lr(self) -> list[float]:
         return self.scheduler.get_last_lr()
@@ -137,6 +152,9 @@ class AcceleratedScheduler:
 
     def get_lr(self) -> Any:
         return self.scheduler.get_lr()
+
+    def print_lr(self, *args: Any, **kwargs: Any) -> Any:
+        return self.scheduler.print_lr(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         if name == "scheduler":

@@ -5,6 +5,7 @@ They are thin: each validates its own fields and the Accelerator reads them; non
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from typing import Any
@@ -28,7 +29,11 @@ class KwargsHandler:
 
 @dataclass
 class DistributedDataParallelKwargs(KwargsHandler):
-    """Arguments forwarded to ``torch.nn.parallel.DistributedDataParallel``."""
+    """Arguments forwarded to ``torch.nn.parallel.DistributedDataParallel``.
+
+    ``comm_hook`` / ``comm_wrapper`` / ``comm_state_option`` are Accelerate's; impel does not register DDP
+    communication hooks yet, so anything but the defaults raises (see :mod:`impel.ddp_hooks`).
+    """
 
     dim: int = 0
     broadcast_buffers: bool = True
@@ -37,6 +42,14 @@ class DistributedDataParallelKwargs(KwargsHandler):
     check_reduction: bool = False
     gradient_as_bucket_view: bool = False
     static_graph: bool = False
+    comm_hook: Any = "no"
+    comm_wrapper: Any = "no"
+    comm_state_option: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        from .ddp_hooks import check_comm_hook
+
+        check_comm_hook(self.comm_hook, self.comm_wrapper, self.comm_state_option)
 
 
 @dataclass
@@ -102,8 +115,9 @@ class DataLoaderConfiguration:
 class GradientAccumulationPlugin:
     """Gradient accumulation settings.
 
-    num_steps: micro-steps per optimizer step. adjust_scheduler: the scheduler steps only when the optimizer
-    really steps (False: on every call). sync_with_dataloader: the end of a prepared dataloader ends the group.
+    num_steps: micro-steps per optimizer step. adjust_scheduler: kept for Accelerate's signature; as in Accelerate
+    1.15 the prepared scheduler never steps mid-group either way (False warns; ``Accelerator(
+    step_scheduler_with_optimizer=False)`` steps it on every call). sync_with_dataloader: the end of a prepared dataloader ends the group.
     sync_each_batch: all-reduce gradients on every micro-step (less memory, more communication).
     """
 
@@ -117,6 +131,10 @@ class GradientAccumulationPlugin:
             raise ConfigError(f"GradientAccumulationPlugin(num_steps={self.num_steps!r}) must be an integer >= 1")
         for name in ("adjust_scheduler", "sync_with_dataloader", "sync_each_batch"):
             _check_bool("GradientAccumulationPlugin", name, getattr(self, name))
+        if not self.adjust_scheduler:
+            warnings.warn("GradientAccumulationPlugin(adjust_scheduler=False) changes nothing (as in Accelerate 1.15): "
+                          "the prepared scheduler still steps only after real optimizer steps; pass "
+                          "Accelerator(step_scheduler_with_optimizer=False) to step it on every call", stacklevel=3)
 
 
 @dataclass
@@ -175,17 +193,20 @@ class Handlers:
     scaler: GradScalerKwargs | None = None
     init: InitProcessGroupKwargs | None = None
     autocast: AutocastKwargs | None = None
+    profile: Any = None  # impel.profiling.ProfileKwargs
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def collect(cls, handlers: Any) -> "Handlers":
+        from .profiling import ProfileKwargs  # here: profiling imports this module
+
         out = cls()
         slots = {DistributedDataParallelKwargs: "ddp", GradScalerKwargs: "scaler",
-                 InitProcessGroupKwargs: "init", AutocastKwargs: "autocast"}
+                 InitProcessGroupKwargs: "init", AutocastKwargs: "autocast", ProfileKwargs: "profile"}
         for handler in handlers or ():
             slot = slots.get(type(handler))
             if slot is None:
-                names = ", ".join(t.__name__ for t in KWARGS_HANDLER_TYPES)
+                names = ", ".join(t.__name__ for t in slots)
                 raise ConfigError(f"kwargs_handlers got {handler!r}; allowed types are {names}")
             if getattr(out, slot) is not None:
                 raise ConfigError(f"kwargs_handlers holds two {type(handler).__name__}; pass one")

@@ -1,7 +1,10 @@
-"""Seeding: one call seeds python, numpy, torch and CUDA."""
+"""Seeding: one call seeds python, numpy, torch and CUDA; rank 0's generator states shared with every rank."""
 from __future__ import annotations
 
+import enum
 import random
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -33,3 +36,63 @@ def set_seed(seed: int, device_specific: bool = False, deterministic: bool = Fal
     if deterministic:
         torch.use_deterministic_algorithms(True)
     return seed
+
+
+class RNGType(str, enum.Enum):
+    """Accelerate's random-number generators; impel synchronises ``torch``, ``cuda`` and ``generator``."""
+
+    TORCH = "torch"
+    CUDA = "cuda"
+    MLU = "mlu"
+    SDAA = "sdaa"
+    MUSA = "musa"
+    NPU = "npu"
+    XLA = "xla"
+    XPU = "xpu"
+    HPU = "hpu"
+    NEURON = "neuron"
+    GENERATOR = "generator"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def _rng_accessors(kind: RNGType, generator: torch.Generator | None) -> tuple[Any, Any]:
+    """(get_state, set_state) for one generator kind; raises for kinds impel does not drive."""
+    if kind is RNGType.TORCH:
+        return torch.get_rng_state, torch.set_rng_state
+    if kind is RNGType.CUDA:
+        if not torch.cuda.is_available():
+            raise RuntimeError("synchronize_rng_state('cuda') needs a CUDA device; none is visible here")
+        return torch.cuda.get_rng_state, torch.cuda.set_rng_state
+    if kind is RNGType.GENERATOR:
+        if generator is None:
+            raise ValueError("synchronize_rng_state('generator') needs generator=<the torch.Generator to share>")
+        return generator.get_state, generator.set_state
+    raise ValueError(f"rng_type={kind.value!r} belongs to hardware impel does not drive; use 'torch', 'cuda' or "
+                     "'generator'")
+
+
+def synchronize_rng_state(rng_type: str | RNGType, generator: torch.Generator | None = None) -> None:
+    """Give every rank rank 0's state of one generator (a no-op in a single process).
+
+    Example::
+
+        synchronize_rng_state("torch")   # dropout masks now agree across ranks
+    """
+    import torch.distributed as dist
+
+    get_state, set_state = _rng_accessors(RNGType(rng_type), generator)
+    state = get_state()
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    if dist.get_backend() == "nccl":  # nccl only moves CUDA tensors
+        state = state.to(torch.device("cuda", torch.cuda.current_device()))
+    dist.broadcast(state, src=0)
+    set_state(state.cpu())
+
+
+def synchronize_rng_states(rng_types: Iterable[str | RNGType], generator: torch.Generator | None = None) -> None:
+    """:func:`synchronize_rng_state` for each of ``rng_types`` (e.g. ``["torch", "generator"]``)."""
+    for rng_type in rng_types:
+        synchronize_rng_state(rng_type, generator)

@@ -178,4 +178,14 @@ def _destroy_at_exit() -> None:
         release_process_groups()
 
 
-PartialState = ProcessState
+_ACCELERATE_NAMES = ("PartialState", "AcceleratorState", "GradientState")
+
+
+def __getattr__(name: str) -> Any:
+    """Accelerate's ``PartialState``, ``AcceleratorState`` and ``GradientState``, defined in
+    :mod:`impel.shared_state` over ProcessState (imported on first use: that module imports this one)."""
+    if name in _ACCELERATE_NAMES:
+        from . import shared_state
+
+        return getattr(shared_state, name)
+    raise AttributeError(f"module 'impel.state' has no attribute {name!r}")

@@ -15,6 +15,7 @@ Example::
 """
 from __future__ import annotations
 
+import enum
 import importlib.util
 import json
 import math
@@ -27,6 +28,25 @@ from .config import ConfigError
 
 # tracker name -> (module to import, pip package)
 PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow")}
+
+
+class LoggerType(str, enum.Enum):
+    """Accelerate's tracker names, for ``Accelerator(log_with=LoggerType.TENSORBOARD)``; impel builds ``all``,
+    ``tensorboard``, ``wandb`` and ``mlflow`` (the others raise when asked for, naming these)."""
+
+    ALL = "all"
+    AIM = "aim"
+    TENSORBOARD = "tensorboard"
+    WANDB = "wandb"
+    TRACKIO = "trackio"
+    COMETML = "comet_ml"
+    MLFLOW = "mlflow"
+    CLEARML = "clearml"
+    DVCLIVE = "dvclive"
+    SWANLAB = "swanlab"
+
+    def __str__(self) -> str:
+        return self.value
 
 
 def installed_trackers() -> list[str]:
@@ -204,6 +224,7 @@ class AcceleratorTrackers:
 
     def __init__(self, log_with: str | Sequence[str] | None) -> None:
         names = [log_with] if isinstance(log_with, str) else list(log_with or [])
+        names = [n.value if isinstance(n, LoggerType) else n for n in names]
         if "all" in names:
             names = [n for n in names if n != "all"] + [n for n in installed_trackers() if n not in names]
         self.jsonl = "jsonl" in names

@@ -70,3 +70,36 @@ def merge_weights(checkpoint_dir: str | os.PathLike[str], out_dir: str | os.Path
                               f"use 0..{count - 1}")
     state = _merger(strategy.get("format", "full"))(directory, strategy, model_index)
     return save_pretrained_weights(state, out_dir, safe_serialization, max_shard_size)
+
+
+def merge_fsdp_weights(checkpoint_dir: str | os.PathLike[str], output_path: str | os.PathLike[str],
+                       safe_serialization: bool = True, remove_checkpoint_dir: bool = False) -> None:
+    """Accelerate's name: write one full-weights file (``model.safetensors``, else ``pytorch_model.bin``) into
+    ``output_path`` from an impel checkpoint directory or a bare DCP directory (Accelerate's
+    ``pytorch_model_fsdp_0``, impel's ``model/``). The main process merges (``remove_checkpoint_dir`` then deletes
+    the source); every process that joined a group waits for it."""
+    import shutil
+
+    from ..shared_state import current_topology
+    from ..state import ProcessState
+
+    source = Path(checkpoint_dir)
+    impel_layout = (source / "impel_checkpoint.json").is_file()
+    if not impel_layout and not (source / ".metadata").is_file():  # checked on every rank: none waits in vain
+        raise CheckpointError(f"{source} is neither an impel checkpoint (impel_checkpoint.json) nor a DCP directory "
+                              "(.metadata); pass checkpoints/checkpoint_N or its model directory")
+    if current_topology().rank == 0:
+        if impel_layout:
+            merge_weights(source, output_path, safe_serialization=safe_serialization, max_shard_size=2**62)
+        else:
+            from .sharded import load_full_state
+
+            state = load_full_state(source)
+            if len(state) == 1 and isinstance(next(iter(state.values())), dict):  # {"model": {...}}
+                state = next(iter(state.values()))
+            tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+            save_pretrained_weights(tensors, output_path, safe_serialization, max_shard_size=2**62)
+        if remove_checkpoint_dir:
+            shutil.rmtree(source)
+    if ProcessState._shared.get("initialized"):
+        ProcessState().wait_for_everyone()

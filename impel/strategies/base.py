@@ -40,6 +40,9 @@ class Strategy:
     """Base strategy: a model on one device, plain backward, local optimizer step."""
 
     name = "NO"
+    # Accelerate steps a prepared scheduler once per process per optimizer step (each rank consumed a batch), except
+    # under DeepSpeed, whose engine owns the scheduler and steps it once: the prepared scheduler follows suit.
+    scheduler_steps_per_process = True
     # The Accelerator's accumulation state, set right after construction (DeepSpeed's engine needs its boundary).
     gradient_state: GradientState | None = None
 

@@ -253,7 +253,9 @@ def accelerator_kwargs(args: TrainingArguments) -> dict[str, Any]:
                                    save_on_each_node=args.save_on_each_node)
     kwargs: dict[str, Any] = {"mixed_precision": args.mixed_precision,
                               "gradient_accumulation_steps": args.gradient_accumulation_steps,
-                              "cpu": args.use_cpu or None, "project_config": project}
+                              "cpu": args.use_cpu or None, "project_config": project,
+                              # the Trainer sizes its schedule in optimizer steps, as transformers' Trainer does
+                              "step_scheduler_per_process": False}
     plugin = fsdp_plugin(args)
     if plugin is not None:
         kwargs["fsdp_plugin"] = plugin

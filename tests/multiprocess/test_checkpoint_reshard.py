@@ -12,7 +12,10 @@ from torch import nn
 
 from impel.testing import run_on_ranks
 
-pytestmark = pytest.mark.multiprocess
+JOB_TIMEOUT = 240
+# a test runs up to three jobs: pytest-timeout sits above their sum, so a hang is reported by run_on_ranks (with
+# the ranks' stacks)
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(3 * JOB_TIMEOUT + 60)]
 GLOBAL_BATCH, STEPS = 8, 4
 FSDP = {"distributed_type": "FSDP", "use_cpu": True, "fsdp_config": {"fsdp_sharding_strategy": "FULL_SHARD",
                                                                     "fsdp_state_dict_type": "SHARDED_STATE_DICT"}}
@@ -35,7 +38,7 @@ def _batch(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor
 def _run(first_step: int, steps: int, load: str | None, save: str | None) -> dict[str, torch.Tensor]:
     from impel import Accelerator
 
-    acc = Accelerator()
+    acc = Accelerator(step_scheduler_per_process=False)  # a schedule that is the same on every world size
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
@@ -56,7 +59,7 @@ def _run(first_step: int, steps: int, load: str | None, save: str | None) -> dic
 
 
 def _on(world: int, launched: dict, *args):
-    return run_on_ranks(_run, world, args=args, timeout=240, env={"IMPEL_CONFIG": json.dumps(launched)})[0]
+    return run_on_ranks(_run, world, args=args, timeout=JOB_TIMEOUT, env={"IMPEL_CONFIG": json.dumps(launched)})[0]
 
 
 def _close(a: dict, b: dict, tol: float = 1e-5) -> None:
@@ -105,9 +108,9 @@ def test_the_manifest_of_a_two_rank_sharded_save_matches_every_file(tmp_path):
     from impel.checkpoint import layout
 
     ckpt = tmp_path / "ckpt"
-    run_on_ranks(_run_small_blocks, 2, args=(0, STEPS, None, str(ckpt)), timeout=240,
+    run_on_ranks(_run_small_blocks, 2, args=(0, STEPS, None, str(ckpt)), timeout=JOB_TIMEOUT,
                  env={"IMPEL_CONFIG": json.dumps(FSDP)})
-    run_on_ranks(_run_small_blocks, 2, args=(STEPS, 1, str(ckpt), None), timeout=240,
+    run_on_ranks(_run_small_blocks, 2, args=(STEPS, 1, str(ckpt), None), timeout=JOB_TIMEOUT,
                  env={"IMPEL_CONFIG": json.dumps(FSDP)})
     meta = json.loads((ckpt / layout.METADATA_FILE).read_text())
     on_disk = {p.relative_to(ckpt).as_posix() for p in ckpt.rglob("*") if p.is_file()} - {

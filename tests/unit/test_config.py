@@ -89,6 +89,72 @@ def test_code_arguments_fill_what_was_not_launched():
     assert cfg.distributed_type == "MULTI_CPU"
 
 
+# --- a launched false / 0 / "" is a value the launcher set --------------------------------------------------------
+# The rule today (merge_code_arguments' docstring, docs/design.md): a code argument that contradicts a value the
+# launcher set raises, naming both values. The drop-in work may change what a contradiction does (code wins with a
+# log line, as Accelerate); it must not change *what counts as set*: only None means "not given". When the rule
+# changes, change ``assert_contradiction`` alone.
+def assert_contradiction(launched, code, key, launched_value, code_value):
+    with pytest.raises(ConfigError) as err:
+        merge_code_arguments(launched, code)
+    assert f"code sets {key}={code_value!r}" in str(err.value)
+    assert f"launched config says {key}={launched_value!r}" in str(err.value)
+
+
+def _fsdp(**fields):
+    from impel import FullyShardedDataParallelPlugin
+
+    return FullyShardedDataParallelPlugin(**fields).code_arguments(None)
+
+
+def _deepspeed(**fields):
+    from impel import DeepSpeedPlugin
+
+    return DeepSpeedPlugin(**fields).code_arguments(None)
+
+
+@pytest.mark.parametrize("launched,code,key,launched_value,code_value", [
+    ({"use_cpu": False}, {"use_cpu": True}, "use_cpu", False, True),
+    ({"distributed_type": "FSDP", "fsdp_config": {"fsdp_offload_params": False}}, _fsdp(offload_params=True),
+     "fsdp_config.fsdp_offload_params", False, True),
+    ({"distributed_type": "FSDP", "fsdp_config": {"fsdp_activation_checkpointing": False}},
+     _fsdp(activation_checkpointing=True), "fsdp_config.fsdp_activation_checkpointing", False, True),
+    ({"distributed_type": "DEEPSPEED", "deepspeed_config": {"zero_stage": 0}}, _deepspeed(zero_stage=2),
+     "deepspeed_config.zero_stage", 0, 2),
+    ({"distributed_type": "FSDP", "fsdp_config": {"fsdp_transformer_layer_cls_to_wrap": ""}},
+     _fsdp(transformer_cls_names_to_wrap=["BertLayer"]), "fsdp_config.fsdp_transformer_layer_cls_to_wrap", "",
+     "BertLayer"),
+], ids=["use_cpu-false", "offload-false", "checkpointing-false", "zero-stage-0", "layer-cls-empty"])
+def test_a_launched_falsy_value_is_set_and_a_contradicting_code_value_is_a_contradiction(
+        launched, code, key, launched_value, code_value):
+    assert_contradiction(launched, code, key, launched_value, code_value)
+
+
+def test_a_launched_falsy_value_survives_a_code_argument_left_unset():
+    launched = {"use_cpu": False, "distributed_type": "DEEPSPEED", "deepspeed_config": {"zero_stage": 0}}
+    cfg = merge_code_arguments(launched, {"use_cpu": None, "mixed_precision": None})
+    assert cfg.use_cpu is False and cfg.deepspeed.zero_stage == 0  # not a default's None / a plugin's value
+    cfg = merge_code_arguments({"distributed_type": "FSDP", "fsdp_config": {"fsdp_offload_params": False}},
+                               _fsdp(offload_params=False, activation_checkpointing=True))
+    assert cfg.fsdp.offload_params is False and cfg.fsdp.activation_checkpointing is True  # agreeing, and filled
+
+
+def test_accelerator_cpu_true_against_a_launched_use_cpu_false(monkeypatch):
+    monkeypatch.setenv(env.CONFIG_VAR, json.dumps({"use_cpu": False}))
+    with pytest.raises(ConfigError, match=r"code sets use_cpu=True but the launched config says use_cpu=False"):
+        Accelerator(cpu=True)
+
+
+def test_fsdp_plugin_true_against_a_launched_offload_false(monkeypatch):
+    from impel import FullyShardedDataParallelPlugin
+
+    monkeypatch.setenv(env.CONFIG_VAR, json.dumps({"distributed_type": "FSDP",
+                                                   "fsdp_config": {"fsdp_offload_params": False}}))
+    with pytest.raises(ConfigError, match=r"fsdp_offload_params=True but the launched config says "
+                                          r"fsdp_config.fsdp_offload_params=False"):
+        Accelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin(offload_params=True))
+
+
 def test_merged_values_are_validated():
     with pytest.raises(ConfigError, match="'fp32'"):
         merge_code_arguments({}, {"mixed_precision": "fp32"})

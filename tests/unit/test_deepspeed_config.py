@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -271,6 +272,22 @@ def test_import_impel_and_the_deepspeed_names_do_not_import_deepspeed():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("preset", [None, "cpu"])
+def test_ds_accelerator_is_set_only_around_the_deepspeed_import(preset):
+    """DeepSpeed picks its accelerator from DS_ACCELERATOR once; impel sets it for that moment and puts the user's
+    environment back (unset stays unset), so nothing leaks into the rest of the process or its subprocesses."""
+    code = ("import os, torch\nfrom impel.strategies.deepspeed import import_deepspeed\n"
+            "import_deepspeed(torch.device('cpu'))\nfrom deepspeed.accelerator import get_accelerator\n"
+            "print(repr(os.environ.get('DS_ACCELERATOR')), get_accelerator().device_name())")
+    environ = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
+    if preset is not None:
+        environ["DS_ACCELERATOR"] = preset
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False,
+                         env=environ)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-2:] == [repr(preset), "cpu"]
 
 
 def test_a_contradiction_is_found_before_launch(tmp_path):

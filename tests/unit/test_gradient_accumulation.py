@@ -137,9 +137,10 @@ class SizedIterable(IterableDataset):
 LR = 0.05
 
 
-def reference_groups(model: nn.Module, dataset, batch_size: int, groups: list[int]) -> dict[str, torch.Tensor]:
-    """Hand-written accumulation: each group's losses divided by the group's length, one optimizer (and scheduler)
-    step per group."""
+def reference_groups(model: nn.Module, dataset, batch_size: int, groups: list[int],
+                     divisor: int | None = None) -> dict[str, torch.Tensor]:
+    """Hand-written accumulation: each group's losses divided by the group's length (or ``divisor``), one optimizer
+    (and scheduler) step per group."""
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     batches = list(DataLoader(dataset, batch_size=batch_size, shuffle=False))
@@ -147,7 +148,7 @@ def reference_groups(model: nn.Module, dataset, batch_size: int, groups: list[in
     for g in groups:
         for _ in range(g):
             x, y = batches[i % len(batches)]
-            (nn.functional.mse_loss(model(x), y) / g).backward()
+            (nn.functional.mse_loss(model(x), y) / (divisor or g)).backward()
             i += 1
         opt.step()
         sched.step()
@@ -213,6 +214,21 @@ def test_accelerator_accumulation_with_a_sized_iterable_dataset():
     assert max_abs_diff(params, reference) < 1e-6
 
 
+class UnsizedIterable(SizedIterable):
+    __len__ = None  # type: ignore[assignment]  # len() raises TypeError: the loader cannot count its batches
+
+
+def test_an_unsized_iterable_dataset_syncs_its_short_last_group_at_the_end():
+    """Without a length the group sizes are not known ahead: groups are num_steps long (loss divided by 4), and
+    the last batch of the epoch still ends its short group: the optimizer steps there."""
+    data = make_regression(40).tensors
+    params, real_steps, _, _, divisors, ends = accelerated_run("automatic", dataset=UnsizedIterable(data))
+    assert ends == [False] * 9 + [True]
+    assert real_steps == 3 and divisors == [4] * 10
+    reference = reference_groups(make_mlp(), make_regression(40), 4, [4, 4, 2], divisor=4)
+    assert max_abs_diff(params, reference) < 1e-6
+
+
 def test_accelerator_without_accumulation_steps_every_batch():
     params, real_steps, _, _, divisors, _ = accelerated_run("automatic", steps=1)
     assert real_steps == 10
@@ -231,6 +247,22 @@ def test_accelerator_sync_gradients_flag_during_the_loop():
             acc.backward(nn.functional.mse_loss(model(x), y))
             flags.append(acc.sync_gradients)
     assert [i + 1 for i, f in enumerate(flags) if f] == [4, 8, 10]
+
+
+def test_accelerator_step_counts_micro_steps_and_restarts_with_each_epoch():
+    """Accelerate's ``accelerator.step`` (the default step of ``accelerator.log``): micro-steps begun, back to 0 on
+    the batch that ends the dataloader."""
+    acc = Accelerator(cpu=True, gradient_accumulation_steps=4)
+    model = make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    model, opt, loader = acc.prepare(model, opt, DataLoader(make_regression(40), batch_size=4))
+    seen = []
+    for _ in range(2):
+        for x, y in loader:
+            with acc.accumulate(model):
+                acc.backward(nn.functional.mse_loss(model(x), y))
+                seen.append(acc.step)
+    assert seen == [*range(1, 10), 0] * 2
 
 
 def test_eval_forward_does_not_open_a_micro_step():

@@ -16,10 +16,12 @@ def test_unwrap_model_without_fp32_wrapper_restores_the_original_forward():
     model = nn.Linear(4, 3)
     prepared = acc.prepare(model)
     x = torch.randn(2, 4)
-    assert prepared(x).dtype == torch.bfloat16
+    exact = x @ model.weight.T + model.bias
+    out = prepared(x)  # computed in bf16, returned in fp32 (as Accelerate)
+    assert out.dtype == torch.float32 and not torch.equal(out, exact)
     kept = acc.unwrap_model(prepared)  # keep_fp32_wrapper=True by default: still prepared
     assert kept is model and "forward" in model.__dict__
-    assert kept(x).dtype == torch.bfloat16
+    assert torch.equal(kept(x), out)
     plain = acc.unwrap_model(prepared, keep_fp32_wrapper=False)
     assert plain is model
     for name in ("forward", "_impel_original_forward", "_impel_ctx"):
@@ -27,7 +29,7 @@ def test_unwrap_model_without_fp32_wrapper_restores_the_original_forward():
     assert plain.forward.__func__ is nn.Linear.forward
     out = plain(x)
     assert out.dtype == torch.float32
-    torch.testing.assert_close(out, x @ model.weight.T + model.bias)
+    torch.testing.assert_close(out, exact)
 
 
 def test_unwrap_model_restores_a_forward_the_user_patched():
@@ -72,7 +74,10 @@ def test_deepcopy_of_a_prepared_model_keeps_autocast_and_shares_the_context():
     model = acc.prepare(nn.Linear(4, 2))
     clone = copy.deepcopy(model)
     assert clone.__dict__["_impel_ctx"] is model.__dict__["_impel_ctx"]
-    assert clone(torch.randn(3, 4)).dtype == torch.bfloat16
+    x = torch.randn(3, 4)
+    out = clone(x)  # autocast inside (bf16 rounding), fp32 outside (as Accelerate)
+    assert out.dtype == torch.float32
+    assert torch.equal(out, nn.functional.linear(x.bfloat16(), clone.weight.bfloat16(), clone.bias.bfloat16()).float())
 
 
 def test_deepcopy_of_a_prepared_model_can_train_alone():

@@ -75,9 +75,17 @@ def test_scheduler_steps_every_call_when_not_tied_to_the_optimizer():
 
 
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
-def test_scheduler_steps_every_call_without_adjust_scheduler():
-    plugin = GradientAccumulationPlugin(num_steps=4, adjust_scheduler=False)
+def test_adjust_scheduler_false_warns_and_changes_nothing_as_in_accelerate():
+    with pytest.warns(UserWarning, match="adjust_scheduler=False"):
+        plugin = GradientAccumulationPlugin(num_steps=4, adjust_scheduler=False)
     acc, model, opt, loader, sched = setup(gradient_accumulation_plugin=plugin)
+    run_epoch(acc, model, opt, loader, sched)
+    assert opt.steps_taken == 3
+    assert sched.last_epoch == 3
+
+
+def test_scheduler_steps_every_call_without_step_with_optimizer():
+    acc, model, opt, loader, sched = setup(steps=4, step_scheduler_with_optimizer=False)
     run_epoch(acc, model, opt, loader, sched)
     assert opt.steps_taken == 3
     assert sched.last_epoch == 10

@@ -231,3 +231,33 @@ def test_fp16_skipped_step_at_the_end_of_an_accumulation_group():
     assert acc.sync_gradients and acc.optimizer_step_was_skipped
     assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
     assert sched.last_epoch == 0 and opt.steps_taken == 0
+
+
+class NestedOut(nn.Module):
+    """Returns what transformers models return: a mapping with tensors, a tuple, an int and None."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> dict:
+        h = self.lin(x)
+        return {"logits": h, "pair": (h, x.long()), "count": 3, "nothing": None}
+
+
+@pytest.mark.parametrize("mode", ["bf16", "fp16"])
+def test_mixed_precision_outputs_are_cast_to_fp32_as_accelerate(mode):
+    acc = Accelerator(cpu=True, mixed_precision=mode)
+    model = acc.prepare(NestedOut())
+    out = model(torch.randn(4, 6))
+    assert out["logits"].dtype == torch.float32 and out["pair"][0].dtype == torch.float32
+    assert out["pair"][1].dtype == torch.int64 and out["count"] == 3 and out["nothing"] is None
+    out["logits"].sum().backward()  # the cast is part of the graph
+    assert model.lin.weight.grad is not None
+
+
+def test_cast_outputs_to_fp32_false_keeps_the_autocast_dtype():
+    acc = Accelerator(cpu=True, mixed_precision="bf16", cast_outputs_to_fp32=False)
+    model = acc.prepare(NestedOut())
+    assert model(torch.randn(4, 6))["logits"].dtype == torch.bfloat16
+

@@ -1,0 +1,156 @@
+"""Generate docs/accelerate-compatibility.md: Accelerate 1.15's public surface checked against impel.
+
+Run in the dev venv (accelerate is installed there): ``.venv/bin/python docs/accelerate_compatibility.py``.
+"""
+import inspect, os, sys, types
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+import accelerate, accelerate.utils as au
+import impel, impel.utils as iu
+from impel.accelerator import Accelerator as IAcc
+
+# --- reasons for names impel does not have, or has with limits ------------------------------------------------
+MISSING = {
+    # top level
+    "ParallelismConfig": "N-D parallelism (ParallelismConfig) is a separate open task in issue 14",
+    "cpu_offload": "big-model inference (dispatch / offload hooks) is not in impel's scope: impel trains",
+    "cpu_offload_with_hook": "big-model inference is not in impel's scope",
+    "disk_offload": "big-model inference is not in impel's scope",
+    "dispatch_model": "big-model inference is not in impel's scope",
+    "infer_auto_device_map": "big-model inference is not in impel's scope",
+    "load_checkpoint_and_dispatch": "big-model inference is not in impel's scope; use load_checkpoint_in_model",
+    "prepare_pippy": "pipeline-parallel inference (PiPPy) is not in impel's scope",
+    # utils
+    "TorchDynamoPlugin": "torch.compile through the Accelerator (dynamo_backend / dynamo_plugin) is a separate task in issue 14",
+    "DynamoBackend": "see TorchDynamoPlugin",
+    "FP8RecipeKwargs": "impel has no fp8 mode", "AORecipeKwargs": "impel has no fp8 mode",
+    "TERecipeKwargs": "impel has no fp8 mode", "MSAMPRecipeKwargs": "impel has no fp8 mode",
+    "MegatronLMPlugin": "impel does not drive Megatron-LM", "MegatronLMDummyScheduler": "impel does not drive Megatron-LM",
+    "MegatronLMDummyDataLoader": "impel does not drive Megatron-LM",
+    "TorchTensorParallelPlugin": "tensor parallelism is part of the N-D parallelism task",
+    "TorchTensorParallelConfig": "tensor parallelism is part of the N-D parallelism task",
+    "TorchContextParallelConfig": "context parallelism is part of the N-D parallelism task",
+    "DeepSpeedSequenceParallelConfig": "sequence parallelism is not supported",
+    "BnbQuantizationConfig": "quantised loading is not in impel's scope", "load_and_quantize_model": "quantised loading is not in impel's scope",
+    "HfDeepSpeedConfig": "impel resolves the DeepSpeed JSON itself; pass it as DeepSpeedPlugin(hf_ds_config=...)",
+    "ProjectConfiguration": None,
+    "extract_model_from_parallel": "use accelerator.unwrap_model(model)",
+    "write_basic_config": "use `impel config default`",
+    "patch_environment": "not provided; set os.environ in the test",
+    "convert_outputs_to_fp32": "the prepared model's output cast is impel.model's job (not a public helper)",
+    "get_max_memory": "big-model inference helper, not in impel's scope",
+    "load_fsdp_model": "use accelerator.load_state", "save_fsdp_model": "use accelerator.save_state",
+    "load_fsdp_optimizer": "use accelerator.load_state", "save_fsdp_optimizer": "use accelerator.save_state",
+    # Accelerator members
+    "context_parallel_rank": "N-D parallelism task", "data_parallel_rank": "N-D parallelism task",
+    "data_parallel_shard_rank": "N-D parallelism task", "tensor_parallel_rank": "N-D parallelism task",
+    "pipeline_parallel_rank": "N-D parallelism task", "parallelism_config": "N-D parallelism task",
+    "torch_device_mesh": "N-D parallelism task", "maybe_context_parallel": "N-D parallelism task",
+    "deepspeed_ulysses_dl_adapter": "sequence parallelism is not supported",
+    "fp8_backend": "impel has no fp8 mode (fp8_enabled is False)", "has_fp8_handler": "impel has no fp8 mode",
+    "ao_recipe_handler": "impel has no fp8 mode", "te_recipe_handler": "impel has no fp8 mode",
+    "msamp_recipe_handler": "impel has no fp8 mode", "fp8_recipe_handler": "impel has no fp8 mode",
+    "delayed_fp8_autocast": "impel has no fp8 mode",
+    "lomo_backward": "LOMO optimizers are not supported", "has_lomo_optimizer": "LOMO optimizers are not supported",
+    "trigger_sync_in_backward": "not provided yet; use accelerator.no_sync / accumulate",
+    "should_save_model": "N-D parallelism task (impel saves from the main process)",
+    "rng_types": "Accelerator(rng_types=...) is a separate task in issue 14",
+    "arg:mixed_precision": None,
+    "arg:dispatch_batches": "removed from Accelerate's signature long ago; DataLoaderConfiguration holds it",
+}
+LIMITS = {
+    "DistributedType": "all members exist; selecting XLA, MULTI_NPU/MLU/SDAA/MUSA/XPU/HPU/NEURON or MEGATRON_LM as distributed_type raises naming what impel runs (NO, MULTI_CPU, MULTI_GPU, FSDP, DEEPSPEED)",
+    "DistributedDataParallelKwargs": "comm_hook / comm_wrapper / comm_state_option other than the defaults raise: DDP comm hooks are not wired yet",
+    "DDPCommunicationHookType": "the enum exists; using a hook raises (see DistributedDataParallelKwargs)",
+    "PrecisionType": "FP8 exists as a name; mixed_precision='fp8' raises",
+    "LoggerType": "tensorboard, wandb, mlflow, all; the other trackers raise when asked for",
+    "notebook_launcher": "single machine or several (same call on each) through torch's elastic agent; use_port=0 picks a free port",
+    "debug_launcher": "CPU ranks over gloo through torch's elastic agent",
+    "load_checkpoint_in_model": "offload_folder / offload_state_dict / offload_buffers / offload_8bit_bnb / broadcast_from_rank0 / full_state_dict=False and device_map 'disk' raise: no offloading or quantisation. `dtype` applies also without a device_map (Accelerate ignores it there)",
+    "synchronize_rng_state": "torch, cuda, generator; other device kinds raise",
+    "synchronize_rng_states": "torch, cuda, generator; other device kinds raise",
+    "find_executable_batch_size": "as Accelerate 1.15: the batch size is multiplied by 0.9 after each out-of-memory error",
+    "merge_fsdp_weights": "from an impel checkpoint directory or a bare DCP directory (Accelerate's pytorch_model_fsdp_0)",
+    "is_fp8_available": "always False: impel has no fp8 mode",
+    "join_uneven_inputs": "DDP (MULTI_CPU and MULTI_GPU, where Accelerate only honours MULTI_GPU); FSDP / DeepSpeed raise (torch has no Join for them)",
+    "gradient_accumulation_steps": "settable; raises under DeepSpeed (its engine fixes it) or mid-group",
+    "save": "main process only (each node's with save_on_each_node); safetensors for a dict of tensors",
+    "dispatch_batches": "always False: impel never dispatches batches from rank 0",
+    "init_trackers": "init_kwargs raise (separate task in issue 14)",
+    "log": "log_kwargs raise (separate task in issue 14)",
+    "state": "an AcceleratorState (PartialState plus distributed_type, mixed_precision, deepspeed_plugin, fsdp_plugin)",
+    "deepspeed_plugin": "the plugin passed in code, else one built from the launched config; DeepSpeedPlugin.deepspeed_config (the resolved JSON) is not exposed",
+    "GradientState": "impel keeps one per Accelerator: GradientState() without a plugin raises, naming accelerator.gradient_state",
+}
+
+# accelerate.utils names that scripts (accelerate's examples, transformers / diffusers / trl scripts) import
+UTILS_USED = sorted(set(iu.__all__) | {
+    "ParallelismConfig", "TorchDynamoPlugin", "DynamoBackend", "FP8RecipeKwargs", "AORecipeKwargs", "TERecipeKwargs",
+    "MSAMPRecipeKwargs", "MegatronLMPlugin", "MegatronLMDummyScheduler", "TorchTensorParallelPlugin",
+    "HfDeepSpeedConfig", "extract_model_from_parallel", "write_basic_config", "patch_environment",
+    "convert_outputs_to_fp32", "get_max_memory", "load_fsdp_model", "save_fsdp_model", "load_fsdp_optimizer",
+    "save_fsdp_optimizer", "BnbQuantizationConfig", "load_and_quantize_model"})
+
+
+def has(module, name):
+    try:
+        getattr(module, name)
+        return True
+    except AttributeError:
+        return False
+
+
+def row(name, present):
+    if present:
+        note = LIMITS.get(name, "")
+        return f"| `{name}` | supported | {note} |"
+    return f"| `{name}` | missing (AttributeError) | {MISSING.get(name) or 'not provided yet'} |"
+
+
+def section(title, names, present):
+    out = [f"## {title}", "", "| name | impel | notes |", "|---|---|---|"]
+    out += [row(n, present(n)) for n in names]
+    n_ok = sum(present(n) for n in names)
+    return out + ["", f"{n_ok} of {len(names)} present.", ""]
+
+
+top = sorted(n for n in dir(accelerate) if not n.startswith("_") and not isinstance(getattr(accelerate, n), types.ModuleType))
+acc_a = accelerate.Accelerator(cpu=True)
+cls_members = {n for n in dir(accelerate.Accelerator) if not n.startswith("_")}
+members = sorted(cls_members | {n for n in vars(acc_a) if not n.startswith("_")})
+acc_i = IAcc(cpu=True)
+paths = [("accelerate.accelerator", "impel.accelerator", ["Accelerator"]),
+         ("accelerate.state", "impel.state", ["PartialState", "AcceleratorState", "GradientState"]),
+         ("accelerate.logging", "impel.logging", ["get_logger", "MultiProcessAdapter"]),
+         ("accelerate.data_loader", "impel.data_loader", ["skip_first_batches", "DataLoaderShard"]),
+         ("accelerate.big_modeling", "impel.big_modeling", ["init_empty_weights", "init_on_device"]),
+         ("accelerate.launchers", "impel.launchers", ["notebook_launcher", "debug_launcher"])]
+import importlib
+lines = ["# Accelerate compatibility", "",
+         "Accelerate 1.15's public surface, listed from its own `__init__`, `accelerate.utils` (the names scripts",
+         "import) and `dir(Accelerator)` plus an Accelerator instance's attributes, each checked against impel by",
+         "importing it (a script in the dev venv, where accelerate is installed, wrote this file).",
+         "After `sed 's/\\baccelerate\\b/impel/g'` the \"supported\" names resolve; \"missing\" ones raise",
+         "AttributeError / ImportError (or TypeError for constructor arguments), with the reason here: nothing is",
+         "accepted and ignored. Where a supported name refuses some of its settings, the notes say which and why.",
+         "`tests/unit/test_dropin_surface.py` checks that every \"supported\" row still resolves.", "",
+         "## Module paths", "", "| Accelerate | impel | names checked |", "|---|---|---|"]
+for a_mod, i_mod, names in paths:
+    m = importlib.import_module(i_mod)
+    ok = all(has(m, n) for n in names)
+    lines.append(f"| `{a_mod}` | `{i_mod}` {'supported' if ok else 'MISSING'} | {', '.join(names)} |")
+lines += ["| `accelerate.utils` | `impel.utils` supported | see below |", ""]
+lines += section("Top-level names (`import accelerate`)", top, lambda n: has(impel, n))
+lines += section("`accelerate.utils` names scripts use", UTILS_USED, lambda n: has(iu, n))
+lines += section("`Accelerator` members", members, lambda n: hasattr(acc_i, n))
+a_params = [p for p in inspect.signature(accelerate.Accelerator.__init__).parameters if p != "self"]
+i_params = set(inspect.signature(IAcc.__init__).parameters)
+lines += ["## `Accelerator(...)` arguments", "", "| argument | impel | notes |", "|---|---|---|"]
+for p in a_params:
+    if p in i_params:
+        lines.append(f"| `{p}` | supported | {LIMITS.get('arg:' + p, '')} |")
+    else:
+        lines.append(f"| `{p}` | missing (TypeError) | {MISSING.get('arg:' + p, 'a separate task in issue 14')} |")
+lines += ["", f"{sum(p in i_params for p in a_params)} of {len(a_params)} present.", ""]
+out = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(os.path.abspath(__file__)), "accelerate-compatibility.md")
+open(out, "w").write("\n".join(lines))
+print(out, "written")

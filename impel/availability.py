@@ -1,0 +1,235 @@
+"""Accelerate's ``is_*_available`` checks: is an optional package importable, is a kind of device usable here.
+
+Package checks look for the package without importing it. Device checks answer for this machine; impel itself
+drives CPUs and CUDA GPUs (MPS for one process), so a True for another kind of device says the hardware is there,
+not that impel will use it.
+
+Example::
+
+    if is_wandb_available():
+        accelerator = Accelerator(log_with="wandb")
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from typing import Any
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package missing, or a broken __spec__
+        return False
+
+
+def is_rich_available() -> bool:
+    return _installed("rich")
+
+
+def is_tqdm_available() -> bool:
+    return _installed("tqdm")
+
+
+def is_tensorboard_available() -> bool:
+    return _installed("tensorboard") or _installed("tensorboardX")
+
+
+def is_wandb_available() -> bool:
+    return _installed("wandb")
+
+
+def is_mlflow_available() -> bool:
+    return _installed("mlflow")
+
+
+def is_comet_ml_available() -> bool:
+    return _installed("comet_ml")
+
+
+def is_aim_available() -> bool:
+    return _installed("aim")
+
+
+def is_clearml_available() -> bool:
+    return _installed("clearml")
+
+
+def is_dvclive_available() -> bool:
+    return _installed("dvclive")
+
+
+def is_swanlab_available() -> bool:
+    return _installed("swanlab")
+
+
+def is_trackio_available() -> bool:
+    return _installed("trackio")
+
+
+def is_deepspeed_available() -> bool:
+    return _installed("deepspeed")
+
+
+def is_transformers_available() -> bool:
+    return _installed("transformers")
+
+
+def is_datasets_available() -> bool:
+    return _installed("datasets")
+
+
+def is_peft_available() -> bool:
+    return _installed("peft")
+
+
+def is_timm_available() -> bool:
+    return _installed("timm")
+
+
+def is_torchvision_available() -> bool:
+    return _installed("torchvision")
+
+
+def is_pandas_available() -> bool:
+    return _installed("pandas")
+
+
+def is_matplotlib_available() -> bool:
+    return _installed("matplotlib")
+
+
+def is_bnb_available() -> bool:
+    return _installed("bitsandbytes")
+
+
+def is_schedulefree_available() -> bool:
+    return _installed("schedulefree")
+
+
+def is_torchdata_stateful_dataloader_available() -> bool:
+    return _installed("torchdata") and _installed("torchdata.stateful_dataloader")
+
+
+def is_torch_xla_available(check_is_tpu: bool = False, check_is_gpu: bool = False) -> bool:
+    """torch_xla importable (``check_is_tpu`` / ``check_is_gpu``: and its device is a TPU / GPU)."""
+    if not _installed("torch_xla"):
+        return False
+    if not (check_is_tpu or check_is_gpu):
+        return True
+    import torch_xla.runtime as xr  # noqa: PLC0415 - only when asked about the device
+
+    kind = xr.device_type()
+    return (check_is_tpu and kind == "TPU") or (check_is_gpu and kind in ("GPU", "CUDA"))
+
+
+# --- devices ------------------------------------------------------------------------------------------------
+def is_cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def is_mps_available(min_version: str | None = None) -> bool:
+    import torch
+
+    mps = getattr(torch.backends, "mps", None)
+    if mps is None or not mps.is_available():
+        return False
+    if min_version is None:
+        return True
+    major, _, minor = min_version.partition(".")
+    return bool(mps.is_macos_or_newer(int(major), int(minor or 0)))
+
+
+def _torch_device(kind: str, package: str | None) -> bool:
+    """``torch.<kind>.is_available()`` after importing its out-of-tree ``package`` (which registers it)."""
+    if package is not None:
+        if not _installed(package):
+            return False
+        importlib.import_module(package)
+    import torch
+
+    backend: Any = getattr(torch, kind, None)
+    return bool(backend is not None and backend.is_available())
+
+
+def is_xpu_available(check_device: bool = False) -> bool:
+    return _torch_device("xpu", None)
+
+
+def is_npu_available(check_device: bool = False) -> bool:
+    return _torch_device("npu", "torch_npu")
+
+
+def is_mlu_available(check_device: bool = False) -> bool:
+    return _torch_device("mlu", "torch_mlu")
+
+
+def is_musa_available(check_device: bool = False) -> bool:
+    return _torch_device("musa", "torch_musa")
+
+
+def is_sdaa_available(check_device: bool = False) -> bool:
+    return _torch_device("sdaa", "torch_sdaa")
+
+
+def is_hpu_available(init_hccl: bool = False) -> bool:
+    """Habana Gaudi usable (``init_hccl``: also load its collective backend, as Accelerate does)."""
+    if not _installed("habana_frameworks") or not _torch_device("hpu", "habana_frameworks.torch"):
+        return False
+    if init_hccl:
+        importlib.import_module("habana_frameworks.torch.distributed.hccl")
+    return True
+
+
+def is_neuron_available(check_device: bool = False) -> bool:
+    return _torch_device("neuron", "torch_neuronx")
+
+
+def is_bf16_available(ignore_tpu: bool = False) -> bool:
+    """bf16 compute works here: on CUDA when the GPU supports it, on MPS from macOS 14, always on CPU."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.is_bf16_supported()
+    if is_mps_available():
+        return torch.backends.mps.is_macos_or_newer(14, 0)
+    return True
+
+
+def is_fp16_available() -> bool:
+    return True
+
+
+def is_fp8_available() -> bool:
+    """False: impel has no fp8 mode (``mixed_precision='fp8'`` raises), whatever fp8 libraries are installed."""
+    return False
+
+
+def is_torch_version(operation: str, version: str) -> bool:
+    """Compare the installed torch with ``version``: ``is_torch_version(">=", "2.4")``."""
+    import torch
+
+    return compare_versions(torch.__version__, operation, version)
+
+
+def compare_versions(library_or_version: str, operation: str, requirement_version: str) -> bool:
+    """``compare_versions("torch", ">=", "2.4")`` or with a version string as the first argument."""
+    import operator
+
+    try:
+        from packaging.version import parse
+    except ImportError:  # torch's own comparable version string
+        from torch.torch_version import TorchVersion as parse  # type: ignore[assignment]
+
+    ops = {">": operator.gt, ">=": operator.ge, "==": operator.eq, "!=": operator.ne, "<=": operator.le,
+           "<": operator.lt}
+    if operation not in ops:
+        raise ValueError(f"operation={operation!r} is not a comparison; use one of {', '.join(ops)}")
+    version = library_or_version
+    if not any(ch.isdigit() for ch in library_or_version[:1]):
+        from importlib.metadata import version as installed_version
+
+        version = installed_version(library_or_version)
+    return ops[operation](parse(version), parse(requirement_version))

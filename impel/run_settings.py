@@ -1,0 +1,185 @@
+"""The Accelerator's run settings as Accelerate exposes them: readable properties, the three setters Accelerate has
+(``gradient_accumulation_steps``, ``sync_gradients``, ``even_batches``) and the active plugins.
+
+A mixin over ``self.config`` (the resolved :class:`impel.config.RunConfig`), ``self.gradient_state``,
+``self.dataloader_config`` and ``self.handlers``; the Accelerator is the only class that uses it.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .config import ConfigError, DistributedType
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from .accumulation import GradientState
+    from .config import RunConfig
+    from .plugins import (AutocastKwargs, DataLoaderConfiguration, DeepSpeedPlugin, DistributedDataParallelKwargs,
+                          FullyShardedDataParallelPlugin, GradScalerKwargs, Handlers, InitProcessGroupKwargs)
+    from .profiling import ProfileKwargs
+
+
+class RunSettings:
+    """gradient_accumulation_steps / sync_gradients / even_batches (with setters), deepspeed_plugin, fsdp_plugin,
+    multi_device, is_fsdp2, the dataloader switches, verify_device_map."""
+
+    config: RunConfig
+    gradient_state: GradientState
+    dataloader_config: DataLoaderConfiguration
+    handlers: Handlers
+    distributed_type: DistributedType
+    use_distributed: bool
+    _tracking: Any  # impel.tracking.AcceleratorTrackers
+
+    # --- accumulation -----------------------------------------------------------------------------------------
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self.gradient_state.num_steps
+
+    @gradient_accumulation_steps.setter
+    def gradient_accumulation_steps(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"gradient_accumulation_steps={value!r} must be an integer >= 1")
+        if self.distributed_type == DistributedType.DEEPSPEED:
+            raise ConfigError(f"gradient_accumulation_steps={value} cannot change after the Accelerator is built under "
+                              "DeepSpeed (its engine config fixes it); pass Accelerator(gradient_accumulation_steps="
+                              f"{value}) or set it in the DeepSpeed JSON")
+        state = self.gradient_state
+        if state.micro_in_group:
+            raise ConfigError(f"gradient_accumulation_steps={value} set in the middle of an accumulation group (micro-"
+                              f"step {state.micro_in_group} of {state.group_size}); set it between optimizer steps")
+        state.num_steps = state.group_size = value
+        self.config.gradient_accumulation_steps = value
+
+    @property
+    def sync_gradients(self) -> bool:
+        """Whether this micro-step reduces gradients and lets the optimizer step (set by ``accumulate()``)."""
+        return self.gradient_state.sync_gradients
+
+    @sync_gradients.setter
+    def sync_gradients(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise ConfigError(f"sync_gradients={value!r} must be True or False")
+        self.gradient_state.sync_gradients = value  # until the next micro-step begins, as in Accelerate
+
+    # --- dataloaders ------------------------------------------------------------------------------------------
+    @property
+    def even_batches(self) -> bool:
+        return self.dataloader_config.even_batches
+
+    @even_batches.setter
+    def even_batches(self, value: bool) -> None:
+        """Applies to dataloaders prepared afterwards (as in Accelerate); ``join_uneven_inputs(even_batches=...)``
+        changes prepared ones for a block."""
+        if not isinstance(value, bool):
+            raise ConfigError(f"even_batches={value!r} must be True or False")
+        self.dataloader_config.even_batches = value
+
+    @property
+    def use_seedable_sampler(self) -> bool:
+        return self.dataloader_config.use_seedable_sampler
+
+    @property
+    def non_blocking(self) -> bool:
+        return self.dataloader_config.non_blocking
+
+    @property
+    def dispatch_batches(self) -> bool:
+        """False unless configured: impel never sends batches from rank 0, every rank reads its own shard."""
+        return bool(getattr(self.dataloader_config, "dispatch_batches", False))
+
+    @property
+    def use_stateful_dataloader(self) -> bool:
+        return bool(getattr(self.dataloader_config, "use_stateful_dataloader", False))
+
+    # --- topology and plugins ---------------------------------------------------------------------------------
+    @property
+    def multi_device(self) -> bool:
+        """Several GPUs under plain DDP (Accelerate's definition: MULTI_CPU does not count)."""
+        return self.use_distributed and self.distributed_type == DistributedType.MULTI_GPU
+
+    @property
+    def is_fsdp2(self) -> bool:
+        """True under FSDP (impel's FSDP is always FSDP2)."""
+        return self.distributed_type == DistributedType.FSDP
+
+    @property
+    def is_composable_parallelism_enabled(self) -> bool:
+        return self.is_fsdp2
+
+    @property
+    def profile_handler(self) -> ProfileKwargs | None:
+        """The ``ProfileKwargs`` passed in ``kwargs_handlers`` (``profile()`` uses it)."""
+        return self.handlers.profile
+
+    # the other kwargs handlers passed in ``kwargs_handlers`` (None when not given), under Accelerate's names
+    @property
+    def ddp_handler(self) -> DistributedDataParallelKwargs | None:
+        return self.handlers.ddp
+
+    @property
+    def scaler_handler(self) -> GradScalerKwargs | None:
+        return self.handlers.scaler
+
+    @property
+    def init_handler(self) -> InitProcessGroupKwargs | None:
+        return self.handlers.init
+
+    @property
+    def autocast_handler(self) -> AutocastKwargs | None:
+        return self.handlers.autocast
+
+    @property
+    def log_with(self) -> list[str]:
+        """The tracker names asked for with ``Accelerator(log_with=...)`` (``"all"`` expanded)."""
+        tracking = self._tracking
+        return [*tracking.names, *(["jsonl"] if tracking.jsonl else [])]
+
+    @property
+    def native_amp(self) -> bool:
+        """True under fp16 or bf16 mixed precision (torch's autocast)."""
+        return self.config.mixed_precision in ("fp16", "bf16")
+
+    @property
+    def fp8_enabled(self) -> bool:
+        """Always False: impel has no fp8 mode."""
+        return False
+
+    @property
+    def deepspeed_plugin(self) -> DeepSpeedPlugin | None:
+        """The DeepSpeed settings in effect (the plugin passed in code, else one built from the launched config);
+        None when DeepSpeed is not used."""
+        if self.distributed_type != DistributedType.DEEPSPEED:
+            return None
+        given = self.handlers.extra.get("deepspeed_plugin")
+        if given is not None:
+            return given
+        if "deepspeed_plugin_from_config" not in self.handlers.extra:
+            from .plugins import _DEEPSPEED_KEYS, DeepSpeedPlugin
+
+            section = self.config.deepspeed
+            self.handlers.extra["deepspeed_plugin_from_config"] = DeepSpeedPlugin(
+                hf_ds_config=section.deepspeed_config_file, gradient_accumulation_steps=self.gradient_accumulation_steps,
+                **{key: getattr(section, key) for key in _DEEPSPEED_KEYS})
+        return self.handlers.extra["deepspeed_plugin_from_config"]
+
+    @property
+    def fsdp_plugin(self) -> FullyShardedDataParallelPlugin | None:
+        """The FSDP settings in effect as a plugin (built from the resolved config); None when FSDP is not used."""
+        if self.distributed_type != DistributedType.FSDP:
+            return None
+        if "fsdp_plugin_from_config" not in self.handlers.extra:
+            from .plugins import _FSDP_KEYS, FullyShardedDataParallelPlugin
+
+            section = self.config.fsdp
+            self.handlers.extra["fsdp_plugin_from_config"] = FullyShardedDataParallelPlugin(
+                offload_params=section.offload_params, mixed_precision_policy=self.config.mixed_precision,
+                **{attr: getattr(section, name) for attr, name in _FSDP_KEYS.items()})
+        return self.handlers.extra["fsdp_plugin_from_config"]
+
+    @staticmethod
+    def verify_device_map(model: nn.Module) -> bool:
+        """True when ``model`` (or a submodule) was placed with a multi-device ``hf_device_map`` (big-model
+        inference), which training cannot prepare."""
+        return any(len(getattr(m, "hf_device_map", None) or ()) > 1 for m in model.modules())
