@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import difflib
 import enum
+import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
+
+logger = logging.getLogger("impel")
 
 
 class DistributedType(str, enum.Enum):
@@ -173,6 +176,12 @@ def _parse_text(name: str, raw: str, kind: str, choices: tuple | None) -> Any:
 
 
 # --- sections ------------------------------------------------------------------------------------------------
+# FSDP1's ShardingStrategy numbers, as Accelerate accepts them (YAML 1 or "1", flag --fsdp_sharding_strategy 1)
+_FSDP1_STRATEGY_NUMBERS: dict[Any, str] = {
+    k: v for n, v in enumerate(("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2"), 1)
+    for k in (n, str(n))}
+
+
 @dataclass
 class FSDPConfig:
     """The ``fsdp_config`` section. YAML keys and flags carry an ``fsdp_`` prefix (``fsdp_sharding_strategy``)."""
@@ -183,11 +192,12 @@ class FSDPConfig:
                           choices=(1, 2))
     sharding_strategy: str | None = option(
         None, "str", "how parameters, gradients and optimizer states are sharded", choices=SHARDING_STRATEGIES,
-        question="Sharding strategy", aliases={1: "FULL_SHARD", 2: "SHARD_GRAD_OP", 3: "NO_SHARD",
-                                               4: "HYBRID_SHARD", 5: "HYBRID_SHARD_ZERO2",
-                                               "_HYBRID_SHARD_ZERO2": "HYBRID_SHARD_ZERO2"})
+        question="Sharding strategy", aliases={**_FSDP1_STRATEGY_NUMBERS, "_HYBRID_SHARD_ZERO2": "HYBRID_SHARD_ZERO2"})
+    # `accelerate config` writes an FSDP1 answer here as a strategy name (FULL_SHARD): read it as FSDP2's bool
     reshard_after_forward: bool | None = option(
-        None, "bool", "free gathered parameters after forward (FSDP2's name for FULL_SHARD vs SHARD_GRAD_OP)")
+        None, "bool", "free gathered parameters after forward (FSDP2's name for FULL_SHARD vs SHARD_GRAD_OP)",
+        aliases={name: name in ("FULL_SHARD", "HYBRID_SHARD") for name in
+                 ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")})
     offload_params: bool = option(False, "bool", "keep parameters, gradients and optimizer states on the CPU "
                                   "(all or nothing)", question="Offload parameters to the CPU")
     auto_wrap_policy: str | None = option(
@@ -287,6 +297,10 @@ def _validate_fields(obj: Any) -> None:
             setattr(obj, f.name, coerce(prefix + f.name, getattr(obj, f.name), f.metadata))
 
 
+NOT_YET = {"fsdp_ignored_modules": "is not supported yet: impel does not exclude modules from FSDP2 sharding; "
+                                   "remove it (the modules are then sharded like the rest)"}  # named, never ignored
+
+
 def section_keys(cls: type) -> dict[str, str]:
     """YAML key -> field name for one section."""
     return {cls.PREFIX + f.name: f.name for f in fields(cls)}
@@ -299,6 +313,8 @@ def _section_from_dict(name: str, cls: type, data: Any) -> Any:
         raise ConfigError(f"{name} must be a mapping of keys to values, got {data!r}")
     keys = section_keys(cls)
     for key in data:
+        if key in NOT_YET:
+            raise ConfigError(f"{name} key {key!r} (Accelerate's) {NOT_YET[key]}")
         if key not in keys:
             raise ConfigError(f"unknown {name} key {key!r}{did_you_mean(key, keys)}")
     return cls(**{keys[k]: v for k, v in data.items()}).validate()
@@ -446,13 +462,15 @@ def defaults() -> dict[str, Any]:
 
 
 def merge_code_arguments(launched: Mapping[str, Any] | None, code: Mapping[str, Any]) -> RunConfig:
-    """Put the Accelerator's own arguments (None = not given) on top of the launched config.
-
-    A code argument that contradicts a value the launcher set raises, naming both: a script that hard-codes
-    ``mixed_precision="fp16"`` launched with ``--mixed_precision bf16`` is ambiguous, and guessing loses data.
-    Sections (``fsdp_config``) merge key by key.
-    """
+    """Put the Accelerator's own arguments (None = not given) on top of the launched config. As in Accelerate, a
+    code argument wins over a launched value (``false``, ``0``, ``""`` count as set) with one log line naming both
+    (``accelerate config default`` writes ``mixed_precision: 'no'``; ``Accelerator(mixed_precision="bf16")`` still
+    trains in bf16). It raises only where the launched topology cannot honour it: another strategy
+    (``distributed_type``), ``cpu=True`` in a job launched on GPUs. Sections (``fsdp_config``) merge key by key."""
     base: dict[str, Any] = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in (launched or {}).items()}
+    if code.get("use_cpu") is True and base.get("distributed_type") == "MULTI_GPU":
+        raise ConfigError("the code sets cpu=True but the job was launched on GPUs (distributed_type=MULTI_GPU); "
+                          "remove cpu=True or launch with --cpu")
     for key, value in code.items():
         if value is None:
             continue
@@ -469,8 +487,13 @@ def merge_code_arguments(launched: Mapping[str, Any] | None, code: Mapping[str, 
 def _merge_one(target: dict[str, Any], key: str, value: Any, where: str) -> None:
     if value is None:
         return
-    if target.get(key) is not None and target[key] != value:
-        raise ConfigError(
-            f"the code sets {where}{key}={value!r} but the launched config says {where}{key}={target[key]!r}; "
-            "remove the argument from the code or change the launch flag / config file")
+    launched = target.get(key)
+    if launched is not None and launched != value:
+        if not where and key == "distributed_type":
+            raise ConfigError(
+                f"the code asks for distributed_type={value!r} (a plugin or argument) but the job was launched as "
+                f"distributed_type={launched!r}; remove the plugin from the code or launch with the matching "
+                "strategy (--use_fsdp, --use_deepspeed, ...)")
+        logger.warning("the code sets %s%s=%r, which overrides the launched config's %s%s=%r", where, key, value,
+                       where, key, launched)
     target[key] = value

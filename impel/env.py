@@ -90,6 +90,29 @@ def default_config_path(environ: Mapping[str, str] | None = None) -> str:
     return os.path.join(cache, "impel", "default_config.yaml")
 
 
+def accelerate_config_path(environ: Mapping[str, str] | None = None) -> str:
+    """Where Accelerate keeps its default config: $HF_HOME (else $XDG_CACHE_HOME/huggingface, else
+    ~/.cache/huggingface) /accelerate/default_config.yaml (or .json, which Accelerate also writes)."""
+    env = os.environ if environ is None else environ
+    home = env.get("HF_HOME") or os.path.join(env.get("XDG_CACHE_HOME") or os.path.join("~", ".cache"), "huggingface")
+    folder = os.path.join(os.path.expanduser(home), "accelerate")
+    yaml_path = os.path.join(folder, "default_config.yaml")
+    json_path = os.path.join(folder, "default_config.json")
+    return json_path if not os.path.isfile(yaml_path) and os.path.isfile(json_path) else yaml_path
+
+
+def config_to_read(environ: Mapping[str, str] | None = None) -> tuple[str, bool]:
+    """The config file a command reads when none is named, and whether it is Accelerate's: impel's own
+    (:func:`default_config_path`) when it exists or was named by $IMPEL_CONFIG_FILE, else Accelerate's default
+    file when that exists (a user moving over keeps it), else impel's (absent: defaults)."""
+    env = os.environ if environ is None else environ
+    own = default_config_path(env)
+    if env.get("IMPEL_CONFIG_FILE") or os.path.isfile(own):
+        return own, False
+    theirs = accelerate_config_path(env)
+    return (theirs, True) if os.path.isfile(theirs) else (own, False)
+
+
 def launch_environment(config: Mapping[str, Any], threads: int | None, gpu_ids: str | None,
                        ranks_per_machine: int = 1) -> dict[str, str]:
     """The variables ``impel launch`` sets for its ranks (merged into a copy of this process's environment).

@@ -36,7 +36,8 @@ class Result:
 
 def clean_env(home: Path, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
-    env.update(XDG_CACHE_HOME=str(home / "cache"), HOME=str(home), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.update(XDG_CACHE_HOME=str(home / "cache"), HOME=str(home), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               HF_HOME=str(home / "cache" / "huggingface"))  # no user's Accelerate config either
     env.update(extra)
     return env
 

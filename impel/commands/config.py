@@ -80,10 +80,13 @@ def write_default(ns: argparse.Namespace) -> int:
 
 
 def show(ns: argparse.Namespace) -> int:
-    path = _path(ns)
-    if os.path.isfile(path) or getattr(ns, "config_file", None):
+    named = getattr(ns, "config_file", None)
+    path, accelerates = (named, False) if named else env.config_to_read()
+    if os.path.isfile(path) or named:
         explicit = read_config_file(path)
-        print(f"# {path}\n{dump_yaml(file_document(explicit)) if explicit else '{}'}")
+        origin = " (Accelerate's default config: impel has none of its own, so impel launch reads this one)" \
+            if accelerates else ""
+        print(f"# {path}{origin}\n{dump_yaml(file_document(explicit)) if explicit else '{}'}")
     else:
         explicit = {}
         print(f"# no config file at {path}; impel launch uses the defaults (write one with `impel config`)\n")

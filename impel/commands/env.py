@@ -49,10 +49,11 @@ def main(ns: argparse.Namespace) -> int:
     lines += _devices()
     for dist in ("deepspeed", "transformers", "accelerate", "safetensors", "numpy"):
         lines.append(f"{dist}: {_version(dist)}")
-    path = ns.config_file or env.default_config_path()
+    path, accelerates = (ns.config_file, False) if ns.config_file else env.config_to_read()
     try:
         explicit = read_config_file(path) if (ns.config_file or os.path.isfile(path)) else {}
         where = path if explicit or ns.config_file else f"{path} (absent: defaults)"
+        where += " (Accelerate's)" if accelerates else ""
         config = dump_yaml(RunConfig.from_dict(explicit).to_dict())
     except ConfigError as exc:
         where, config = path, f"invalid: {exc}\n"

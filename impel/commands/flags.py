@@ -62,29 +62,38 @@ def bool_values_joined(argv: list[str]) -> list[str]:
     each bool flag becomes ``--flag=VALUE`` (or ``--flag=true``). Only the tokens before the script are touched:
     the subcommand is the first positional token, the script the second.
     """
-    bools = {f"--{flag}" for _, _, flag, meta in config_fields() if meta["kind"] == "bool"}
+    bools = {f"--{flag}": {str(a) for a in meta["aliases"]} for _, _, flag, meta in config_fields()
+             if meta["kind"] == "bool"}  # with the words a bool takes besides true/false (FULL_SHARD)
     valued = {f"--{flag}" for _, _, flag, meta in config_fields() if meta["kind"] != "bool"} | {"--config_file"}
     out: list[str] = []
     positionals = 0
     i = 0
     while i < len(argv):
-        token = argv[i]
+        token = underscored(argv[i])
         if token == "--" or (not token.startswith("-") and positionals == 1):
             return out + argv[i:]
         if token in bools:
             after = argv[i + 1] if i + 1 < len(argv) else ""
-            joined = after.lower() in _BOOL_WORDS
+            joined = after.lower() in _BOOL_WORDS or after in bools[token]
             out.append(f"{token}={after if joined else 'true'}")
             i += 2 if joined else 1
             continue
         if token in valued:
-            out += argv[i:i + 2]
+            out += [token, *argv[i + 1:i + 2]]
             i += 2
             continue
         positionals += not token.startswith("-")
         out.append(token)
         i += 1
     return out
+
+
+def underscored(token: str) -> str:
+    """``--mixed-precision=bf16`` -> ``--mixed_precision=bf16``: Accelerate accepts both spellings of its flags."""
+    if not token.startswith("--") or token == "--":
+        return token
+    name, eq, value = token.partition("=")
+    return "--" + name[2:].replace("-", "_") + eq + value
 
 
 def explicit_from_flags(ns: argparse.Namespace) -> dict[str, Any]:

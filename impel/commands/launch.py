@@ -34,8 +34,23 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser("launch", allow_abbrev=False, help="run a training script on every rank of the configured job",
                               description="Run a script under the config file, with flags overriding it.")
     add_config_flags(p)
+    add_launcher_flags(p)
     add_script_arguments(p)
     p.set_defaults(handler=main)
+
+
+def add_launcher_flags(parser: argparse.ArgumentParser) -> None:
+    """``accelerate launch``'s flags about the launcher itself (not the run config), handed to torchrun's agent."""
+    g = parser.add_argument_group("launcher (as accelerate launch; passed to torchrun's agent)")
+    g.add_argument("-q", "--quiet", action="store_true", help="only the failing rank's traceback, not the agent's "
+                   "error summary")
+    g.add_argument("--tee", default=None, metavar="STREAMS", help="also write the ranks' stdout (1), stderr (2) or "
+                   "both (3) to files under --log_dir")
+    g.add_argument("--log_dir", default=None, metavar="DIR", help="where the agent writes the ranks' logs")
+    g.add_argument("--no_python", action="store_true", help="run the script as an executable, not with python")
+    g.add_argument("--rdzv_conf", default=None, metavar="K=V,...", help="extra rendezvous settings (c10d)")
+    g.add_argument("--dynamo_backend", default=None, metavar="BACKEND", help="torch.compile backend; only 'no' "
+                   "is supported yet (compiling through the launcher is not implemented)")
 
 
 @dataclass
@@ -49,16 +64,23 @@ class LaunchPlan:
     torchrun_args: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
+    agent_args: list[str] = field(default_factory=list)  # --tee, --log_dir, --no_python, --rdzv_conf for torchrun
+    quiet: bool = False
+
     @property
     def single_process(self) -> bool:
-        return self.config.num_machines == 1 and self.nproc_per_node == 1 and self.config.max_restarts == 0
+        """Run the script directly: one process, no restarts, nothing only torchrun's agent can do."""
+        return (self.config.num_machines == 1 and self.nproc_per_node == 1 and self.config.max_restarts == 0
+                and not self.agent_args)
 
 
 def resolve_config(ns: argparse.Namespace) -> tuple[RunConfig, dict[str, Any], list[str]]:
     """defaults < file < flags, validated; the explicit keys are what the ranks receive."""
-    path = ns.config_file or env.default_config_path()
+    path, accelerates = (ns.config_file, False) if ns.config_file else env.config_to_read()
     from_file = read_config_file(path) if (ns.config_file or os.path.isfile(path)) else {}
     merged, notes = merge_file_and_flags(from_file, explicit_from_flags(ns))
+    if accelerates:
+        notes.insert(0, f"no impel config file: read Accelerate's {path}")
     config = RunConfig.from_dict(merged)
     return config, config.to_dict(explicit_only=True), notes
 
@@ -124,9 +146,29 @@ def plan_launch(ns: argparse.Namespace) -> LaunchPlan:
         nproc = _count_devices(config)
     else:
         nproc = config.num_processes // config.num_machines
-    plan = LaunchPlan(config, explicit, nproc, command, notes=notes)
+    plan = LaunchPlan(config, explicit, nproc, command, notes=notes, agent_args=_agent_arguments(ns),
+                      quiet=bool(getattr(ns, "quiet", False)))
     plan.torchrun_args = torchrun_arguments(plan)
     return plan
+
+
+def _agent_arguments(ns: argparse.Namespace) -> list[str]:
+    backend = getattr(ns, "dynamo_backend", None)
+    if backend is not None and backend.lower() != "no":
+        raise ConfigError(f"--dynamo_backend {backend} is not supported yet: impel does not compile through the "
+                          "launcher; call torch.compile on the model in the script, or drop the flag")
+    args: list[str] = []
+    if getattr(ns, "tee", None) is not None:
+        if ns.tee not in ("0", "1", "2", "3"):
+            raise ConfigError(f"--tee {ns.tee} is not one of 0 (none), 1 (stdout), 2 (stderr), 3 (both)")
+        args += ["--tee", ns.tee]
+    if getattr(ns, "log_dir", None) is not None:
+        args += ["--log_dir", ns.log_dir]
+    if getattr(ns, "no_python", False):
+        args.append("--no_python")
+    if getattr(ns, "rdzv_conf", None) is not None:
+        args += ["--rdzv_conf", ns.rdzv_conf]
+    return args
 
 
 def _device_memory(config: RunConfig, per_machine: int) -> str:
@@ -177,6 +219,7 @@ def torchrun_arguments(plan: LaunchPlan) -> list[str]:
                      "--node_rank", str(cfg.machine_rank)]
         else:
             args += ["--rdzv_backend", "c10d", "--rdzv_endpoint", f"{host}:{port}", "--rdzv_id", "impel"]
+    args += plan.agent_args
     if plan.command[0] == "-m":
         args.append("--module")
         return args + plan.command[1:]
@@ -191,6 +234,10 @@ def main(ns: argparse.Namespace) -> int:
                                        plan.nproc_per_node)
     if plan.single_process:
         return _run_single(plan, variables)
+    if plan.quiet:
+        import logging
+
+        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     return run_torchrun(plan.torchrun_args, variables)
 
 

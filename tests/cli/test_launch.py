@@ -88,12 +88,28 @@ def test_the_default_config_file_is_used_when_present(tmp_path):
     assert res.reports()[0]["launched"] == {"mixed_precision": "bf16", "use_cpu": True}
 
 
-def test_a_code_argument_contradicting_the_launch_names_both(tmp_path):
+def test_accelerates_default_config_is_read_when_impel_has_none(tmp_path):
+    """A machine set up with `accelerate config default` launches under impel with that file (named in a note)."""
+    accelerate_cli = pytest.importorskip("accelerate.commands.config.default")
+    theirs = tmp_path / "cache" / "huggingface" / "accelerate" / "default_config.yaml"
+    accelerate_cli.write_basic_config(mixed_precision="bf16", save_location=str(theirs))
+    res = impel(["launch", REPORT, "accelerator"], tmp_path)
+    assert res.returncode == 0, res.output
+    assert f"no impel config file: read Accelerate's {theirs}" in res.output
+    launched = res.reports()[0]["launched"]
+    assert launched["mixed_precision"] == "bf16" and launched["distributed_type"] == "NO"
+
+
+def test_a_code_argument_wins_over_the_launch_and_names_both(tmp_path):
+    """As in Accelerate: the script's Accelerator(mixed_precision='fp16') wins over --mixed_precision bf16, and one
+    log line names both values."""
     script = tmp_path / "contradict.py"
-    script.write_text("from impel import Accelerator\nAccelerator(mixed_precision='fp16')\n")
+    script.write_text("from impel import Accelerator\nprint('PRECISION', Accelerator(mixed_precision='fp16')"
+                      ".mixed_precision)\n")
     res = impel(["launch", "--mixed_precision", "bf16", str(script)], tmp_path)
-    assert res.returncode != 0
-    assert "mixed_precision='fp16'" in res.stderr and "mixed_precision='bf16'" in res.stderr
+    assert res.returncode == 0, res.output
+    assert "PRECISION fp16" in res.stdout
+    assert "mixed_precision='fp16', which overrides the launched config's mixed_precision='bf16'" in res.stderr
 
 
 def test_a_failing_rank_fails_the_launch_with_its_exit_code(tmp_path):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 
@@ -62,17 +63,35 @@ def test_unknown_code_argument_suggests_the_closest_key():
         merge_code_arguments(None, {"mixed_precison": "bf16"})
 
 
-def test_code_argument_contradicting_the_launched_value_names_both():
-    with pytest.raises(ConfigError) as err:
-        merge_code_arguments({"mixed_precision": "bf16"}, {"mixed_precision": "fp16"})
-    msg = str(err.value)
-    assert "mixed_precision='fp16'" in msg and "mixed_precision='bf16'" in msg
+def test_code_argument_wins_over_the_launched_value_and_logs_both(caplog):
+    with caplog.at_level(logging.WARNING, logger="impel"):
+        cfg = merge_code_arguments({"mixed_precision": "bf16"}, {"mixed_precision": "fp16"})
+    assert cfg.mixed_precision == "fp16"
+    assert "sets mixed_precision='fp16', which overrides the launched config's mixed_precision='bf16'" in caplog.text
 
 
-def test_contradicting_accumulation_steps_name_both():
-    with pytest.raises(ConfigError) as err:
-        merge_code_arguments({"gradient_accumulation_steps": 4}, {"gradient_accumulation_steps": 2})
-    assert "gradient_accumulation_steps=2" in str(err.value) and "gradient_accumulation_steps=4" in str(err.value)
+def test_code_accumulation_steps_win_and_name_both(caplog):
+    with caplog.at_level(logging.WARNING, logger="impel"):
+        cfg = merge_code_arguments({"gradient_accumulation_steps": 4}, {"gradient_accumulation_steps": 2})
+    assert cfg.gradient_accumulation_steps == 2
+    assert "gradient_accumulation_steps=2" in caplog.text and "gradient_accumulation_steps=4" in caplog.text
+
+
+def test_a_different_strategy_in_code_than_launched_raises():
+    with pytest.raises(ConfigError, match=r"distributed_type='FSDP'.*launched as distributed_type='DEEPSPEED'"):
+        merge_code_arguments({"distributed_type": "DEEPSPEED"}, {"distributed_type": "FSDP"})
+
+
+def test_cpu_true_in_a_gpu_launched_world_raises():
+    with pytest.raises(ConfigError, match=r"cpu=True but the job was launched on GPUs"):
+        merge_code_arguments({"distributed_type": "MULTI_GPU"}, {"use_cpu": True})
+
+
+def test_accelerate_default_config_mixed_precision_no_yields_to_the_code():
+    """``accelerate config default`` writes mixed_precision 'no' and use_cpu true; the script's bf16 wins."""
+    cfg = merge_code_arguments({"distributed_type": "NO", "mixed_precision": "no", "use_cpu": True},
+                               {"mixed_precision": "bf16"})
+    assert cfg.mixed_precision == "bf16" and cfg.use_cpu is True
 
 
 def test_agreeing_or_missing_code_arguments_are_fine():
@@ -90,15 +109,21 @@ def test_code_arguments_fill_what_was_not_launched():
 
 
 # --- a launched false / 0 / "" is a value the launcher set --------------------------------------------------------
-# The rule today (merge_code_arguments' docstring, docs/design.md): a code argument that contradicts a value the
-# launcher set raises, naming both values. The drop-in work may change what a contradiction does (code wins with a
-# log line, as Accelerate); it must not change *what counts as set*: only None means "not given". When the rule
-# changes, change ``assert_contradiction`` alone.
+# The rule (merge_code_arguments' docstring, as Accelerate): a code argument that contradicts a value the launcher
+# set wins, and one log line names both values. What counts as set must not change: only None means "not given",
+# so a launched false / 0 / "" is named as overridden (not silently treated as unset).
 def assert_contradiction(launched, code, key, launched_value, code_value):
-    with pytest.raises(ConfigError) as err:
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logging.getLogger("impel").addHandler(handler)
+    try:
         merge_code_arguments(launched, code)
-    assert f"code sets {key}={code_value!r}" in str(err.value)
-    assert f"launched config says {key}={launched_value!r}" in str(err.value)
+    finally:
+        logging.getLogger("impel").removeHandler(handler)
+    text = "\n".join(r.getMessage() for r in records)
+    assert f"sets {key}={code_value!r}" in text
+    assert f"launched config's {key}={launched_value!r}" in text
 
 
 def _fsdp(**fields):
@@ -139,20 +164,24 @@ def test_a_launched_falsy_value_survives_a_code_argument_left_unset():
     assert cfg.fsdp.offload_params is False and cfg.fsdp.activation_checkpointing is True  # agreeing, and filled
 
 
-def test_accelerator_cpu_true_against_a_launched_use_cpu_false(monkeypatch):
+def test_accelerator_cpu_true_against_a_launched_use_cpu_false(monkeypatch, caplog):
     monkeypatch.setenv(env.CONFIG_VAR, json.dumps({"use_cpu": False}))
-    with pytest.raises(ConfigError, match=r"code sets use_cpu=True but the launched config says use_cpu=False"):
-        Accelerator(cpu=True)
+    with caplog.at_level(logging.WARNING, logger="impel"):
+        acc = Accelerator(cpu=True)
+    assert acc.device.type == "cpu" and acc.config.use_cpu is True
+    assert "sets use_cpu=True, which overrides the launched config's use_cpu=False" in caplog.text
 
 
-def test_fsdp_plugin_true_against_a_launched_offload_false(monkeypatch):
+def test_fsdp_plugin_true_against_a_launched_offload_false(monkeypatch, caplog):
     from impel import FullyShardedDataParallelPlugin
 
     monkeypatch.setenv(env.CONFIG_VAR, json.dumps({"distributed_type": "FSDP",
                                                    "fsdp_config": {"fsdp_offload_params": False}}))
-    with pytest.raises(ConfigError, match=r"fsdp_offload_params=True but the launched config says "
-                                          r"fsdp_config.fsdp_offload_params=False"):
-        Accelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin(offload_params=True))
+    with caplog.at_level(logging.WARNING, logger="impel"):
+        acc = Accelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin(offload_params=True))
+    assert acc.config.fsdp.offload_params is True
+    assert "fsdp_offload_params=True, which overrides the launched config's fsdp_config.fsdp_offload_params=False" \
+        in caplog.text
 
 
 def test_merged_values_are_validated():
@@ -169,11 +198,12 @@ def test_accelerator_reads_the_launched_config(monkeypatch):
     assert acc.gradient_accumulation_steps == 3
 
 
-def test_accelerator_argument_contradicting_the_launch_raises(monkeypatch):
+def test_accelerator_argument_contradicting_the_launch_wins(monkeypatch, caplog):
     monkeypatch.setenv(env.CONFIG_VAR, json.dumps({"mixed_precision": "bf16"}))
-    with pytest.raises(ConfigError) as err:
-        Accelerator(cpu=True, mixed_precision="fp16")
-    assert "'fp16'" in str(err.value) and "'bf16'" in str(err.value)
+    with caplog.at_level(logging.WARNING, logger="impel"):
+        acc = Accelerator(cpu=True, mixed_precision="fp16")
+    assert acc.mixed_precision == "fp16"
+    assert "'fp16'" in caplog.text and "'bf16'" in caplog.text
 
 
 def test_launched_num_processes_must_match_the_world(monkeypatch):

@@ -72,15 +72,16 @@ def test_plugin_rejects_bad_values_with_the_fix(kwargs, message):
         FullyShardedDataParallelPlugin(**kwargs)
 
 
-def test_plugin_merges_over_launched_config_key_by_key():
+def test_plugin_merges_over_launched_config_key_by_key(caplog):
     launched = {"distributed_type": "FSDP", "fsdp_config": {"fsdp_sharding_strategy": "FULL_SHARD"}}
     code = FullyShardedDataParallelPlugin(offload_params=True, sharding_strategy="FULL_SHARD").code_arguments(None)
     cfg = merge_code_arguments(launched, code)
     assert cfg.distributed_type == "FSDP"
     assert cfg.fsdp.sharding_strategy == "FULL_SHARD" and cfg.fsdp.offload_params is True
-    clash = FullyShardedDataParallelPlugin(sharding_strategy="NO_SHARD").code_arguments(None)
-    with pytest.raises(ConfigError, match="fsdp_config.fsdp_sharding_strategy='NO_SHARD'.*'FULL_SHARD'"):
-        merge_code_arguments(launched, clash)
+    differs = FullyShardedDataParallelPlugin(sharding_strategy="NO_SHARD").code_arguments(None)
+    with caplog.at_level("WARNING", logger="impel"):
+        assert merge_code_arguments(launched, differs).fsdp.sharding_strategy == "NO_SHARD"  # the plugin wins
+    assert "fsdp_config.fsdp_sharding_strategy='NO_SHARD', which overrides" in caplog.text
     with pytest.raises(ConfigError, match="distributed_type='FSDP'.*'DEEPSPEED'"):
         merge_code_arguments({"distributed_type": "DEEPSPEED"}, code)
 

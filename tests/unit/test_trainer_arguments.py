@@ -121,7 +121,7 @@ def test_fsdp_knob_contradicting_the_launched_strategy_raises_naming_both(monkey
     from impel import Accelerator
 
     monkeypatch.setenv("IMPEL_CONFIG", json.dumps({"distributed_type": "MULTI_CPU", "use_cpu": True}))
-    with pytest.raises(ConfigError, match="distributed_type='FSDP'.*launched config says distributed_type='MULTI_CPU'"):
+    with pytest.raises(ConfigError, match="distributed_type='FSDP'.*launched as distributed_type='MULTI_CPU'"):
         Accelerator(**accelerator_kwargs(TrainingArguments(fsdp="full_shard")))
 
 
@@ -134,12 +134,16 @@ def test_precision_knob_at_default_follows_the_launch_config(monkeypatch, tmp_pa
     assert (acc.mixed_precision, acc.gradient_accumulation_steps) == ("bf16", 2)
 
 
-def test_precision_knob_contradicting_the_launch_config_raises_naming_both(monkeypatch, tmp_path):
+def test_precision_knob_differing_from_the_launch_config_wins_naming_both(monkeypatch, tmp_path, caplog):
+    import logging
+
     from impel import Accelerator
 
     monkeypatch.setenv("IMPEL_CONFIG", json.dumps({"mixed_precision": "bf16"}))
-    with pytest.raises(ConfigError, match="mixed_precision='fp16'.*mixed_precision='bf16'"):
-        Accelerator(**accelerator_kwargs(TrainingArguments(output_dir=tmp_path, fp16=True)))
+    with caplog.at_level(logging.WARNING, logger="impel"):
+        acc = Accelerator(**accelerator_kwargs(TrainingArguments(output_dir=tmp_path, fp16=True)))
+    assert acc.mixed_precision == "fp16"
+    assert "mixed_precision='fp16', which overrides the launched config's mixed_precision='bf16'" in caplog.text
 
 
 # --- deepspeed --------------------------------------------------------------------------------------------------
