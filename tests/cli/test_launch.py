@@ -174,7 +174,10 @@ def test_two_machines_on_loopback_train_together(tmp_path):
 
 @pytest.mark.parametrize("strategy", [[], ["--use_fsdp"], ["--use_deepspeed", "--zero_stage", "3"]])
 def test_impel_test_passes_on_two_ranks(strategy, tmp_path):
-    res = impel(["test", "--cpu", "--num_processes", "2", "--gradient_accumulation_steps", "2", *strategy], tmp_path)
+    # ZeRO-3 takes ~100 s here on an idle machine (DeepSpeed's start-up on 2 ranks); two suites side by side took it
+    # past a 180 s limit. The bound only stops a hang, below pytest-timeout's 300 s.
+    res = impel(["test", "--cpu", "--num_processes", "2", "--gradient_accumulation_steps", "2", *strategy], tmp_path,
+                timeout=280)
     assert res.returncode == 0, res.output
     assert res.stdout.count("PASS [rank 0]") == 3 and "impel test: PASS" in res.stdout
 
