@@ -24,6 +24,8 @@ $(STAMP): pyproject.toml Makefile
 # here so that no test waits minutes for a compiler. NVMe offload's async_io op needs libaio, installed with apt
 # when running as root; without it the NVMe training test skips (and impel's error names libaio-dev).
 deepspeed-ops: venv
+	@# a build killed midway leaves its lock file, and torch then waits for it forever: drop locks older than 30 min
+	@find "$${TORCH_EXTENSIONS_DIR:-$$HOME/.cache/torch_extensions}" -name lock -mmin +30 -delete 2>/dev/null || true
 	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! dpkg -s libaio-dev >/dev/null 2>&1; then \
 		(apt-get update -qq && apt-get install -y -qq libaio-dev >/dev/null) || echo "libaio-dev not installed"; fi
 	DS_ACCELERATOR=cpu $(BIN)/python -c "from deepspeed.accelerator import get_accelerator as acc; \
