@@ -101,10 +101,12 @@ def accelerate_config_path(environ: Mapping[str, str] | None = None) -> str:
     return json_path if not os.path.isfile(yaml_path) and os.path.isfile(json_path) else yaml_path
 
 
-def config_to_read(environ: Mapping[str, str] | None = None) -> tuple[str, bool]:
-    """The config file a command reads when none is named, and whether it is Accelerate's: impel's own
+def config_to_read(named: str | None = None, environ: Mapping[str, str] | None = None) -> tuple[str, bool]:
+    """The config file a command reads (``named`` when given) and whether it is Accelerate's: impel's own
     (:func:`default_config_path`) when it exists or was named by $IMPEL_CONFIG_FILE, else Accelerate's default
     file when that exists (a user moving over keeps it), else impel's (absent: defaults)."""
+    if named:
+        return named, False
     env = os.environ if environ is None else environ
     own = default_config_path(env)
     if env.get("IMPEL_CONFIG_FILE") or os.path.isfile(own):

@@ -81,7 +81,7 @@ def write_default(ns: argparse.Namespace) -> int:
 
 def show(ns: argparse.Namespace) -> int:
     named = getattr(ns, "config_file", None)
-    path, accelerates = (named, False) if named else env.config_to_read()
+    path, accelerates = env.config_to_read(named)
     if os.path.isfile(path) or named:
         explicit = read_config_file(path)
         origin = " (Accelerate's default config: impel has none of its own, so impel launch reads this one)" \

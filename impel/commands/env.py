@@ -49,7 +49,7 @@ def main(ns: argparse.Namespace) -> int:
     lines += _devices()
     for dist in ("deepspeed", "transformers", "accelerate", "safetensors", "numpy"):
         lines.append(f"{dist}: {_version(dist)}")
-    path, accelerates = (ns.config_file, False) if ns.config_file else env.config_to_read()
+    path, accelerates = env.config_to_read(ns.config_file)
     try:
         explicit = read_config_file(path) if (ns.config_file or os.path.isfile(path)) else {}
         where = path if explicit or ns.config_file else f"{path} (absent: defaults)"

@@ -76,7 +76,7 @@ class LaunchPlan:
 
 def resolve_config(ns: argparse.Namespace) -> tuple[RunConfig, dict[str, Any], list[str]]:
     """defaults < file < flags, validated; the explicit keys are what the ranks receive."""
-    path, accelerates = (ns.config_file, False) if ns.config_file else env.config_to_read()
+    path, accelerates = env.config_to_read(ns.config_file)
     from_file = read_config_file(path) if (ns.config_file or os.path.isfile(path)) else {}
     merged, notes = merge_file_and_flags(from_file, explicit_from_flags(ns))
     if accelerates:

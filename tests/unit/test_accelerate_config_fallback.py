@@ -29,24 +29,24 @@ def _write(path, text):
 def test_accelerate_default_is_read_when_impel_has_none(tmp_path):
     environ = _homes(tmp_path)
     theirs = os.path.join(environ["HF_HOME"], "accelerate", "default_config.yaml")
-    assert env.config_to_read(environ) == (env.default_config_path(environ), False)  # neither exists
+    assert env.config_to_read(environ=environ) == (env.default_config_path(environ), False)  # neither exists
     _write(theirs, json.dumps(ACCELERATE_DEFAULT))  # Accelerate writes JSON text into the .yaml file
-    assert env.config_to_read(environ) == (theirs, True)
+    assert env.config_to_read(environ=environ) == (theirs, True)
     _write(env.default_config_path(environ), "mixed_precision: bf16\n")
-    assert env.config_to_read(environ) == (env.default_config_path(environ), False)
+    assert env.config_to_read(environ=environ) == (env.default_config_path(environ), False)
 
 
 def test_accelerate_json_default_and_hf_home_fallback(tmp_path):
     environ = {"XDG_CACHE_HOME": str(tmp_path / "xdg")}
     theirs = os.path.join(environ["XDG_CACHE_HOME"], "huggingface", "accelerate", "default_config.json")
     _write(theirs, json.dumps(ACCELERATE_DEFAULT))
-    assert env.config_to_read(environ) == (theirs, True)
+    assert env.config_to_read(environ=environ) == (theirs, True)
 
 
 def test_impel_config_file_variable_wins_even_when_absent(tmp_path):
     environ = dict(_homes(tmp_path), IMPEL_CONFIG_FILE=str(tmp_path / "mine.yaml"))
     _write(os.path.join(environ["HF_HOME"], "accelerate", "default_config.yaml"), json.dumps(ACCELERATE_DEFAULT))
-    assert env.config_to_read(environ) == (str(tmp_path / "mine.yaml"), False)
+    assert env.config_to_read(environ=environ) == (str(tmp_path / "mine.yaml"), False)
 
 
 def test_config_show_names_accelerates_file(tmp_path):
