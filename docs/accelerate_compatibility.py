@@ -53,14 +53,14 @@ MISSING = {
     "lomo_backward": "LOMO optimizers are not supported", "has_lomo_optimizer": "LOMO optimizers are not supported",
     "trigger_sync_in_backward": "not provided yet; use accelerator.no_sync / accumulate",
     "should_save_model": "N-D parallelism task (impel saves from the main process)",
-    "rng_types": "Accelerator(rng_types=...) is a separate task in issue 14",
     "arg:mixed_precision": None,
     "arg:dispatch_batches": "removed from Accelerate's signature long ago; DataLoaderConfiguration holds it",
 }
 LIMITS = {
     "DistributedType": "all members exist; selecting XLA, MULTI_NPU/MLU/SDAA/MUSA/XPU/HPU/NEURON or MEGATRON_LM as distributed_type raises naming what impel runs (NO, MULTI_CPU, MULTI_GPU, FSDP, DEEPSPEED)",
-    "DistributedDataParallelKwargs": "comm_hook / comm_wrapper / comm_state_option other than the defaults raise: DDP comm hooks are not wired yet",
-    "DDPCommunicationHookType": "the enum exists; using a hook raises (see DistributedDataParallelKwargs)",
+    "DistributedDataParallelKwargs": "comm_hook (fp16, bf16, power_sgd, batched_power_sgd), comm_wrapper (fp16 / bf16 around a PowerSGD hook) and comm_state_option (PowerSGDState's arguments) are registered on the DDP model with torch's hooks, as Accelerate does; plain strings work too (Accelerate registers only enum members and silently ignores strings). Raise instead of doing nothing: a wrapper or comm_state_option without a PowerSGD hook, unknown PowerSGDState arguments, a hook under FSDP / DeepSpeed, bf16 where torch's DDP refuses it (CPU builds), batched_power_sgd where torch's hook fails at its first compressed iteration (torch 2.13)",
+    "DDPCommunicationHookType": "same members and values; a str enum, so plain strings are equivalent (see DistributedDataParallelKwargs)",
+    "accelerate.local_sgd": "LocalSGD: same constructor, context manager, step() and numbers on DDP (MULTI_CPU / MULTI_GPU); a no-op on one process; FSDP / DeepSpeed raise NotImplementedError; leaving the block by an exception skips the final (collective) average",
     "PrecisionType": "FP8 exists as a name; mixed_precision='fp8' raises",
     "LoggerType": "tensorboard, wandb, mlflow, all; the other trackers raise when asked for",
     "notebook_launcher": "single machine or several (same call on each) through torch's elastic agent; use_port=0 picks a free port",
@@ -72,9 +72,12 @@ LIMITS = {
     "merge_fsdp_weights": "from an impel checkpoint directory or a bare DCP directory (Accelerate's pytorch_model_fsdp_0)",
     "is_fp8_available": "always False: impel has no fp8 mode",
     "join_uneven_inputs": "DDP (MULTI_CPU and MULTI_GPU, where Accelerate only honours MULTI_GPU); FSDP / DeepSpeed raise (torch has no Join for them)",
+    "load_state": "also loads a directory written by Accelerate's `save_state` (README, \"Semantics\"); `load_kwargs` and `**load_model_func_kwargs` (`strict=False`, `map_location`, DeepSpeed's options) are not accepted (TypeError)",
     "gradient_accumulation_steps": "settable; raises under DeepSpeed (its engine fixes it) or mid-group",
     "save": "main process only (each node's with save_on_each_node); safetensors for a dict of tensors",
-    "dispatch_batches": "always False: impel never dispatches batches from rank 0",
+    "dispatch_batches": "always False: impel never dispatches batches from rank 0 (DataLoaderConfiguration(dispatch_batches=True) raises)",
+    "rng_types": "default ['generator'] as in Accelerate: the sampler's generator is rank 0's (agreed at prepare); 'torch' / 'cuda' are shared from rank 0 at each pass; other kinds raise",
+    "DataLoaderConfiguration": "all of Accelerate's fields and defaults, and the same batches per rank and global RNG draws (tests/unit/test_data_order_matches_accelerate.py); dispatch_batches=True raises; data_seed without use_seedable_sampler raises; use_stateful_dataloader holds either way (prepared loaders always save and restore their position)",
     "init_trackers": "init_kwargs raise (separate task in issue 14)",
     "log": "log_kwargs raise (separate task in issue 14)",
     "state": "an AcceleratorState (PartialState plus distributed_type, mixed_precision, deepspeed_plugin, fsdp_plugin)",
@@ -123,7 +126,8 @@ paths = [("accelerate.accelerator", "impel.accelerator", ["Accelerator"]),
          ("accelerate.logging", "impel.logging", ["get_logger", "MultiProcessAdapter"]),
          ("accelerate.data_loader", "impel.data_loader", ["skip_first_batches", "DataLoaderShard"]),
          ("accelerate.big_modeling", "impel.big_modeling", ["init_empty_weights", "init_on_device"]),
-         ("accelerate.launchers", "impel.launchers", ["notebook_launcher", "debug_launcher"])]
+         ("accelerate.launchers", "impel.launchers", ["notebook_launcher", "debug_launcher"]),
+         ("accelerate.local_sgd", "impel.local_sgd", ["LocalSGD"])]
 import importlib
 lines = ["# Accelerate compatibility", "",
          "Accelerate 1.15's public surface, listed from its own `__init__`, `accelerate.utils` (the names scripts",
@@ -133,12 +137,13 @@ lines = ["# Accelerate compatibility", "",
          "AttributeError / ImportError (or TypeError for constructor arguments), with the reason here: nothing is",
          "accepted and ignored. Where a supported name refuses some of its settings, the notes say which and why.",
          "`tests/unit/test_dropin_surface.py` checks that every \"supported\" row still resolves.", "",
-         "## Module paths", "", "| Accelerate | impel | names checked |", "|---|---|---|"]
+         "## Module paths", "", "| Accelerate | impel | names checked | notes |", "|---|---|---|---|"]
 for a_mod, i_mod, names in paths:
     m = importlib.import_module(i_mod)
     ok = all(has(m, n) for n in names)
-    lines.append(f"| `{a_mod}` | `{i_mod}` {'supported' if ok else 'MISSING'} | {', '.join(names)} |")
-lines += ["| `accelerate.utils` | `impel.utils` supported | see below |", ""]
+    lines.append(f"| `{a_mod}` | `{i_mod}` {'supported' if ok else 'MISSING'} | {', '.join(names)} | "
+                 f"{LIMITS.get(a_mod, '')} |")
+lines += ["| `accelerate.utils` | `impel.utils` supported | see below | |", ""]
 lines += section("Top-level names (`import accelerate`)", top, lambda n: has(impel, n))
 lines += section("`accelerate.utils` names scripts use", UTILS_USED, lambda n: has(iu, n))
 lines += section("`Accelerator` members", members, lambda n: hasattr(acc_i, n))

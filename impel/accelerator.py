@@ -32,6 +32,7 @@ from .accumulation import GradientState, MicroStep
 from .checkpoint.checkpointer import Checkpointer, resolve_project_configuration
 from .config import ConfigError, DistributedType, RunConfig, merge_code_arguments
 from .data import DataLoaderShard, shard_dataloader, skip_first_batches
+from .ddp_hooks import refuse_hook_without_ddp
 from .model import ForwardContext, is_prepared, patch_forward, unpatch_forward
 from .optimizer import AcceleratedOptimizer, AcceleratedScheduler
 from .plugins import (
@@ -45,6 +46,7 @@ from .plugins import (
 from .process_utilities import ProcessUtilities
 from .resilience import Resilience
 from .run_settings import RunSettings
+from .seeding import check_rng_types
 from .shared_state import AcceleratorState
 from .strategies.base import Strategy, load_strategy
 from .tracking import AcceleratorTrackers
@@ -75,7 +77,7 @@ class Accelerator(ProcessUtilities, RunSettings):
                  project_config: ProjectConfiguration | None = None,
                  fsdp_plugin: FullyShardedDataParallelPlugin | None = None,
                  deepspeed_plugin: DeepSpeedPlugin | None = None, nonfinite_loss: str | None = None,
-                 log_with: str | Sequence[str] | None = None) -> None:
+                 log_with: str | Sequence[str] | None = None, rng_types: Sequence[str] | None = None) -> None:
         if gradient_accumulation_plugin is not None and gradient_accumulation_steps not in (None, 1):
             raise ConfigError("pass either gradient_accumulation_steps or gradient_accumulation_plugin, not both")
         if gradient_accumulation_plugin is not None:
@@ -97,6 +99,7 @@ class Accelerator(ProcessUtilities, RunSettings):
         if split_batches is not None:
             self.dataloader_config.split_batches = bool(split_batches)
         self.device_placement = device_placement
+        self.rng_types = check_rng_types(rng_types)
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
         self.step_scheduler_per_process = step_scheduler_per_process
         self.cast_outputs_to_fp32 = cast_outputs_to_fp32
@@ -150,44 +153,13 @@ class Accelerator(ProcessUtilities, RunSettings):
             logger.warning("GradScalerKwargs has no effect with mixed_precision=%r (only 'fp16' scales "
                            "gradients)", self.config.mixed_precision)
         if h.ddp is not None and self.distributed_type not in ("MULTI_CPU", "MULTI_GPU"):
+            refuse_hook_without_ddp(h.ddp, self.distributed_type)  # a comm hook under FSDP / DeepSpeed raises
             logger.warning("DistributedDataParallelKwargs has no effect with distributed_type=%r",
                            self.distributed_type)
         if h.autocast is not None and self.config.mixed_precision == "no":
             logger.warning("AutocastKwargs has no effect with mixed_precision='no'")
 
     # --- properties -------------------------------------------------------------------------------------------
-    @property
-    def device(self) -> torch.device:
-        return self.state.device
-
-    @property
-    def num_processes(self) -> int:
-        return self.state.num_processes
-
-    @property
-    def process_index(self) -> int:
-        return self.state.process_index
-
-    @property
-    def local_process_index(self) -> int:
-        return self.state.local_process_index
-
-    @property
-    def is_main_process(self) -> bool:
-        return self.state.is_main_process
-
-    @property
-    def is_local_main_process(self) -> bool:
-        return self.state.is_local_main_process
-
-    @property
-    def is_last_process(self) -> bool:
-        return self.state.is_last_process
-
-    @property
-    def use_distributed(self) -> bool:
-        return self.state.use_distributed
-
     @property
     def mixed_precision(self) -> str:
         return self.config.mixed_precision
@@ -274,28 +246,12 @@ class Accelerator(ProcessUtilities, RunSettings):
         if isinstance(data_loader, DataLoaderShard):
             return data_loader
         place = self.device_placement if device_placement is None else device_placement
-        seed = self._shared_seed(data_loader)
         shard = shard_dataloader(data_loader, world=self.num_processes, rank=self.process_index,
                                  device=self.device if place else None, config=self.dataloader_config,
-                                 gradient_state=self.gradient_state, seed=seed,
-                                 seed_source=self._epoch_seed_source(data_loader))
+                                 gradient_state=self.gradient_state, rng_types=self.rng_types)
         shard.hooks = self._resilience
         self._dataloaders.append(shard)
         return shard
-
-    def _shared_seed(self, loader: DataLoader) -> int:
-        gen = getattr(loader.sampler, "generator", None) or loader.generator
-        seed = gen.initial_seed() if gen is not None else torch.initial_seed()
-        return int(collectives.broadcast(seed, from_process=0)) if self.use_distributed else int(seed)
-
-    def _epoch_seed_source(self, loader: DataLoader) -> Callable[[int], int]:
-        gen = getattr(loader.sampler, "generator", None)
-
-        def draw(epoch: int) -> int:
-            seed = int(torch.empty((), dtype=torch.int64).random_(generator=gen).item())
-            return int(collectives.broadcast(seed, from_process=0)) if self.use_distributed else seed
-
-        return draw
 
     def prepare_scheduler(self, scheduler: Any) -> AcceleratedScheduler:
         if isinstance(scheduler, AcceleratedScheduler):

@@ -9,16 +9,17 @@ epoch; the real samples always come first, so ``gather_for_metrics`` drops the d
 from __future__ import annotations
 
 import copy
-import math
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 from torch.utils.data import (DataLoader, IterableDataset, RandomSampler, Sampler,
                               SequentialSampler)
 from torch.utils.data.distributed import DistributedSampler
 
+from . import collectives
 from .config import ConfigError
 from .plugins import DataLoaderConfiguration
+from .seeding import synchronize_rng_states
 
 
 def send_to_device(obj: Any, device: torch.device, non_blocking: bool = False) -> Any:
@@ -43,59 +44,71 @@ def send_to_device(obj: Any, device: torch.device, non_blocking: bool = False) -
     return obj
 
 
-class EpochSampler(Sampler[int]):
-    """The epoch's sample order, identical on every rank: a permutation seeded by (seed, epoch), or 0..n-1."""
+class SeedableRandomSampler(RandomSampler):
+    """A RandomSampler whose epoch ``e`` order comes from ``seed + e`` (``use_seedable_sampler=True``).
 
-    def __init__(self, num_items: int, shuffle: bool, seed: int, replacement: bool = False,
-                 num_samples: int | None = None, seed_source: Callable[[int], int] | None = None) -> None:
-        self.num_items = num_items
-        self.shuffle = shuffle
+    The same draws as Accelerate's sampler of that name: the generator is re-seeded at each pass, then torch's
+    RandomSampler draws the order from it.
+    """
+
+    def __init__(self, source: RandomSampler, seed: int) -> None:
+        super().__init__(source.data_source, replacement=source.replacement, num_samples=source._num_samples,
+                         generator=source.generator if source.generator is not None else torch.Generator())
         self.seed = seed
-        self.replacement = replacement
-        self.num_samples = num_items if num_samples is None else num_samples
-        self.seed_source = seed_source  # non-seedable mode: draws a fresh seed per epoch (agreed across ranks)
         self.epoch = 0
-        self.epoch_seed: int | None = None  # the seed the current epoch's order came from
-        self.resume_seed: int | None = None  # set by a resume: the interrupted epoch's seed, used once
 
-    def __len__(self) -> int:
-        return self.num_samples
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
 
     def __iter__(self) -> Iterator[int]:
-        if not self.shuffle:
-            yield from range(self.num_items)
-            return
-        if self.resume_seed is not None:
-            seed, self.resume_seed = self.resume_seed, None
-        else:
-            seed = self.seed_source(self.epoch) if self.seed_source else self.seed + self.epoch
-        self.epoch_seed = seed
-        g = torch.Generator()
-        g.manual_seed(seed)
-        if self.replacement:
-            yield from torch.randint(self.num_items, (self.num_samples,), generator=g).tolist()
-            return
-        order: list[int] = []
-        while len(order) < self.num_samples:
-            order.extend(torch.randperm(self.num_items, generator=g).tolist())
-        yield from order[: self.num_samples]
+        self.generator.manual_seed(self.seed + self.epoch)  # type: ignore[union-attr]
+        yield from super().__iter__()
 
 
-def _last_chunk(buf: list[Any], first: list[Any], world: int, rank: int, even: bool) -> tuple[list[Any], int]:
-    """This rank's part of a short final global batch, padded from ``first`` when ``even``."""
-    rest = len(buf)
-    per_rank = math.ceil(rest / world)
-    if even:
-        pool = first or buf
-        i = 0
-        while len(buf) < per_rank * world:
-            buf.append(pool[i % len(pool)])
-            i += 1
-    return buf[rank * per_rank:(rank + 1) * per_rank], rest
+def _shard_groups(items: Iterable[Any], owner: Any, per_rank: int, size: Callable[[list[Any]], int]
+                  ) -> Iterator[list[Any]]:
+    """This rank's chunk of every global group of ``per_rank * world`` consecutive items (Accelerate's layout).
+
+    ``owner`` carries world, rank, drop_last, even_batches and skip (groups to pass over, read once), and
+    receives ``last_real``: ``size`` of the real items in the latest group. A short last group is dropped with
+    ``drop_last``; otherwise, on several ranks with ``even_batches``, it is completed by cycling through the
+    epoch's first items, so the real items come first and every rank gets a full chunk.
+    """
+    world, rank = owner.world, owner.rank
+    g = per_rank * world
+    mine = slice(rank * per_rank, (rank + 1) * per_rank)
+    skip, owner.skip = owner.skip, 0
+    buf: list[Any] = []
+    initial: list[Any] = []
+    produced = 0
+    for item in items:
+        if len(initial) < g:
+            initial.append(item)
+        buf.append(item)
+        if len(buf) == g:
+            owner.last_real = size(buf)
+            if produced >= skip:
+                yield buf[mine]
+            produced += 1
+            buf = []
+    if buf and not owner.drop_last and produced >= skip:
+        owner.last_real = size(buf)
+        if owner.even_batches and world > 1:
+            buf.extend(initial[i % len(initial)] for i in range(g - len(buf)))
+        if buf[mine]:
+            yield buf[mine]
+
+
+def _shard_len(total: int, owner: Any, per_rank: int) -> int:
+    """Chunks ``_shard_groups`` yields to ``owner.rank`` for ``total`` items."""
+    full, rest = divmod(total, per_rank * owner.world)
+    if rest == 0 or owner.drop_last:
+        return full
+    return full + (1 if (owner.even_batches and owner.world > 1) or owner.rank * per_rank < rest else 0)
 
 
 class ShardSampler(Sampler[list[int]]):
-    """Batches of sample indices for one rank (map-style datasets)."""
+    """Batches of sample indices for one rank (map-style datasets): the r-th slice of each global batch."""
 
     def __init__(self, sampler: Sampler[int], per_rank_batch: int, world: int, rank: int, drop_last: bool,
                  even_batches: bool) -> None:
@@ -106,83 +119,57 @@ class ShardSampler(Sampler[list[int]]):
         self.drop_last = drop_last
         self.even_batches = even_batches
         self.skip = 0
-
-    @property
-    def global_batch(self) -> int:
-        return self.per_rank_batch * self.world
+        self.last_real = -1
 
     def __len__(self) -> int:
-        full, rest = divmod(len(self.sampler), self.global_batch)  # type: ignore[arg-type]
-        if rest == 0 or self.drop_last:
-            return full
-        per_rank = math.ceil(rest / self.world)
-        return full + (1 if self.even_batches or self.rank * per_rank < rest else 0)
+        return _shard_len(len(self.sampler), self, self.per_rank_batch)  # type: ignore[arg-type]
 
     def last_batch_size(self) -> int:
         """Real samples in the epoch's last global batch."""
-        rest = len(self.sampler) % self.global_batch  # type: ignore[arg-type]
-        return self.global_batch if rest == 0 or self.drop_last else rest
+        g = self.per_rank_batch * self.world
+        rest = len(self.sampler) % g  # type: ignore[arg-type]
+        return g if rest == 0 or self.drop_last else rest
 
     def __iter__(self) -> Iterator[list[int]]:
-        g, b, r = self.global_batch, self.per_rank_batch, self.rank
-        skip, self.skip = self.skip, 0
-        buf: list[int] = []
-        first: list[int] = []
-        produced = 0
-        for idx in self.sampler:
-            if len(first) < g:
-                first.append(idx)
-            buf.append(idx)
-            if len(buf) == g:
-                if produced >= skip:
-                    yield buf[r * b:(r + 1) * b]
-                produced += 1
-                buf = []
-        if buf and not self.drop_last and produced >= skip:
-            chunk, _ = _last_chunk(buf, first, self.world, r, self.even_batches)
-            if chunk:
-                yield chunk
+        return _shard_groups(self.sampler, self, self.per_rank_batch, len)
 
 
 class BatchShardSampler(Sampler[list[int]]):
-    """A user's own batch sampler, sharded by whole batches: rank r takes batches r, r+W, ..."""
+    """A user's own batch sampler, sharded as Accelerate does.
+
+    With a ``batch_size`` attribute (torch's BatchSampler and most custom ones) the indices are laid out like
+    ``ShardSampler``'s, ``batch_size`` per rank; without one, whole batches go round the ranks (r, r+W, ...).
+    """
 
     def __init__(self, batch_sampler: Any, world: int, rank: int, even_batches: bool) -> None:
         self.batch_sampler = batch_sampler
         self.world = world
         self.rank = rank
         self.even_batches = even_batches
+        self.drop_last = bool(getattr(batch_sampler, "drop_last", False))
+        size = getattr(batch_sampler, "batch_size", None)
+        self.batch_size = size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None
         self.skip = 0
-        self._last_real = -1
+        self.last_real = -1
+
+    @property
+    def sampler(self) -> Any:
+        return getattr(self.batch_sampler, "sampler", None)
 
     def __len__(self) -> int:
-        full, rest = divmod(len(self.batch_sampler), self.world)
-        return full + (1 if rest and (self.even_batches or self.rank < rest) else 0)
+        return _shard_len(len(self.batch_sampler), self, 1)
 
     def last_batch_size(self) -> int:
-        return self._last_real
+        return self.last_real
 
     def __iter__(self) -> Iterator[list[int]]:
-        skip, self.skip = self.skip, 0
-        group: list[list[int]] = []
-        first: list[list[int]] = []
-        produced = 0
-        for batch in self.batch_sampler:
-            if len(first) < self.world:
-                first.append(list(batch))
-            group.append(list(batch))
-            if len(group) == self.world:
-                self._last_real = sum(len(x) for x in group)
-                if produced >= skip:
-                    yield group[self.rank]
-                produced += 1
-                group = []
-        if group and produced >= skip:
-            self._last_real = sum(len(x) for x in group)
-            if self.rank < len(group):
-                yield group[self.rank]
-            elif self.even_batches:
-                yield first[self.rank % len(first)]
+        if self.batch_size is not None:
+            indices = (i for batch in self.batch_sampler for i in batch)
+            yield from _shard_groups(indices, self, self.batch_size, len)
+            return
+        for chunk in _shard_groups((list(b) for b in self.batch_sampler), self, 1,
+                                   lambda group: sum(len(b) for b in group)):
+            yield chunk[0]
 
 
 class IterableShard(IterableDataset):
@@ -205,31 +192,15 @@ class IterableShard(IterableDataset):
 
     def __len__(self) -> int:
         """Samples this rank yields per epoch; a TypeError when the dataset has no length (as in a DataLoader)."""
-        full, rest = divmod(len(self.dataset), self.per_rank_batch * self.world)
-        mine = full * self.per_rank_batch
+        b = self.per_rank_batch
+        full, rest = divmod(len(self.dataset), b * self.world)
+        mine = full * b
         if rest and not self.drop_last:
-            per_rank = math.ceil(rest / self.world)
-            mine += per_rank if self.even_batches else max(0, min(per_rank, rest - self.rank * per_rank))
+            mine += b if self.even_batches and self.world > 1 else max(0, min(b, rest - self.rank * b))
         return mine
 
     def __iter__(self) -> Iterator[Any]:
-        g, b, r = self.per_rank_batch * self.world, self.per_rank_batch, self.rank
-        skip, self.skip = self.skip, 0
-        buf: list[Any] = []
-        first: list[Any] = []
-        produced = 0
-        for sample in self.dataset:
-            if len(first) < g:
-                first.append(sample)
-            buf.append(sample)
-            if len(buf) == g:
-                self.last_real = g
-                if produced >= skip:
-                    yield from buf[r * b:(r + 1) * b]
-                produced += 1
-                buf = []
-        if buf and not self.drop_last and produced >= skip:
-            chunk, self.last_real = _last_chunk(buf, first, self.world, r, self.even_batches)
+        for chunk in _shard_groups(self.dataset, self, self.per_rank_batch, len):
             yield from chunk
 
 
@@ -245,8 +216,10 @@ class DataLoaderShard:
     """
 
     def __init__(self, loader: DataLoader, shard: Any, device: torch.device | None, non_blocking: bool,
-                 gradient_state: Any, per_rank_batch: int, original: DataLoader) -> None:
+                 gradient_state: Any, per_rank_batch: int, original: DataLoader,
+                 rng_types: list[str] | None = None) -> None:
         self.base_dataloader = loader
+        self.rng_types = [t for t in rng_types or [] if t != "generator"]  # shared from rank 0 at each pass
         self.shard = shard
         self.device = device
         self.non_blocking = non_blocking
@@ -258,7 +231,8 @@ class DataLoaderShard:
         self.hooks: Any = None  # impel.resilience.Resilience: auto-resume and preemption checks
         self.end_of_dataloader = False
         self._skip_next = 0
-        self._epoch_generator_state: torch.Tensor | None = None
+        self._pass_start: dict[str, torch.Tensor] | None = None  # random states the current pass started from
+        self._resume_rng: dict[str, torch.Tensor] | None = None  # set by load_state_dict, used by the next pass
 
     epoch = property(lambda self: self._progress["epoch"],
                      lambda self, value: self._progress.__setitem__("epoch", value),
@@ -309,17 +283,66 @@ class DataLoaderShard:
         self._skip_next = num_batches
 
     def _start_epoch(self) -> None:
-        sampler = getattr(self.shard, "sampler", None)
-        for target in (sampler, self.shard, getattr(self.shard, "batch_sampler", None)):
-            if isinstance(target, EpochSampler):
-                target.epoch = self.epoch
-            elif target is not None and hasattr(target, "set_epoch") and target is not self.shard:
+        for target in (self.sampler, getattr(self.shard, "batch_sampler", None)):
+            if target is not None and hasattr(target, "set_epoch"):
                 target.set_epoch(self.epoch)
         if isinstance(self.shard, IterableShard):
             self.shard.set_epoch(self.epoch)
         self.shard.skip = self._skip_next
         self.position = self._skip_next
         self._skip_next = 0
+
+    # --- the random states a pass draws from (exact resume) --------------------------------------------------
+    def _generators(self) -> dict[str, torch.Generator]:
+        """The generators a pass draws from: the loader's (worker base seed) and the order sampler's."""
+        gens = {}
+        loader_gen = self.base_dataloader.generator
+        if loader_gen is not None:
+            gens["loader"] = loader_gen
+        order_gen = getattr(self.sampler, "generator", None)
+        if isinstance(order_gen, torch.Generator) and order_gen is not loader_gen \
+                and not isinstance(self.sampler, SeedableRandomSampler):  # that one is re-seeded every pass
+            gens["order"] = order_gen
+        return gens
+
+    def _draws_from_global_rng(self) -> bool:
+        """A pass draws from torch's global RNG: the worker base seed, or a sampler without a generator."""
+        sampler = self.sampler
+        unseeded = sampler is not None and not isinstance(sampler, SequentialSampler) \
+            and getattr(sampler, "generator", None) is None
+        return self.base_dataloader.generator is None or unseeded
+
+    def _begin_pass(self) -> tuple[Iterator[Any], Any]:
+        """Start the base loader's pass and fetch its first batch.
+
+        A pass draws its worker base seed and its order when it starts. A resumed pass mid-epoch replays those
+        draws from the states the interrupted pass started from: generators are set back, and torch's global RNG
+        is swapped in only for the start, so the live global stream (restored by ``load_state``) is not consumed
+        twice.
+        """
+        resume, self._resume_rng = self._resume_rng, None
+        replay = (resume or {}).get("global")
+        if replay is None and self.rng_types:
+            synchronize_rng_states(self.rng_types)  # Accelerator(rng_types=[...]) as in Accelerate
+        gens = self._generators()
+        for name, state in (resume or {}).items():
+            if name in gens:
+                gens[name].set_state(state)
+        start = {name: gen.get_state() for name, gen in gens.items()}
+        if replay is not None:
+            start["global"] = replay
+        elif self._draws_from_global_rng():
+            start["global"] = torch.get_rng_state()
+        self._pass_start = start
+        live = torch.get_rng_state() if replay is not None else None
+        if replay is not None:
+            torch.set_rng_state(replay)
+        try:
+            it = iter(self.base_dataloader)
+            return it, next(it, _END)
+        finally:
+            if live is not None:
+                torch.set_rng_state(live)
 
     def __iter__(self) -> Iterator[Any]:
         hooks = self.hooks
@@ -330,11 +353,8 @@ class DataLoaderShard:
         state = self.gradient_state
         state.active_dataloaders.append(self)
         finished = False
-        gen = self.base_dataloader.generator
-        self._epoch_generator_state = gen.get_state() if gen is not None else None
         try:
-            it = iter(self.base_dataloader)
-            current = next(it, _END)
+            it, current = self._begin_pass()
             while current is not _END:
                 if hooks is not None:
                     hooks.before_batch(self)  # preemption: a step boundary, before this batch counts as drawn
@@ -355,38 +375,29 @@ class DataLoaderShard:
                 self.position = 0
 
     def state_dict(self) -> dict[str, Any]:
-        """Epoch, position in it, and the seeds and generator states that make a resumed pass identical."""
+        """Epoch, position in it, and the random states that make a resumed pass draw the same order."""
         # a skip set by load_state_dict/skip_batches and not yet iterated is the position to save
         position = self._skip_next or self.position
         state: dict[str, Any] = {"epoch": self.epoch, "position": position}
-        sampler = self.sampler
-        if isinstance(sampler, EpochSampler):
-            pending = sampler.resume_seed if sampler.resume_seed is not None else sampler.epoch_seed
-            state.update(seed=sampler.seed, epoch_seed=pending)
-        gen = self.base_dataloader.generator
-        if gen is not None:
-            # mid-epoch, the state before this epoch's iter() drew its worker base seed, so the resumed iter()
-            # draws the same one
-            mid = self.position > 0 and not self._skip_next and self._epoch_generator_state is not None
-            state["generator"] = self._epoch_generator_state if mid else gen.get_state()
-        user_gen = getattr(self.original.sampler, "generator", None)
-        if isinstance(user_gen, torch.Generator):
-            state["sampler_generator"] = user_gen.get_state()
+        if isinstance(self.sampler, SeedableRandomSampler):
+            state["seed"] = self.sampler.seed
+        if self._resume_rng is not None:
+            state["rng"] = self._resume_rng
+        elif self.position > 0 and not self._skip_next and self._pass_start is not None:
+            state["rng"] = self._pass_start  # mid-epoch: what this pass started from
+        else:  # between passes: the generators as they are (the global RNG is saved with the process's RNG)
+            state["rng"] = {name: gen.get_state() for name, gen in self._generators().items()}
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.epoch = int(state["epoch"])
         self.skip_batches(int(state["position"]))
-        sampler = self.sampler
-        if isinstance(sampler, EpochSampler) and state.get("seed") is not None:
-            sampler.seed = int(state["seed"])
-            mid = int(state["position"]) > 0 and state.get("epoch_seed") is not None
-            sampler.resume_seed = int(state["epoch_seed"]) if mid else None
-        if state.get("generator") is not None and self.base_dataloader.generator is not None:
-            self.base_dataloader.generator.set_state(state["generator"])
-        user_gen = getattr(self.original.sampler, "generator", None)
-        if state.get("sampler_generator") is not None and isinstance(user_gen, torch.Generator):
-            user_gen.set_state(state["sampler_generator"])
+        if isinstance(self.sampler, SeedableRandomSampler) and state.get("seed") is not None:
+            self.sampler.seed = int(state["seed"])
+        rng = state.get("rng") or {}
+        if int(state["position"]) == 0:
+            rng = {k: v for k, v in rng.items() if k != "global"}
+        self._resume_rng = dict(rng) or None
 
 
 def _check_loader(loader: DataLoader) -> None:
@@ -399,34 +410,41 @@ def _check_loader(loader: DataLoader) -> None:
                           "batch_size or a batch_sampler")
 
 
-def _epoch_sampler(loader: DataLoader, seed: int, config: DataLoaderConfiguration,
-                   seed_source: Callable[[int], int] | None) -> Sampler[int]:
-    sampler = loader.sampler
-    if isinstance(sampler, RandomSampler):
-        return EpochSampler(len(sampler.data_source), True, seed, sampler.replacement, sampler.num_samples,
-                            None if config.use_seedable_sampler else seed_source)
-    if isinstance(sampler, SequentialSampler):
-        return EpochSampler(len(sampler.data_source), False, seed)
-    return sampler  # a user sampler: used as is, it must produce the same order on every rank
+def _agree_on_generator(sampler: Any) -> None:
+    """Give ``sampler`` rank 0's generator, so every rank draws the same order (several ranks, map-style).
 
-
-def _base_seed_generator(loader: DataLoader) -> torch.Generator:
-    """The generator each pass draws its worker base seed from: the user's, else a private one.
-
-    A DataLoader without a generator draws that seed from torch's global RNG at every ``iter()``; a resumed run
-    starts one extra pass mid-epoch, which would shift the global stream (dropout masks) off the uninterrupted one.
+    As in Accelerate: a sampler with a ``generator`` attribute left at None gets a new generator seeded from one
+    draw of torch's global RNG; an existing generator takes rank 0's state.
     """
-    if loader.generator is not None:
-        return loader.generator
-    gen = torch.Generator()
-    gen.manual_seed(torch.initial_seed())
-    return gen
+    if not hasattr(sampler, "generator"):
+        return
+    if sampler.generator is None:
+        seed = int(torch.empty((), dtype=torch.int64).random_().item())
+        sampler.generator = torch.Generator()
+        sampler.generator.manual_seed(int(collectives.broadcast(seed, from_process=0)))
+    elif isinstance(sampler.generator, torch.Generator):
+        sampler.generator.set_state(collectives.broadcast(sampler.generator.get_state(), from_process=0))
+
+
+def _order_sampler(sampler: Any, world: int, config: DataLoaderConfiguration, share_generator: bool) -> Any:
+    """The sampler that orders one epoch's indices: the user's, made seedable or agreed across ranks."""
+    if isinstance(sampler, RandomSampler) and config.use_seedable_sampler:
+        seed = config.data_seed if config.data_seed is not None else torch.initial_seed()
+        return SeedableRandomSampler(sampler, int(collectives.broadcast(int(seed), from_process=0)))
+    if world > 1 and share_generator:
+        _agree_on_generator(sampler)
+    return sampler
 
 
 def shard_dataloader(loader: DataLoader, *, world: int, rank: int, device: torch.device | None,
-                     config: DataLoaderConfiguration, gradient_state: Any, seed: int,
-                     seed_source: Callable[[int], int] | None = None) -> DataLoaderShard:
-    """Rebuild ``loader`` so this rank reads its shard; the result iterates like the original."""
+                     config: DataLoaderConfiguration, gradient_state: Any,
+                     rng_types: list[str] | None = None) -> DataLoaderShard:
+    """Rebuild ``loader`` so this rank reads its shard; the result iterates like the original.
+
+    ``rng_types`` (Accelerate's, default ``["generator"]``): with "generator" the order sampler's generator is
+    rank 0's; "torch" / "cuda" are shared from rank 0 at the start of every pass.
+    """
+    rng_types = ["generator"] if rng_types is None else rng_types
     _check_loader(loader)
     per_rank = loader.batch_size or 0
     if config.split_batches and loader.batch_size is not None:
@@ -436,7 +454,7 @@ def shard_dataloader(loader: DataLoader, *, world: int, rank: int, device: torch
         per_rank = loader.batch_size // world
     extra: dict[str, Any] = {"collate_fn": loader.collate_fn, "num_workers": loader.num_workers,
                              "pin_memory": loader.pin_memory, "timeout": loader.timeout,
-                             "worker_init_fn": loader.worker_init_fn, "generator": _base_seed_generator(loader),
+                             "worker_init_fn": loader.worker_init_fn, "generator": loader.generator,
                              "persistent_workers": loader.persistent_workers,
                              "multiprocessing_context": loader.multiprocessing_context}
     if loader.num_workers > 0:
@@ -450,13 +468,16 @@ def shard_dataloader(loader: DataLoader, *, world: int, rank: int, device: torch
     elif loader.batch_size is None:  # the user's own batch_sampler
         if config.split_batches:
             raise ConfigError("split_batches=True needs a DataLoader with batch_size, not a custom batch_sampler")
+        inner = getattr(loader.batch_sampler, "sampler", None)
+        if inner is not None:
+            loader.batch_sampler.sampler = _order_sampler(inner, world, config, "generator" in rng_types)
         shard = BatchShardSampler(loader.batch_sampler, world, rank, config.even_batches)
         new = DataLoader(loader.dataset, batch_sampler=shard, **extra)
     else:
-        sampler = _epoch_sampler(loader, seed, config, seed_source)
+        sampler = _order_sampler(loader.sampler, world, config, "generator" in rng_types)
         shard = ShardSampler(sampler, per_rank, world, rank, loader.drop_last, config.even_batches)
         new = DataLoader(loader.dataset, batch_sampler=shard, **extra)
-    return DataLoaderShard(new, shard, device, config.non_blocking, gradient_state, per_rank, loader)
+    return DataLoaderShard(new, shard, device, config.non_blocking, gradient_state, per_rank, loader, rng_types)
 
 
 class _SkipBatchSampler(Sampler[list[int]]):

@@ -31,8 +31,13 @@ class KwargsHandler:
 class DistributedDataParallelKwargs(KwargsHandler):
     """Arguments forwarded to ``torch.nn.parallel.DistributedDataParallel``.
 
-    ``comm_hook`` / ``comm_wrapper`` / ``comm_state_option`` are Accelerate's; impel does not register DDP
-    communication hooks yet, so anything but the defaults raises (see :mod:`impel.ddp_hooks`).
+    ``comm_hook`` / ``comm_wrapper`` / ``comm_state_option`` are Accelerate's DDP communication hook (gradient
+    compression, PowerSGD), registered on each DDP model impel wraps; they are not DDP arguments, so ``to_kwargs``
+    leaves them out (see :mod:`impel.ddp_hooks`).
+
+    Example::
+
+        DistributedDataParallelKwargs(comm_hook="fp16")  # all-reduce gradients in float16
     """
 
     dim: int = 0
@@ -50,6 +55,11 @@ class DistributedDataParallelKwargs(KwargsHandler):
         from .ddp_hooks import check_comm_hook
 
         check_comm_hook(self.comm_hook, self.comm_wrapper, self.comm_state_option)
+
+    def to_kwargs(self) -> dict[str, Any]:
+        from .ddp_hooks import HOOK_FIELDS
+
+        return {k: v for k, v in super().to_kwargs().items() if k not in HOOK_FIELDS}
 
 
 @dataclass
@@ -92,23 +102,42 @@ class AutocastKwargs(KwargsHandler):
 
 @dataclass
 class DataLoaderConfiguration:
-    """How prepared dataloaders shard and place batches.
+    """How prepared dataloaders shard and place batches (Accelerate's fields, defaults and sample order).
 
     split_batches: the loader's batch_size is the global batch, split across ranks (must divide evenly);
     otherwise it is the per-rank batch. even_batches: the last global batch is completed with samples from the
     start so every rank runs the same number of steps (``gather_for_metrics`` drops the duplicates).
-    use_seedable_sampler: shuffles come from (seed, epoch), identical on every rank and reproducible on resume.
+    use_seedable_sampler: a shuffled loader's epoch ``e`` order comes from ``data_seed + e`` (``data_seed`` defaults
+    to rank 0's ``torch.initial_seed()``); otherwise from the sampler's generator, agreed across ranks.
     non_blocking: host-to-device copies are asynchronous (pin_memory recommended).
+    dispatch_batches: None and False shard on every rank; True (rank 0 reads and broadcasts) raises.
+    use_stateful_dataloader: prepared loaders always save and restore their position (``state_dict`` /
+    ``load_state_dict``, ``save_state``), which is what this flag asks of Accelerate; True and False both hold.
     """
 
     split_batches: bool = False
+    dispatch_batches: bool | None = None
     even_batches: bool = True
-    use_seedable_sampler: bool = True
+    use_seedable_sampler: bool = False
+    data_seed: int | None = None
     non_blocking: bool = False
+    use_stateful_dataloader: bool = False
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            _check_bool("DataLoaderConfiguration", f.name, getattr(self, f.name))
+        for name in ("split_batches", "even_batches", "use_seedable_sampler", "non_blocking",
+                     "use_stateful_dataloader"):
+            _check_bool("DataLoaderConfiguration", name, getattr(self, name))
+        if self.dispatch_batches is not None:
+            _check_bool("DataLoaderConfiguration", "dispatch_batches", self.dispatch_batches)
+        if self.dispatch_batches:
+            raise ConfigError("DataLoaderConfiguration(dispatch_batches=True) is not supported: impel shards data on "
+                              "every rank and has no rank-0 dispatcher; make the dataset yield the same stream on "
+                              "every rank and drop the argument (or pass False)")
+        if self.data_seed is not None and (isinstance(self.data_seed, bool) or not isinstance(self.data_seed, int)):
+            raise ConfigError(f"DataLoaderConfiguration(data_seed={self.data_seed!r}) must be an integer or None")
+        if self.data_seed is not None and not self.use_seedable_sampler:
+            raise ConfigError(f"DataLoaderConfiguration(data_seed={self.data_seed}) only seeds the seedable sampler; "
+                              "add use_seedable_sampler=True (or drop data_seed)")
 
 
 @dataclass

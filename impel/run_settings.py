@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 
 class RunSettings:
-    """gradient_accumulation_steps / sync_gradients / even_batches (with setters), deepspeed_plugin, fsdp_plugin,
+    """device, num_processes, process_index and the other process facts; gradient_accumulation_steps / sync_gradients / even_batches (with setters), deepspeed_plugin, fsdp_plugin,
     multi_device, is_fsdp2, the dataloader switches, verify_device_map."""
 
     config: RunConfig
@@ -29,8 +29,41 @@ class RunSettings:
     dataloader_config: DataLoaderConfiguration
     handlers: Handlers
     distributed_type: DistributedType
-    use_distributed: bool
+    state: Any  # impel.shared_state.AcceleratorState
     _tracking: Any  # impel.tracking.AcceleratorTrackers
+
+    # --- this process (read from the state) -------------------------------------------------------------------
+    @property
+    def device(self) -> Any:
+        return self.state.device
+
+    @property
+    def num_processes(self) -> int:
+        return self.state.num_processes
+
+    @property
+    def process_index(self) -> int:
+        return self.state.process_index
+
+    @property
+    def local_process_index(self) -> int:
+        return self.state.local_process_index
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.state.is_main_process
+
+    @property
+    def is_local_main_process(self) -> bool:
+        return self.state.is_local_main_process
+
+    @property
+    def is_last_process(self) -> bool:
+        return self.state.is_last_process
+
+    @property
+    def use_distributed(self) -> bool:
+        return self.state.use_distributed
 
     # --- accumulation -----------------------------------------------------------------------------------------
     @property

@@ -96,3 +96,24 @@ def synchronize_rng_states(rng_types: Iterable[str | RNGType], generator: torch.
     """:func:`synchronize_rng_state` for each of ``rng_types`` (e.g. ``["torch", "generator"]``)."""
     for rng_type in rng_types:
         synchronize_rng_state(rng_type, generator)
+
+
+def check_rng_types(rng_types: Iterable[str | RNGType] | None) -> list[str]:
+    """``Accelerator(rng_types=...)`` validated: the generators prepared dataloaders share from rank 0 at each pass.
+
+    None means Accelerate's default, ``["generator"]`` (the sampler's generator only).
+    """
+    if rng_types is None:
+        return [RNGType.GENERATOR.value]
+    if isinstance(rng_types, (str, RNGType)):
+        raise ValueError(f"rng_types={rng_types!r} must be a list, e.g. rng_types=[{str(rng_types)!r}]")
+    kinds = []
+    for value in rng_types:
+        try:
+            kind = RNGType(value)
+        except ValueError:
+            raise ValueError(f"rng_types entry {value!r} is not a generator kind; use 'torch', 'cuda' or "
+                             "'generator'") from None
+        _rng_accessors(kind, torch.Generator())  # raises for kinds impel does not drive
+        kinds.append(kind.value)
+    return kinds

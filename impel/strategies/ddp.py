@@ -1,10 +1,35 @@
 """DistributedDataParallel over the default process group (gloo on CPU, nccl on CUDA)."""
 from __future__ import annotations
 
+import contextlib
+import functools
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ..ddp_hooks import reduction_dtype, register_comm_hook
 from .base import Strategy
+
+if TYPE_CHECKING:
+    from ..precision_report import PrecisionReport
+
+
+@contextlib.contextmanager
+def _own_no_sync(model: DistributedDataParallel) -> Iterator[None]:
+    """``model.no_sync()`` on a prepared DDP model: no gradient sync for forwards inside it, as in plain DDP."""
+    before = model.require_backward_grad_sync
+    model._impel_own_no_sync = getattr(model, "_impel_own_no_sync", 0) + 1
+    model.require_backward_grad_sync = False
+    try:
+        yield
+    finally:
+        model._impel_own_no_sync -= 1
+        if not model._impel_own_no_sync:  # back to what impel wants now (accumulation may have moved on)
+            model.require_backward_grad_sync = getattr(model, "_impel_sync_wanted", before)
 
 
 class DDPStrategy(Strategy):
@@ -18,7 +43,11 @@ class DDPStrategy(Strategy):
         if self.device.type == "cuda":
             kwargs.setdefault("device_ids", [self.device.index])
             kwargs.setdefault("output_device", self.device.index)
-        return DistributedDataParallel(model, **kwargs)
+        wrapped = DistributedDataParallel(model, **kwargs)
+        register_comm_hook(wrapped, self.handlers.ddp)  # before the first backward, as torch requires
+        # impel's forward sets DDP's sync flag on every call; the model's own no_sync() must still hold inside it
+        wrapped.no_sync = functools.partial(_own_no_sync, wrapped)
+        return wrapped
 
     def unwrap_model(self, model: nn.Module) -> nn.Module:
         return model.module if isinstance(model, DistributedDataParallel) else model
@@ -26,4 +55,13 @@ class DDPStrategy(Strategy):
     def set_grad_sync(self, model: nn.Module, enabled: bool) -> None:
         if isinstance(model, DistributedDataParallel):
             # DDP reads this flag when forward prepares the reducer; flipping it is what no_sync() does.
-            model.require_backward_grad_sync = enabled
+            model._impel_sync_wanted = enabled
+            model.require_backward_grad_sync = enabled and not getattr(model, "_impel_own_no_sync", 0)
+
+    def precision_report(self, models: Sequence[nn.Module],
+                         optimizers: Sequence[torch.optim.Optimizer]) -> PrecisionReport:
+        report = super().precision_report(models, optimizers)
+        compressed = reduction_dtype(self.handlers.ddp)
+        if compressed is None or report.reduction is None:
+            return report
+        return replace(report, reduction=compressed, note=f"DDP comm hook all-reduces gradients in {compressed}")

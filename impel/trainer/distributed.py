@@ -246,7 +246,7 @@ def check_distributed_arguments(args: TrainingArguments) -> None:
 
 def accelerator_kwargs(args: TrainingArguments) -> dict[str, Any]:
     """Keyword arguments for :class:`impel.Accelerator`; knobs left at their defaults are passed as None."""
-    from ..plugins import ProjectConfiguration
+    from ..plugins import DataLoaderConfiguration, ProjectConfiguration
 
     project = ProjectConfiguration(project_dir=args.output_dir, logging_dir=args.logging_dir,
                                    automatic_checkpoint_naming=True, total_limit=args.save_total_limit,
@@ -255,7 +255,10 @@ def accelerator_kwargs(args: TrainingArguments) -> dict[str, Any]:
                               "gradient_accumulation_steps": args.gradient_accumulation_steps,
                               "cpu": args.use_cpu or None, "project_config": project,
                               # the Trainer sizes its schedule in optimizer steps, as transformers' Trainer does
-                              "step_scheduler_per_process": False}
+                              "step_scheduler_per_process": False,
+                              # epoch e's order from seed + e, as transformers' Trainer asks of Accelerate
+                              "dataloader_config": DataLoaderConfiguration(use_seedable_sampler=True,
+                                                                           data_seed=args.seed)}
     plugin = fsdp_plugin(args)
     if plugin is not None:
         kwargs["fsdp_plugin"] = plugin

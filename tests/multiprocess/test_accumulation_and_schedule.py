@@ -54,7 +54,7 @@ def _local_grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> list[tor
     return [p.grad.clone() for p in plain.parameters()]
 
 
-def _no_sync_then_sync():
+def _no_sync_then_sync(own: bool):
     from impel import Accelerator
 
     acc = Accelerator(cpu=True)
@@ -62,7 +62,7 @@ def _no_sync_then_sync():
     model, loader = acc.prepare(make_mlp(), DataLoader(make_regression(16), batch_size=2))
     (x1, y1), (x2, y2) = list(loader)[:2]
     local = [_local_grads(reference, x, y) for x, y in ((x1, y1), (x2, y2))]
-    with acc.no_sync(model):
+    with model.no_sync() if own else acc.no_sync(model):  # DDP's own switch on the prepared model, or impel's
         acc.backward(nn.functional.mse_loss(model(x1), y1))
     inside = [p.grad.clone() for p in model.parameters()]
     acc.backward(nn.functional.mse_loss(model(x2), y2))  # outside: reduces everything accumulated so far
@@ -70,8 +70,9 @@ def _no_sync_then_sync():
     return local, inside, after
 
 
-def test_no_sync_keeps_gradients_local_until_the_next_synced_backward():
-    (local0, inside0, after0), (local1, inside1, after1) = run_on_ranks(_no_sync_then_sync, 2)
+@pytest.mark.parametrize("own", [False, True], ids=["accelerator.no_sync", "model.no_sync"])
+def test_no_sync_keeps_gradients_local_until_the_next_synced_backward(own):
+    (local0, inside0, after0), (local1, inside1, after1) = run_on_ranks(_no_sync_then_sync, 2, args=(own,))
     for rank_local, inside in ((local0, inside0), (local1, inside1)):
         for got, want in zip(inside, rank_local[0]):
             torch.testing.assert_close(got, want)  # each rank's own gradient, not reduced

@@ -17,8 +17,10 @@ SEED = 1234
 
 
 def shard(loader: DataLoader, world: int, rank: int, seed: int = SEED, **config) -> DataLoaderShard:
+    """Rank ``rank``'s prepared loader, built after ``torch.manual_seed(seed)`` as each real rank would be."""
+    torch.manual_seed(seed)
     return shard_dataloader(loader, world=world, rank=rank, device=None, config=DataLoaderConfiguration(**config),
-                            gradient_state=GradientState(GradientAccumulationPlugin()), seed=seed)
+                            gradient_state=GradientState(GradientAccumulationPlugin()))
 
 
 def ranks(make_loader, world: int = 2, **config) -> list[DataLoaderShard]:
@@ -31,7 +33,11 @@ def batches(dl) -> list[list[int]]:
 
 
 def index_loader(n: int, batch_size: int, shuffle: bool = False, drop_last: bool = False):
-    return lambda: DataLoader(IndexDataset(n), batch_size=batch_size, shuffle=shuffle, drop_last=drop_last)
+    """A loader factory; shuffled ones draw from their own generator, so one process and several ranks (each
+    agreeing on it) draw the same permutation."""
+    return lambda: DataLoader(IndexDataset(n), batch_size=batch_size, shuffle=shuffle, drop_last=drop_last,
+                              generator=torch.Generator().manual_seed(SEED) if shuffle else None)
+
 
 
 class RangeIterable(IterableDataset):
@@ -73,7 +79,7 @@ def test_even_batches_cover_the_dataset_and_only_repeat_padding(n, batch_size):
     assert set(everything) == set(range(n))
     global_batch = 2 * batch_size
     rest = n % global_batch
-    padding = 0 if rest == 0 else (-rest) % 2
+    padding = 0 if rest == 0 else global_batch - rest  # the last global batch is completed to full size
     assert len(everything) == n + padding
 
 
@@ -81,7 +87,7 @@ def test_even_batches_cover_the_dataset_and_only_repeat_padding(n, batch_size):
 @pytest.mark.parametrize("n,batch_size", [(16, 4), (13, 3), (10, 4), (9, 4)])
 def test_rank_batches_concatenate_to_the_single_process_double_batch(n, batch_size, shuffle):
     r0, r1 = (batches(dl) for dl in ranks(index_loader(n, batch_size, shuffle), even_batches=False))
-    single = batches(shard(DataLoader(IndexDataset(n), batch_size=2 * batch_size, shuffle=shuffle), 1, 0))
+    single = batches(shard(index_loader(n, 2 * batch_size, shuffle)(), 1, 0))
     joined = [a + b for a, b in itertools.zip_longest(r0, r1, fillvalue=[])]
     assert joined == single
     if shuffle:
@@ -93,7 +99,7 @@ def test_rank_batches_concatenate_to_the_single_process_double_batch(n, batch_si
 def test_even_batches_concatenation_truncated_to_remainder_is_the_single_process_batch(n, batch_size):
     dls = ranks(index_loader(n, batch_size, shuffle=True))
     r0, r1 = batches(dls[0]), batches(dls[1])
-    single = batches(shard(DataLoader(IndexDataset(n), batch_size=2 * batch_size, shuffle=True), 1, 0))
+    single = batches(shard(index_loader(n, 2 * batch_size, True)(), 1, 0))
     assert len(r0) == len(r1) == len(single)
     for step, (a, b) in enumerate(zip(r0, r1)):
         joined = a + b
@@ -107,28 +113,28 @@ def test_even_batches_concatenation_truncated_to_remainder_is_the_single_process
 # --- even batches, remainder, drop_last ---------------------------------------------------------------------------
 
 def test_even_batches_pads_last_batch_from_the_start():
-    # 11 samples, 2 ranks x 4: [0..7], then 3 real samples [8, 9, 10] padded with sample 0.
+    # 11 samples, 2 ranks x 4: [0..7], then 3 real samples [8, 9, 10] completed to 8 with samples 0..4
     r0, r1 = (batches(dl) for dl in ranks(index_loader(11, 4)))
-    assert r0 == [[0, 1, 2, 3], [8, 9]]
-    assert r1 == [[4, 5, 6, 7], [10, 0]]
+    assert r0 == [[0, 1, 2, 3], [8, 9, 10, 0]]
+    assert r1 == [[4, 5, 6, 7], [1, 2, 3, 4]]
 
 
 def test_even_batches_pads_when_fewer_samples_than_ranks_remain():
     r0, r1 = (batches(dl) for dl in ranks(index_loader(9, 4)))
-    assert r0 == [[0, 1, 2, 3], [8]]
-    assert r1 == [[4, 5, 6, 7], [0]]
+    assert r0 == [[0, 1, 2, 3], [8, 0, 1, 2]]
+    assert r1 == [[4, 5, 6, 7], [3, 4, 5, 6]]
 
 
 def test_even_batches_padding_comes_from_the_start_of_the_shuffled_epoch():
     dls = ranks(index_loader(11, 4, shuffle=True))
     r0, r1 = batches(dls[0]), batches(dls[1])
-    order = [i for b in batches(shard(DataLoader(IndexDataset(11), batch_size=8, shuffle=True), 1, 0)) for i in b]
-    assert r0[0] + r1[0] + r0[1] + r1[1] == order + order[:1]
+    order = [i for b in batches(shard(index_loader(11, 8, True)(), 1, 0)) for i in b]
+    assert r0[0] + r1[0] + r0[1] + r1[1] == order + order[:5]
 
 
 def test_even_batches_padding_wraps_around_a_dataset_smaller_than_the_global_batch():
     r0, r1 = (batches(dl) for dl in ranks(index_loader(3, 4)))
-    assert r0 == [[0, 1]] and r1 == [[2, 0]]
+    assert r0 == [[0, 1, 2, 0]] and r1 == [[1, 2, 0, 1]]
 
 
 @pytest.mark.parametrize("n,batch_size", [(11, 4), (9, 4), (13, 3), (16, 4), (3, 4)])
@@ -170,7 +176,7 @@ def test_drop_last_drops_the_short_global_batch(even, shuffle):
     r0, r1 = batches(dls[0]), batches(dls[1])
     assert len(r0) == len(r1) == len(dls[0]) == len(dls[1]) == 1
     assert len(r0[0]) == len(r1[0]) == 4
-    single = batches(shard(DataLoader(IndexDataset(11), batch_size=8, shuffle=shuffle, drop_last=True), 1, 0))
+    single = batches(shard(index_loader(11, 8, shuffle, drop_last=True)(), 1, 0))
     assert [r0[0] + r1[0]] == single
     if not shuffle:
         assert r0[0] + r1[0] == list(range(8))
@@ -184,7 +190,7 @@ def test_split_batches_splits_the_global_batch(shuffle):
     per_rank = [batches(dl) for dl in ranks(index_loader(13, 3, shuffle), even_batches=False)]
     assert split == per_rank
     assert all(len(b) == 3 for b in split[0][:-1])
-    single = batches(shard(DataLoader(IndexDataset(13), batch_size=6, shuffle=shuffle), 1, 0))
+    single = batches(shard(index_loader(13, 6, shuffle)(), 1, 0))
     assert [a + b for a, b in itertools.zip_longest(*split, fillvalue=[])] == single
 
 
@@ -244,7 +250,7 @@ def test_iterable_dataset_remainder_is_known_at_the_last_batch():
     for batch in dl:
         if dl.end_of_dataloader:
             seen.append((batch.flatten().tolist(), dl.remainder))
-    assert seen == [([10, 0], 3)]
+    assert seen == [([1, 2, 3, 4], 3)]  # [8, 9, 10] completed with 0..4; rank 1 holds the padding
 
 
 def test_iterable_dataset_with_workers_is_rejected():
@@ -260,9 +266,9 @@ def custom_loader(n: int, batch_size: int):
 
 
 def test_custom_batch_sampler_is_sharded_by_whole_batches():
-    dls = ranks(custom_loader(10, 3))  # batches [0,1,2] [3,4,5] [6,7,8] [9]
+    dls = ranks(custom_loader(10, 3))  # batches [0,1,2] [3,4,5] [6,7,8] [9]: the short one is completed
     assert batches(dls[0]) == [[0, 1, 2], [6, 7, 8]]
-    assert batches(dls[1]) == [[3, 4, 5], [9]]
+    assert batches(dls[1]) == [[3, 4, 5], [9, 0, 1]]
     assert dls[0].remainder == dls[1].remainder == 4
 
 
@@ -270,10 +276,11 @@ def test_custom_batch_sampler_is_sharded_by_whole_batches():
 def test_custom_batch_sampler_with_an_odd_number_of_batches(even):
     dls = ranks(custom_loader(13, 3), even_batches=even)  # batches [0..2] [3..5] [6..8] [9..11] [12]
     r0, r1 = batches(dls[0]), batches(dls[1])
-    assert r0 == [[0, 1, 2], [6, 7, 8], [12]]
     if even:
-        assert r1 == [[3, 4, 5], [9, 10, 11], [3, 4, 5]]
+        assert r0 == [[0, 1, 2], [6, 7, 8], [12, 0, 1]]
+        assert r1 == [[3, 4, 5], [9, 10, 11], [2, 3, 4]]
     else:
+        assert r0 == [[0, 1, 2], [6, 7, 8], [12]]
         assert r1 == [[3, 4, 5], [9, 10, 11]]
     assert (len(dls[0]), len(dls[1])) == (len(r0), len(r1))
     assert dls[0].remainder == dls[1].remainder == 1
@@ -312,10 +319,10 @@ def union_per_step(dls: list[DataLoaderShard]) -> list[list[int]]:
 def test_set_epoch_changes_the_shuffle_and_ranks_agree():
     orders = {}
     for epoch in (0, 1, 2):
-        dls = ranks(index_loader(20, 2, shuffle=True), even_batches=False)
+        dls = ranks(index_loader(20, 2, shuffle=True), even_batches=False, use_seedable_sampler=True)
         for dl in dls:
             dl.set_epoch(epoch)
-        single = shard(DataLoader(IndexDataset(20), batch_size=4, shuffle=True), 1, 0)
+        single = shard(DataLoader(IndexDataset(20), batch_size=4, shuffle=True), 1, 0, use_seedable_sampler=True)
         single.set_epoch(epoch)
         union = union_per_step(dls)
         assert union == batches(single)  # both ranks drew the same permutation as one process
@@ -326,35 +333,35 @@ def test_set_epoch_changes_the_shuffle_and_ranks_agree():
 
 
 def test_same_epoch_gives_the_same_order_on_fresh_loaders():
-    a = shard(DataLoader(IndexDataset(20), batch_size=4, shuffle=True), 1, 0)
-    b = shard(DataLoader(IndexDataset(20), batch_size=4, shuffle=True), 1, 0)
+    a = shard(DataLoader(IndexDataset(20), batch_size=4, shuffle=True), 1, 0, use_seedable_sampler=True)
+    b = shard(DataLoader(IndexDataset(20), batch_size=4, shuffle=True), 1, 0, use_seedable_sampler=True)
     a.set_epoch(3)
     b.set_epoch(3)
     assert batches(a) == batches(b)
 
 
 def test_a_different_seed_gives_a_different_shuffle():
-    a = shard(DataLoader(IndexDataset(20), batch_size=4, shuffle=True), 1, 0, seed=1)
-    b = shard(DataLoader(IndexDataset(20), batch_size=4, shuffle=True), 1, 0, seed=2)
+    a = shard(DataLoader(IndexDataset(20), batch_size=4, shuffle=True), 1, 0, seed=1, use_seedable_sampler=True)
+    b = shard(DataLoader(IndexDataset(20), batch_size=4, shuffle=True), 1, 0, seed=2, use_seedable_sampler=True)
     assert batches(a) != batches(b)
 
 
 def test_a_complete_pass_advances_the_epoch():
-    dl = shard(DataLoader(IndexDataset(20), batch_size=4, shuffle=True), 1, 0)
+    dl = shard(DataLoader(IndexDataset(20), batch_size=4, shuffle=True), 1, 0, use_seedable_sampler=True)
     assert dl.epoch == 0
     first = batches(dl)
     assert dl.epoch == 1
     second = batches(dl)
     assert dl.epoch == 2
     assert first != second
-    ref = shard(DataLoader(IndexDataset(20), batch_size=4, shuffle=True), 1, 0)
+    ref = shard(DataLoader(IndexDataset(20), batch_size=4, shuffle=True), 1, 0, use_seedable_sampler=True)
     ref.set_epoch(1)
     assert batches(ref) == second
 
 
 def test_an_interrupted_pass_does_not_advance_the_epoch():
-    dl = shard(DataLoader(IndexDataset(20), batch_size=4, shuffle=True), 1, 0)
-    full = batches(shard(DataLoader(IndexDataset(20), batch_size=4, shuffle=True), 1, 0))
+    dl = shard(DataLoader(IndexDataset(20), batch_size=4, shuffle=True), 1, 0, use_seedable_sampler=True)
+    full = batches(shard(DataLoader(IndexDataset(20), batch_size=4, shuffle=True), 1, 0, use_seedable_sampler=True))
     for i, _ in enumerate(dl):
         if i == 1:
             break
@@ -363,10 +370,10 @@ def test_an_interrupted_pass_does_not_advance_the_epoch():
 
 
 def test_both_ranks_advance_epochs_in_step():
-    dls = ranks(index_loader(20, 2, shuffle=True), even_batches=False)
+    dls = ranks(index_loader(20, 2, shuffle=True), even_batches=False, use_seedable_sampler=True)
     epoch0 = union_per_step(dls)
     epoch1 = union_per_step(dls)
-    single = shard(DataLoader(IndexDataset(20), batch_size=4, shuffle=True), 1, 0)
+    single = shard(DataLoader(IndexDataset(20), batch_size=4, shuffle=True), 1, 0, use_seedable_sampler=True)
     assert epoch0 == batches(single)
     assert epoch1 == batches(single)
     assert epoch0 != epoch1
@@ -377,14 +384,14 @@ def test_both_ranks_advance_epochs_in_step():
 @pytest.mark.parametrize("rank", [0, 1])
 @pytest.mark.parametrize("skip", [0, 1, 3, 5, 6])
 def test_skip_batches_continues_with_exactly_the_next_batch(rank, skip):
-    full = batches(shard(DataLoader(IndexDataset(23), batch_size=2, shuffle=True), 2, rank))  # 6 batches
-    dl = shard(DataLoader(IndexDataset(23), batch_size=2, shuffle=True), 2, rank)
+    full = batches(shard(DataLoader(IndexDataset(23), batch_size=2, shuffle=True), 2, rank, use_seedable_sampler=True))  # 6 batches
+    dl = shard(DataLoader(IndexDataset(23), batch_size=2, shuffle=True), 2, rank, use_seedable_sampler=True)
     dl.skip_batches(skip)
     assert batches(dl) == full[skip:]
     assert len(dl) == len(full)
     assert dl.epoch == 1
     # the skip applies to one pass only
-    again = shard(DataLoader(IndexDataset(23), batch_size=2, shuffle=True), 2, rank)
+    again = shard(DataLoader(IndexDataset(23), batch_size=2, shuffle=True), 2, rank, use_seedable_sampler=True)
     again.set_epoch(1)
     assert batches(dl) == batches(again)
 
@@ -397,8 +404,8 @@ def test_skip_batches_rejects_negative_counts():
 
 @pytest.mark.parametrize("skip", [0, 2, 4])
 def test_skip_first_batches_of_a_prepared_loader(skip):
-    dl = shard(DataLoader(IndexDataset(20), batch_size=4, shuffle=True), 1, 0)
-    ref = shard(DataLoader(IndexDataset(20), batch_size=4, shuffle=True), 1, 0)
+    dl = shard(DataLoader(IndexDataset(20), batch_size=4, shuffle=True), 1, 0, use_seedable_sampler=True)
+    ref = shard(DataLoader(IndexDataset(20), batch_size=4, shuffle=True), 1, 0, use_seedable_sampler=True)
     epoch0, epoch1 = batches(ref), batches(ref)
     skipped = skip_first_batches(dl, skip)
     assert skipped is not dl
@@ -409,9 +416,9 @@ def test_skip_first_batches_of_a_prepared_loader(skip):
 
 
 def test_skip_first_batches_keeps_the_epoch_of_the_original():
-    dl = shard(DataLoader(IndexDataset(20), batch_size=4, shuffle=True), 1, 0)
+    dl = shard(DataLoader(IndexDataset(20), batch_size=4, shuffle=True), 1, 0, use_seedable_sampler=True)
     dl.set_epoch(4)
-    ref = shard(DataLoader(IndexDataset(20), batch_size=4, shuffle=True), 1, 0)
+    ref = shard(DataLoader(IndexDataset(20), batch_size=4, shuffle=True), 1, 0, use_seedable_sampler=True)
     ref.set_epoch(4)
     assert batches(skip_first_batches(dl, 2)) == batches(ref)[2:]
 
@@ -428,23 +435,36 @@ def test_skip_first_batches_rejects_an_unprepared_iterable():
         skip_first_batches(DataLoader(RangeIterable(4), batch_size=2), 1)
 
 
-@pytest.mark.parametrize("rank", [0, 1])
-@pytest.mark.parametrize("stop_after", [1, 2, 4])
-def test_state_dict_resumes_with_exactly_the_next_batch(rank, stop_after):
-    make = lambda: shard(DataLoader(IndexDataset(23), batch_size=2, shuffle=True), 2, rank)  # noqa: E731
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("seedable", [False, True])
+@pytest.mark.parametrize("stop_after", [1, 2, 6])
+def test_state_dict_resumes_with_exactly_the_next_batch(world, seedable, stop_after):
+    """A resumed pass replays the interrupted one's order and leaves torch's global RNG where the
+    uninterrupted run has it (load_state restores the process RNG first, as simulated here)."""
+    def make():
+        return shard(DataLoader(IndexDataset(23), batch_size=2, shuffle=True), world, world - 1,
+                     use_seedable_sampler=seedable)
+
     dl = make()
-    list(dl)  # finish epoch 0
-    full = batches(make_at_epoch(make, 1))
+    list(dl)  # epoch 0
+    full, after_full = batches(dl), torch.get_rng_state()
+    epoch2 = batches(dl)
+    dl = make()
+    list(dl)
     seen = []
     for batch in dl:
         seen.append(batch.flatten().tolist())
         if len(seen) == stop_after:
             break
-    state = dl.state_dict()
+    state, rng = dl.state_dict(), torch.get_rng_state()
     assert (state["epoch"], state["position"]) == (1, stop_after)
-    resumed = make()
+    resumed = make()  # a new process, seeded as the first one was
+    torch.set_rng_state(rng)
     resumed.load_state_dict(state)
+    assert resumed.state_dict()["rng"].keys() == state["rng"].keys()  # saved again before the pass: unchanged
     assert seen + batches(resumed) == full
+    assert torch.equal(torch.get_rng_state(), after_full)
+    assert batches(resumed) == epoch2
 
 
 def make_at_epoch(make, epoch):
@@ -487,7 +507,7 @@ def test_non_seedable_sampler_through_the_accelerator_shuffles_differently_each_
     assert first != second
 
 
-def test_seedable_sampler_through_the_accelerator_follows_the_global_seed():
+def test_a_shuffled_loader_through_the_accelerator_follows_the_global_seed():
     orders = []
     for _ in range(2):
         set_seed(7)
@@ -514,6 +534,5 @@ def test_dataloader_look_alike_attributes():
 
 def test_batches_move_to_the_requested_device():
     dl = shard_dataloader(DataLoader(IndexDataset(4), batch_size=2), world=1, rank=0, device=torch.device("cpu"),
-                          config=DataLoaderConfiguration(), gradient_state=GradientState(GradientAccumulationPlugin()),
-                          seed=0)
+                          config=DataLoaderConfiguration(), gradient_state=GradientState(GradientAccumulationPlugin()))
     assert all(b.device.type == "cpu" for b in dl)

@@ -18,7 +18,7 @@ def prepared(n: int, batch_size: int, plugin: GradientAccumulationPlugin | None 
              rank: int = 0):
     gs = GradientState(plugin or GradientAccumulationPlugin())
     dl = shard_dataloader(DataLoader(IndexDataset(n), batch_size=batch_size), world=world, rank=rank, device=None,
-                          config=DataLoaderConfiguration(), gradient_state=gs, seed=0)
+                          config=DataLoaderConfiguration(), gradient_state=gs)
     return dl, gs
 
 
@@ -55,7 +55,7 @@ def test_end_of_dataloader_is_reset_when_the_loop_breaks():
 def test_nested_dataloaders_report_the_innermost():
     gs = GradientState(GradientAccumulationPlugin())
     make = lambda n: shard_dataloader(DataLoader(IndexDataset(n), batch_size=1), world=1, rank=0,  # noqa: E731
-                                      device=None, config=DataLoaderConfiguration(), gradient_state=gs, seed=0)
+                                      device=None, config=DataLoaderConfiguration(), gradient_state=gs)
     outer, inner = make(2), make(3)
     for _ in outer:
         for _ in inner:
