@@ -4,7 +4,9 @@ Modules, by job: ``layout`` (names, atomic commit, manifest, verification, rotat
 writers: safetensors, ``torch.load(weights_only=True)``), ``state`` (RNG, counters, dataloaders, registered
 objects), ``collective`` (every rank must call; errors shared), ``full`` (model/optimizer as full files: single
 device, DDP, FSDP FULL_STATE_DICT), ``sharded`` (DCP: FSDP SHARDED_STATE_DICT, resharding), ``hf`` (Hugging Face
-weight layout), ``merge`` (any checkpoint to full weights), ``checkpointer`` (save_state/load_state in order).
+weight layout), ``merge`` (any checkpoint to full weights), ``checkpointer`` (save_state/load_state in order),
+``accelerate_format`` / ``accelerate_weights`` (loading a directory written by Accelerate's save_state) and
+``restricted`` (its pickles, unpickled through an allowlist).
 """
 from __future__ import annotations
 

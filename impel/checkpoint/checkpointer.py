@@ -9,7 +9,8 @@ marker, fsync) and renames -> rotation (``total_limit``).
 
 load: check in -> the leader finds the directory (newest complete one by default) and verifies sizes and
 checksums -> pre-hooks -> GradScaler, models and optimizers (strategy), schedulers, counters, dataloaders,
-registered objects, and last this rank's RNG state.
+registered objects, and last this rank's RNG state. A directory written by Accelerate's ``save_state`` (no marker,
+Accelerate's file names) is read by ``accelerate_format`` instead, in the same order.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..config import ConfigError
 from ..plugins import ProjectConfiguration
-from . import collective, layout
+from . import accelerate_format, collective, layout
 from .digests import sealing, share_digests
 from .files import read_torch, write_torch
 from .full import suffix
@@ -216,10 +217,15 @@ class Checkpointer:
         found = collective.on_leader(lambda: self._locate(input_dir), "checking the checkpoint", leader)
         path, metadata, next_free = found  # type: ignore[misc]
         directory = Path(path)
-        self._check_counts(acc, directory, metadata)
-        collective.run_shared(lambda: self._read(acc, directory, metadata, self._run_load_hooks(acc, directory)),
-                              "load_state")
-        self.config.iteration = max(int(metadata["iteration"]) + 1, next_free)
+        if metadata.get("format") == accelerate_format.FORMAT:  # written by Accelerate's save_state
+            read = lambda: accelerate_format.load(acc, self.registered, directory, metadata,  # noqa: E731
+                                                  self._run_load_hooks(acc, directory))
+        else:
+            self._check_counts(acc, directory, metadata)
+            read = lambda: self._read(acc, directory, metadata, self._run_load_hooks(acc, directory))  # noqa: E731
+        collective.run_shared(read, "load_state")
+        saved = metadata.get("iteration")  # None: an Accelerate directory not named checkpoint_N
+        self.config.iteration = max(self.config.iteration if saved is None else int(saved) + 1, next_free)
         collective.barrier()
         return str(directory)
 
@@ -230,12 +236,16 @@ class Checkpointer:
                                   "automatic_checkpoint_naming=True) to load the newest checkpoint")
             root = self.checkpoints_root()
             layout.clean_incomplete(root)
-            directory = layout.latest_complete(root)
+            directory = max(layout.list_complete(root) + accelerate_format.list_accelerate(root),
+                            default=(None, None))[1] or layout.latest_complete(root)
         else:
             directory = Path(input_dir).expanduser().absolute()
             layout.recover_swap(directory)
             layout.clean_incomplete(directory.parent)
-        metadata = layout.verify(directory)
+        if accelerate_format.is_accelerate_dir(directory):
+            metadata = accelerate_format.inspect(directory)
+        else:
+            metadata = layout.verify(directory)
         next_free = layout.next_free_iteration(directory.parent) if self.config.automatic_checkpoint_naming else 0
         return str(directory), metadata, next_free
 

@@ -64,10 +64,16 @@ def list_complete(root: Path) -> list[tuple[int, Path]]:
             continue
         if is_complete(entry):
             found.append((number, entry))
-        else:
+        elif not _accelerate_layout(entry):  # those are listed by accelerate_format, which loads them
             logger.warning("ignoring %s: it has no %s marker (not an impel checkpoint, or an interrupted copy)",
                            entry, MARKER_FILE)
     return sorted(found)
+
+
+def _accelerate_layout(directory: Path) -> bool:
+    from .accelerate_format import is_accelerate_dir
+
+    return is_accelerate_dir(directory)
 
 
 def latest_complete(root: Path) -> Path:
