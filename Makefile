@@ -8,6 +8,10 @@ STAMP  := $(VENV)/.impel-installed
 TORCH  := torch==2.13.0
 DEEPSPEED := deepspeed==0.19.8
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
+# DeepSpeed's C++ ops are built once per venv: in the shared ~/.cache another checkout's venv rebuilds them over
+# this one's (torch keys the cache by name, not by path), and CLI tests that give their jobs a fresh
+# XDG_CACHE_HOME would each build their own copy
+export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 
 .PHONY: venv test demo bench clean deepspeed-ops
 
@@ -20,7 +24,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q -e '.[dev,examples,plot,deepspeed]' $(TORCH) $(DEEPSPEED)
 	touch $(STAMP)
 
-# DeepSpeed's CPU ops are C++ extensions compiled on first use and cached in ~/.cache/torch_extensions: build them
+# DeepSpeed's CPU ops are C++ extensions compiled on first use and cached in $TORCH_EXTENSIONS_DIR: build them
 # here so that no test waits minutes for a compiler. NVMe offload's async_io op needs libaio, installed with apt
 # when running as root; without it the NVMe training test skips (and impel's error names libaio-dev).
 deepspeed-ops: venv

@@ -30,10 +30,12 @@ from torch.utils.data import DataLoader
 from . import collectives, env
 from .accumulation import GradientState, MicroStep
 from .checkpoint.checkpointer import Checkpointer, resolve_project_configuration
+from .checkpoint.options import load_options, save_options
+from .compile import Compiler, TorchDynamoPlugin, dynamo_code_arguments, uncompiled, unwrap
 from .config import ConfigError, DistributedType, RunConfig, merge_code_arguments
 from .data import DataLoaderShard, shard_dataloader, skip_first_batches
 from .ddp_hooks import refuse_hook_without_ddp
-from .model import ForwardContext, is_prepared, patch_forward, unpatch_forward
+from .model import ForwardContext, is_prepared, patch_forward
 from .optimizer import AcceleratedOptimizer, AcceleratedScheduler
 from .plugins import (
     DataLoaderConfiguration,
@@ -77,7 +79,8 @@ class Accelerator(ProcessUtilities, RunSettings):
                  project_config: ProjectConfiguration | None = None,
                  fsdp_plugin: FullyShardedDataParallelPlugin | None = None,
                  deepspeed_plugin: DeepSpeedPlugin | None = None, nonfinite_loss: str | None = None,
-                 log_with: str | Sequence[str] | None = None, rng_types: Sequence[str] | None = None) -> None:
+                 log_with: str | Sequence[str] | None = None, rng_types: Sequence[str] | None = None,
+                 dynamo_backend: Any = None, dynamo_plugin: TorchDynamoPlugin | None = None) -> None:
         if gradient_accumulation_plugin is not None and gradient_accumulation_steps not in (None, 1):
             raise ConfigError("pass either gradient_accumulation_steps or gradient_accumulation_plugin, not both")
         if gradient_accumulation_plugin is not None:
@@ -91,6 +94,7 @@ class Accelerator(ProcessUtilities, RunSettings):
             code.update(fsdp_plugin.code_arguments(mixed_precision))
         if deepspeed_plugin is not None:
             code.update(deepspeed_plugin.code_arguments(gradient_accumulation_steps))
+        code.update(dynamo_code_arguments(dynamo_backend, dynamo_plugin))  # torch.compile: impel.compile
         self.config: RunConfig = merge_code_arguments(env.read_launch_config(), code)
         self.handlers = Handlers.collect(kwargs_handlers)
         self._tracking = AcceleratorTrackers(log_with)  # unknown or missing tracker packages raise now
@@ -112,6 +116,7 @@ class Accelerator(ProcessUtilities, RunSettings):
         self._check_topology()
         self.distributed_type = self._resolve_distributed_type()
         self._warn_unused_handlers()
+        self._compiler = Compiler.create(self.config, dynamo_plugin, self.device, self.distributed_type, self.handlers)
         # The strategy first: DeepSpeed may adopt accumulation steps and precision from its JSON into the config.
         self.strategy: Strategy = load_strategy(self.distributed_type, self.state, self.config, self.handlers)
         plugin = gradient_accumulation_plugin or GradientAccumulationPlugin(self.config.gradient_accumulation_steps)
@@ -227,8 +232,8 @@ class Accelerator(ProcessUtilities, RunSettings):
             patch_forward(inner, ForwardContext(self.strategy, self.gradient_state, autocast, track=False))
             patch_forward(model, ForwardContext(self.strategy, self.gradient_state, None, track=True,
                                                 cast_outputs=cast))
-        self._models.append(model)
-        return model
+        self._models.append(model)  # uncompiled: checkpoints keep the original parameter names
+        return self._compiler.prepared(model, self.strategy)
 
     def _finish_optimizer(self, optimizer: torch.optim.Optimizer) -> AcceleratedOptimizer:
         wrapped = AcceleratedOptimizer(optimizer, self.strategy, self.gradient_state)
@@ -322,11 +327,9 @@ class Accelerator(ProcessUtilities, RunSettings):
             self.strategy.unscale_gradients(opt.optimizer if isinstance(opt, AcceleratedOptimizer) else opt)
 
     # --- models and memory ------------------------------------------------------------------------------------
-    def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True) -> nn.Module:
-        inner = self.strategy.unwrap_model(model)
-        if not keep_fp32_wrapper:
-            unpatch_forward(inner)
-        return inner
+    def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True,
+                     keep_torch_compile: bool = True) -> nn.Module:
+        return unwrap(self.strategy, model, keep_fp32_wrapper, keep_torch_compile)
 
     def init_context(self) -> contextlib.AbstractContextManager[Any]:
         """Build models inside ``with accelerator.init_context():`` to have them created the strategy's way:
@@ -343,7 +346,7 @@ class Accelerator(ProcessUtilities, RunSettings):
         return report
 
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
-        return self.strategy.model_state_dict(model)
+        return self.strategy.model_state_dict(uncompiled(model))
 
     def save_model(self, model: nn.Module, save_directory: str | os.PathLike[str], max_shard_size: int | str = "10GB",
                    safe_serialization: bool = True) -> None:
@@ -380,13 +383,19 @@ class Accelerator(ProcessUtilities, RunSettings):
     def step(self, value: int) -> None:
         self.gradient_state.step = int(value)
 
-    def save_state(self, output_dir: str | os.PathLike[str] | None = None, safe_serialization: bool = True) -> str:
-        """Save everything an exact resume needs, atomically; collective (call on every rank). Returns the path."""
-        return self._checkpointer.save(self, output_dir, safe_serialization)
+    def save_state(self, output_dir: str | os.PathLike[str] | None = None, safe_serialization: bool = True,
+                   **save_model_func_kwargs: Any) -> str:
+        """Save everything an exact resume needs, atomically; collective (call on every rank). Returns the path.
+        Extra keyword arguments go to DeepSpeed's ``engine.save_checkpoint`` (elsewhere they raise)."""
+        options = save_options(save_model_func_kwargs, self.distributed_type == DistributedType.DEEPSPEED)
+        return self._checkpointer.save(self, output_dir, safe_serialization, options)
 
-    def load_state(self, input_dir: str | os.PathLike[str] | None = None) -> str:
-        """Restore a ``save_state`` checkpoint (the newest complete one by default); collective. Returns the path."""
-        return self._checkpointer.load(self, input_dir)
+    def load_state(self, input_dir: str | os.PathLike[str] | None = None, load_kwargs: dict[str, Any] | None = None,
+                   **load_model_func_kwargs: Any) -> str:
+        """Restore a ``save_state`` checkpoint (the newest complete one by default); collective. Returns the path.
+        ``strict=False`` lets model keys differ; other keywords as Accelerate's (impel.checkpoint.options)."""
+        options = load_options(load_kwargs, load_model_func_kwargs, self.distributed_type == DistributedType.DEEPSPEED)
+        return self._checkpointer.load(self, input_dir, options)
 
     def register_for_checkpointing(self, *objects: Any) -> None:
         """Save and load these objects (each needs ``state_dict``/``load_state_dict``) with the training state."""

@@ -1,11 +1,9 @@
 """The run config: typed dataclasses, validation with clear messages, and the one-way merge.
 
-Precedence: defaults < YAML file < launch flags < arguments in code. ``impel launch`` resolves the first three and
-exports the *explicitly set* keys as JSON (see :mod:`impel.env`); the Accelerator merges its own arguments on top
-and raises when one contradicts a launched value. Key names are Accelerate's, so its config files load unchanged.
-
-Every field carries its schema in ``metadata`` (kind, choices, minimum, help, the questionnaire's prompt, the CLI
-flag name): the CLI flags, the questionnaire and validation are all derived from these dataclasses.
+Precedence: defaults < YAML file < launch flags < arguments in code: ``impel launch`` exports the explicitly set keys
+as JSON (:mod:`impel.env`) and the Accelerator merges its own arguments on top (:func:`merge_code_arguments`). Key
+names are Accelerate's, so its files load unchanged. Each field carries its schema in ``metadata`` (kind, choices,
+minimum, help, prompt, flag name): the CLI flags, the questionnaire and validation all derive from these dataclasses.
 """
 from __future__ import annotations
 
@@ -15,6 +13,8 @@ import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
+
+from .compile_config import DynamoConfig
 
 logger = logging.getLogger("impel")
 
@@ -114,10 +114,8 @@ def coerce(name: str, value: Any, meta: Mapping[str, Any], from_text: bool = Fal
     if from_text and isinstance(value, str):
         value = _parse_text(name, value, kind, choices)
     if choices is not None:
-        if value is False and "no" in choices:  # YAML 1.1 reads an unquoted `no` as false
-            value = "no"
-        if value is False and "none" in choices:
-            value = "none"
+        if value is False and ("no" in choices or "none" in choices):  # YAML 1.1 reads an unquoted `no` as false
+            value = "no" if "no" in choices else "none"
         if isinstance(value, str):
             value = next((c for c in choices if isinstance(c, str) and c.lower() == value.lower()), value)
         if value not in choices or isinstance(value, bool) != any(isinstance(c, bool) for c in choices):
@@ -287,7 +285,8 @@ class DeepSpeedConfig:
         return self
 
 
-SECTIONS: dict[str, type] = {"fsdp_config": FSDPConfig, "deepspeed_config": DeepSpeedConfig}
+SECTIONS: dict[str, type] = {"fsdp_config": FSDPConfig, "deepspeed_config": DeepSpeedConfig,
+                              "dynamo_config": DynamoConfig}
 
 
 def _validate_fields(obj: Any) -> None:
@@ -363,6 +362,7 @@ class RunConfig:
                                        "the GPU's, or this machine's RAM shared by its ranks)")
     fsdp_config: FSDPConfig | None = field(default=None, metadata={"section": FSDPConfig})
     deepspeed_config: DeepSpeedConfig | None = field(default=None, metadata={"section": DeepSpeedConfig})
+    dynamo_config: DynamoConfig | None = field(default=None, metadata={"section": DynamoConfig})
 
     def __post_init__(self) -> None:
         self.explicit: dict[str, Any] = {}

@@ -29,8 +29,6 @@ INERT_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
     "command_file": (_OFF_NONE, "a TPU pod setting"),
     "main_training_function": (_OFF_NONE + ("main",), "used by notebook launchers only"),
     "enable_cpu_affinity": (_OFF_NONE, "NUMA pinning, not supported"),
-    "dynamo_backend": (_OFF_NONE, "torch.compile at launch; call torch.compile on the model in your script"),
-    "dynamo_config": (_OFF_NONE, "torch.compile at launch; call torch.compile on the model in your script"),
     "megatron_lm_config": (_OFF_NONE, "Megatron-LM, not supported"),
     "ipex_config": (_OFF_NONE, "Intel Extension for PyTorch, not supported"),
     "mpirun_config": (_OFF_NONE, "mpirun launching; impel launches with torchrun"),
@@ -49,7 +47,7 @@ _FSDP_RENAMED = {"fsdp_backward_prefetch_policy": "fsdp_backward_prefetch"}
 def _is_off(value: Any, off: tuple[Any, ...]) -> bool:
     if isinstance(value, (dict, list)) and not value:
         return True
-    if isinstance(value, dict):  # e.g. dynamo_config: {dynamo_backend: NO}
+    if isinstance(value, dict):  # e.g. fp8_config: {fp8_backend: null}
         return all(_is_off(v, off) for v in value.values())
     return any(value is o or (type(value) is type(o) and value == o) for o in off)
 
@@ -65,6 +63,10 @@ def normalise_accelerate_keys(data: Mapping[str, Any], source: str) -> dict[str,
                                   "(or set it to its off value)")
             continue
         out[key] = value
+    if "dynamo_backend" in out:  # Accelerate's older layout: a top-level key, folded into the section as it does
+        legacy = out.pop("dynamo_backend")
+        if not _is_off(legacy, _OFF_NONE):
+            out["dynamo_config"] = {"dynamo_backend": legacy, **(out.get("dynamo_config") or {})}
     fsdp = out.get("fsdp_config")
     if isinstance(fsdp, Mapping):
         out["fsdp_config"] = {_FSDP_RENAMED.get(k, k): v for k, v in fsdp.items()}

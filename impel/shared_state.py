@@ -2,7 +2,8 @@
 
 All share one process-wide record, as Accelerate's do: ``PartialState()`` is the process (rank, device, process
 group) with its process-control helpers and needs no Accelerator; ``AcceleratorState()`` adds what the live
-Accelerator resolved (``distributed_type``, ``mixed_precision``, ``deepspeed_plugin``, ``fsdp_plugin``).
+Accelerator resolved (``distributed_type``, ``mixed_precision``, ``deepspeed_plugin``, ``fsdp_plugin``,
+``dynamo_plugin``).
 
 Example::
 
@@ -78,6 +79,11 @@ class AcceleratorState(PartialState):
     @property
     def fsdp_plugin(self) -> Any:
         return self._accelerator("fsdp_plugin").fsdp_plugin
+
+    @property
+    def dynamo_plugin(self) -> Any:
+        """The resolved ``TorchDynamoPlugin`` (backend ``no`` when nothing is compiled)."""
+        return self._accelerator("dynamo_plugin")._compiler.plugin
 
     @property
     def is_fsdp2(self) -> bool:

@@ -47,6 +47,7 @@ from . import layout
 from .files import read_torch
 from .layout import CheckpointError
 from .accelerate_weights import load_models_and_optimizers
+from .options import LoadOptions
 from .restricted import RefusedGlobal, load_restricted
 from .state import describe
 
@@ -185,7 +186,7 @@ def _contiguous(directory: Path, entries: list[str], pattern: str) -> list[str]:
 
 # --- loading (every rank) -------------------------------------------------------------------------------------------
 def load(acc: Accelerator, registered: Sequence[Any], directory: Path, plan: dict[str, Any],
-         skip: AbstractSet[int]) -> None:
+         skip: AbstractSet[int], options: LoadOptions = LoadOptions()) -> None:
     """Restore everything ``plan`` lists; the small files are read first, so a bad one changes nothing."""
     _check_counts(acc, registered, directory, plan, skip)
     rank = acc.process_index
@@ -206,7 +207,7 @@ def load(acc: Accelerator, registered: Sequence[Any], directory: Path, plan: dic
 
     if scaler is not None:  # before the optimizers, as in impel's own load (FSDP2 steps a dummy optimizer)
         acc.strategy.precision.load_state_dict({"scaler": scaler})
-    load_models_and_optimizers(acc, directory, plan, skip)
+    load_models_and_optimizers(acc, directory, plan, skip, options)
     for scheduler, state in zip(acc._schedulers, schedulers):
         scheduler.load_state_dict(state)
     for i, epoch in epochs.items():

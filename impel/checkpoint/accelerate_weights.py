@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 
 def load_models_and_optimizers(acc: Accelerator, directory: Path, plan: dict[str, Any],
-                               skip: AbstractSet[int]) -> None:
+                               skip: AbstractSet[int], options: Any = None) -> None:
     """Every rank: the weights and optimizer states ``plan`` lists into the prepared models and optimizers."""
     models, optimizers = list(acc._models), [o.optimizer for o in acc._optimizers]
     kind = plan["weights"]
@@ -43,13 +43,13 @@ def load_models_and_optimizers(acc: Accelerator, directory: Path, plan: dict[str
     if kind == "deepspeed":
         for i, tag in enumerate(plan["models"]):
             acc.strategy.load_checkpoint([models[i]], [], directory, _deepspeed_metadata(directory, tag),
-                                         skip_models=frozenset({0}) if i in skip else frozenset())
+                                         skip_models=frozenset({0}) if i in skip else frozenset(), options=options)
         return
     if kind == "sharded":  # DCP directories holding {"model": ...} / {"optimizer": ...}, as impel's own
         metadata = {"format": "sharded", "models": plan["models"], "optimizers": plan["optimizers"]}
-        acc.strategy.load_checkpoint(models, optimizers, directory, metadata, skip_models=skip)
+        acc.strategy.load_checkpoint(models, optimizers, directory, metadata, skip_models=skip, options=options)
         return
-    _load_full(models, optimizers, directory, plan, skip)
+    _load_full(models, optimizers, directory, plan, skip, strict=True if options is None else options.strict)
 
 
 def _deepspeed_metadata(directory: Path, tag: str) -> dict[str, Any]:
@@ -58,7 +58,7 @@ def _deepspeed_metadata(directory: Path, tag: str) -> dict[str, Any]:
 
 
 def _load_full(models: list[nn.Module], optimizers: list[torch.optim.Optimizer], directory: Path,
-               plan: dict[str, Any], skip: AbstractSet[int]) -> None:
+               plan: dict[str, Any], skip: AbstractSet[int], strict: bool = True) -> None:
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         set_model_state_dict,
@@ -68,7 +68,7 @@ def _load_full(models: list[nn.Module], optimizers: list[torch.optim.Optimizer],
     from .full import _load_fresh_optimizer
 
     # full tensors in the files: they load into plain, DDP and FSDP2 (sharded on the way in) models alike
-    options = StateDictOptions(full_state_dict=True)
+    options = StateDictOptions(full_state_dict=True, strict=strict)
     loaded = [i for i in range(len(models)) if i not in skip]
     if plan["weights"] == "fsdp_full":  # FSDP files are numbered by model index, plain ones over the loaded models
         pairs = [(i, plan["models"][i]) for i in loaded]

@@ -29,9 +29,11 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from ..config import ConfigError
+from ..memory import trim_host_heap
 from ..plugins import ProjectConfiguration
 from . import accelerate_format, collective, layout
 from .digests import sealing, share_digests
+from .options import LoadOptions, SaveOptions
 from .files import read_torch, write_torch
 from .full import suffix
 from .state import (
@@ -109,7 +111,8 @@ class Checkpointer:
         return acc.is_main_process or (on_each_node and acc.is_local_main_process)
 
     # --- save -------------------------------------------------------------------------------------------------
-    def save(self, acc: Accelerator, output_dir: Any = None, safe_serialization: bool = True) -> str:
+    def save(self, acc: Accelerator, output_dir: Any = None, safe_serialization: bool = True,
+             options: SaveOptions = SaveOptions()) -> str:
         collective.arrive("save_state", acc.state.timeout)
         final = self._save_target(output_dir)
         collective.agree(str(final), "the save_state output directory")
@@ -120,8 +123,8 @@ class Checkpointer:
         collective.barrier()
         try:
             with sealing(temp) as sealer:
-                strategy_meta = collective.run_shared(lambda: self._write(acc, temp, leader, safe_serialization),
-                                                      "save_state")
+                strategy_meta = collective.run_shared(
+                    lambda: self._write(acc, temp, leader, safe_serialization, options), "save_state")
                 known = collective.run_shared(sealer.entries, "save_state")
             known = share_digests(temp, known, shared_dir=not self.config.save_on_each_node)
             collective.run_shared(lambda: self._commit(acc, temp, final, strategy_meta, known) if leader else None,
@@ -131,6 +134,7 @@ class Checkpointer:
                 shutil.rmtree(temp, ignore_errors=True)
             raise
         self.config.iteration += 1
+        trim_host_heap()  # the write's buffers, freed in its threads' arenas, go back to the OS
         return str(final)
 
     def _prepare(self, final: Path) -> str:
@@ -144,11 +148,12 @@ class Checkpointer:
         layout.check_target(final)
         return str(layout.temp_dir_for(final))
 
-    def _write(self, acc: Accelerator, temp: Path, leader: bool, safe_serialization: bool) -> dict[str, Any]:
+    def _write(self, acc: Accelerator, temp: Path, leader: bool, safe_serialization: bool,
+               options: SaveOptions) -> dict[str, Any]:
         skip = self._run_save_hooks(acc, temp)
         meta = acc.strategy.save_checkpoint(list(acc._models), [o.optimizer for o in acc._optimizers], temp,
                                             writer=leader, safe_serialization=safe_serialization,
-                                            skip_models=skip)
+                                            skip_models=skip, options=options)
         if leader:
             for i, scheduler in enumerate(acc._schedulers):
                 write_torch(scheduler.state_dict(), temp / f"scheduler{suffix(i)}.pt")
@@ -209,7 +214,7 @@ class Checkpointer:
                 "dataloaders": len(acc._dataloaders), "registered objects": len(self.registered)}
 
     # --- load -------------------------------------------------------------------------------------------------
-    def load(self, acc: Accelerator, input_dir: Any = None) -> str:
+    def load(self, acc: Accelerator, input_dir: Any = None, options: LoadOptions = LoadOptions()) -> str:
         collective.arrive("load_state", acc.state.timeout)
         if input_dir is not None:
             collective.agree(os.fspath(input_dir), "the load_state input directory")
@@ -219,10 +224,11 @@ class Checkpointer:
         directory = Path(path)
         if metadata.get("format") == accelerate_format.FORMAT:  # written by Accelerate's save_state
             read = lambda: accelerate_format.load(acc, self.registered, directory, metadata,  # noqa: E731
-                                                  self._run_load_hooks(acc, directory))
+                                                  self._run_load_hooks(acc, directory), options)
         else:
             self._check_counts(acc, directory, metadata)
-            read = lambda: self._read(acc, directory, metadata, self._run_load_hooks(acc, directory))  # noqa: E731
+            read = lambda: self._read(acc, directory, metadata, self._run_load_hooks(acc, directory),  # noqa: E731
+                                      options)
         collective.run_shared(read, "load_state")
         saved = metadata.get("iteration")  # None: an Accelerate directory not named checkpoint_N
         self.config.iteration = max(self.config.iteration if saved is None else int(saved) + 1, next_free)
@@ -270,11 +276,12 @@ class Checkpointer:
             hook(models, str(directory))
         return frozenset(i for i, m in enumerate(acc._models) if not any(m is x for x in models))
 
-    def _read(self, acc: Accelerator, directory: Path, metadata: dict[str, Any], skip: frozenset[int]) -> None:
+    def _read(self, acc: Accelerator, directory: Path, metadata: dict[str, Any], skip: frozenset[int],
+              options: LoadOptions) -> None:
         training = read_torch(directory / TRAINING_STATE_FILE, "training state")
         acc.strategy.precision.load_state_dict(training["precision"])  # the scaler before the optimizers (FSDP2)
         acc.strategy.load_checkpoint(list(acc._models), [o.optimizer for o in acc._optimizers], directory,
-                                     metadata["strategy"], skip_models=skip)
+                                     metadata["strategy"], skip_models=skip, options=options)
         for i, scheduler in enumerate(acc._schedulers):
             scheduler.load_state_dict(read_torch(directory / f"scheduler{suffix(i)}.pt", f"scheduler {i}"))
         acc.step = restore_training_state(training, acc.gradient_state, acc._optimizers, acc._dataloaders)

@@ -10,6 +10,7 @@ Files: ``model.safetensors`` (``model_1.safetensors`` ... for more models; ``pyt
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from pathlib import Path
@@ -20,6 +21,8 @@ from torch import nn
 
 from .files import read_safetensors, read_torch, write_safetensors, write_torch
 from .layout import CheckpointError
+
+logger = logging.getLogger(__name__)
 
 FORMAT = "full"
 
@@ -122,11 +125,15 @@ def load_full(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Opti
             continue
         state = read_weights(directory / metadata["models"][i])
         try:
-            set_model_state_dict(model, state, options=options)
+            result = set_model_state_dict(model, state, options=options)
         except (RuntimeError, KeyError, ValueError) as exc:
             why = first_mismatch(model, state) or str(exc)
             raise CheckpointError(f"{directory / metadata['models'][i]} does not fit prepared model {i} "
                                   f"({type(model).__name__}): {why}; load it into the model it was saved from") from None
+        if result is not None and (result.missing_keys or result.unexpected_keys):  # load_state(strict=False)
+            logger.warning("%s loaded into model %d with strict=False: missing %s, unexpected %s",
+                           directory / metadata["models"][i], i, list(result.missing_keys),
+                           list(result.unexpected_keys))
     for i, (opt, owner) in enumerate(zip(optimizers, pair_optimizers(models, optimizers))):
         state = read_torch(directory / metadata["optimizers"][i], f"optimizer {i}")
         if not state.get("state"):

@@ -157,7 +157,9 @@ def load_sharded(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.O
             continue
         state = {"model": get_model_state_dict(model, options=options)}
         reader = SafeFileSystemReader(directory / metadata["models"][i])
-        _dcp(dcp.load, state, storage_reader=reader, no_dist=no_dist, reader=reader)
+        partial = options is not None and not options.strict  # load_state(strict=False): keys may be missing
+        planner = dcp.DefaultLoadPlanner(allow_partial_load=True) if partial else None
+        _dcp(dcp.load, state, storage_reader=reader, planner=planner, no_dist=no_dist, reader=reader)
         set_model_state_dict(model, state["model"], options=options)
     for i, (opt, owner) in enumerate(zip(optimizers, pair_optimizers(models, optimizers))):
         if metadata.get("fresh_optimizers", [False] * len(optimizers))[i]:

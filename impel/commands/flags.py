@@ -40,7 +40,8 @@ def _metavar(meta: Any) -> str:
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
     groups = {None: parser.add_argument_group("run config (flag > --config_file > defaults)"),
               "fsdp_config": parser.add_argument_group("FSDP (with --use_fsdp)"),
-              "deepspeed_config": parser.add_argument_group("DeepSpeed (with --use_deepspeed)")}
+              "deepspeed_config": parser.add_argument_group("DeepSpeed (with --use_deepspeed)"),
+              "dynamo_config": parser.add_argument_group("torch.compile of prepared models (impel.compile)")}
     groups[None].add_argument("--config_file", default=None, metavar="FILE",
                               help="YAML config (default: $IMPEL_CONFIG_FILE or ~/.cache/impel/default_config.yaml)")
     for flag, kind in list(_SHORTCUTS.items())[:3]:  # --use_auto is spelled --strategy auto

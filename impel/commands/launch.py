@@ -49,8 +49,6 @@ def add_launcher_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--log_dir", default=None, metavar="DIR", help="where the agent writes the ranks' logs")
     g.add_argument("--no_python", action="store_true", help="run the script as an executable, not with python")
     g.add_argument("--rdzv_conf", default=None, metavar="K=V,...", help="extra rendezvous settings (c10d)")
-    g.add_argument("--dynamo_backend", default=None, metavar="BACKEND", help="torch.compile backend; only 'no' "
-                   "is supported yet (compiling through the launcher is not implemented)")
 
 
 @dataclass
@@ -153,11 +151,7 @@ def plan_launch(ns: argparse.Namespace) -> LaunchPlan:
 
 
 def _agent_arguments(ns: argparse.Namespace) -> list[str]:
-    backend = getattr(ns, "dynamo_backend", None)
-    if backend is not None and backend.lower() != "no":
-        raise ConfigError(f"--dynamo_backend {backend} is not supported yet: impel does not compile through the "
-                          "launcher; call torch.compile on the model in the script, or drop the flag")
-    args: list[str] = []
+    args: list[str] = []  # (--dynamo_* are run-config flags: the dynamo_config section, see impel.compile)
     if getattr(ns, "tee", None) is not None:
         if ns.tee not in ("0", "1", "2", "3"):
             raise ConfigError(f"--tee {ns.tee} is not one of 0 (none), 1 (stdout), 2 (stderr), 3 (both)")

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, AbstractSet, Any
 import torch
 from torch import nn
 
+from ..checkpoint.options import LoadOptions, SaveOptions
 from ..config import ConfigError
 from ..precision import Precision, make_precision
 
@@ -134,7 +135,8 @@ class Strategy:
 
     def save_checkpoint(self, models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
                         directory: Path, *, writer: bool, safe_serialization: bool,
-                        skip_models: AbstractSet[int] = frozenset()) -> dict[str, Any]:
+                        skip_models: AbstractSet[int] = frozenset(),
+                        options: SaveOptions = SaveOptions()) -> dict[str, Any]:
         """Write model and optimizer state into ``directory`` (called on every rank, inside ``save_state``).
 
         ``writer``: this rank writes replicated files (rank 0, or each node's first with save_on_each_node).
@@ -149,17 +151,22 @@ class Strategy:
 
     def load_checkpoint(self, models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
                         directory: Path, metadata: Mapping[str, Any], *,
-                        skip_models: AbstractSet[int] = frozenset()) -> None:
+                        skip_models: AbstractSet[int] = frozenset(), options: LoadOptions = LoadOptions()) -> None:
         """Load what ``save_checkpoint`` wrote (``metadata`` is its returned section), on every rank.
 
         Base: full files, or a sharded (DCP) checkpoint from FSDP, which DCP reads into full tensors on every rank.
+        ``options.strict``: whether the models' keys must match the files exactly.
         """
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
         from ..checkpoint import full, sharded
 
+        state_options = StateDictOptions(strict=options.strict)
         if metadata.get("format") == sharded.FORMAT:
-            sharded.load_sharded(models, optimizers, directory, metadata, skip_models=skip_models)
+            sharded.load_sharded(models, optimizers, directory, metadata, skip_models=skip_models,
+                                 options=state_options)
         else:
-            full.load_full(models, optimizers, directory, metadata, skip_models=skip_models)
+            full.load_full(models, optimizers, directory, metadata, skip_models=skip_models, options=state_options)
 
     def teardown(self) -> None:
         return None

@@ -400,16 +400,16 @@ class DeepSpeedStrategy(Strategy):
 
     def save_checkpoint(self, models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
                         directory: Path, *, writer: bool, safe_serialization: bool,
-                        skip_models: AbstractSet[int] = frozenset()) -> dict[str, Any]:
+                        skip_models: AbstractSet[int] = frozenset(), options: Any = None) -> dict[str, Any]:
         """Each engine's own checkpoint (its ZeRO partitions, written by every rank); see deepspeed_checkpoint."""
         return save_engines(models, directory, stage=self.resolved.stage, world=self.state.num_processes,
-                            dtype=self.resolved.dtype)
+                            dtype=self.resolved.dtype, engine_kwargs=getattr(options, "engine_kwargs", {}))
 
     def load_checkpoint(self, models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
                         directory: Path, metadata: Mapping[str, Any], *,
-                        skip_models: AbstractSet[int] = frozenset()) -> None:
+                        skip_models: AbstractSet[int] = frozenset(), options: Any = None) -> None:
         load_engines(models, directory, metadata, skip_models, stage=self.resolved.stage,
-                     world=self.state.num_processes)
+                     world=self.state.num_processes, engine_kwargs=getattr(options, "engine_kwargs", {}))
 
     def precision_report(self, models: Sequence[nn.Module],
                          optimizers: Sequence[torch.optim.Optimizer]) -> PrecisionReport:

@@ -47,29 +47,31 @@ def folder_name(index: int) -> str:
 
 
 def save_engines(engines: Sequence[nn.Module], directory: Path, *, stage: int, world: int,
-                 dtype: torch.dtype) -> dict[str, Any]:
+                 dtype: torch.dtype, engine_kwargs: Mapping[str, Any] = {}) -> dict[str, Any]:  # noqa: B006
     """Every rank writes its part; returns the ``strategy`` section of the checkpoint metadata.
 
     An engine saves module and optimizer together, so a save pre-hook that takes over a model does not keep its
     weights out of the engine checkpoint."""
     names = [folder_name(i) for i in range(len(engines))]
     for name, engine in zip(names, engines):
-        engine.save_checkpoint(str(directory / name), tag=TAG, client_state={}, save_latest=False)
+        engine.save_checkpoint(str(directory / name), tag=TAG, client_state={}, save_latest=False,
+                               **engine_kwargs)  # save_state(**kwargs), e.g. exclude_frozen_parameters
     return {"format": FORMAT, "models": names, "tag": TAG, "zero_stage": stage, "world_size": world,
             "dtype": str(dtype).replace("torch.", "")}
 
 
 def load_engines(engines: Sequence[nn.Module], directory: Path, metadata: Mapping[str, Any],
-                 skip: AbstractSet[int], *, stage: int, world: int) -> None:
+                 skip: AbstractSet[int], *, stage: int, world: int,
+                 engine_kwargs: Mapping[str, Any] = {}) -> None:  # noqa: B006
     """Restore module, float32 masters and optimizer states of each engine (schedulers are impel's)."""
     from ..checkpoint.layout import CheckpointError
 
     _check_loadable(directory, metadata, skip, stage=stage, world=world)
     for name, engine in zip(metadata["models"], engines):
         with safe_loading():
+            kwargs = {"load_optimizer_states": engine.optimizer is not None, **engine_kwargs}
             path, _ = engine.load_checkpoint(str(directory / name), tag=metadata["tag"],
-                                             load_optimizer_states=engine.optimizer is not None,
-                                             load_lr_scheduler_states=False)
+                                             load_lr_scheduler_states=False, **kwargs)
         if path is None:
             raise CheckpointError(f"DeepSpeed found no engine checkpoint in {directory / name}; the checkpoint is "
                                   "incomplete or was not written by DeepSpeed")

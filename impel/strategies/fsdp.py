@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import env
+from ..compile import compile_before_shard
 from ..config import ConfigError
 from ..precision_report import (
     PrecisionReport,
@@ -152,6 +153,7 @@ class FSDPStrategy(Strategy):
         owners = ParamReplacements.owners(model)
         if self.fsdp.activation_checkpointing:
             units = checkpoint_units(model, units)
+        compile_before_shard(model, self.handlers)  # torch.compile per block, before sharding (as torchtitan)
         options = {"mesh": self.mesh, "reshard_after_forward": _RESHARD[self.sharding_strategy],
                    "mp_policy": self.mp_policy, "offload_policy": self.offload_policy}
         for unit in units:
@@ -206,7 +208,7 @@ class FSDPStrategy(Strategy):
 
     def save_checkpoint(self, models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
                         directory: Path, *, writer: bool, safe_serialization: bool,
-                        skip_models: AbstractSet[int] = frozenset()) -> dict[str, Any]:
+                        skip_models: AbstractSet[int] = frozenset(), options: Any = None) -> dict[str, Any]:
         """SHARDED_STATE_DICT: every rank writes its shards (DCP). FULL_STATE_DICT: gathered, written by rank 0."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions
 
@@ -222,16 +224,18 @@ class FSDPStrategy(Strategy):
 
     def load_checkpoint(self, models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
                         directory: Path, metadata: Mapping[str, Any], *,
-                        skip_models: AbstractSet[int] = frozenset()) -> None:
+                        skip_models: AbstractSet[int] = frozenset(), options: Any = None) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions
 
         from ..checkpoint import full, sharded
 
+        strict = True if options is None else options.strict
         if metadata.get("format") == sharded.FORMAT:
-            sharded.load_sharded(models, optimizers, directory, metadata, skip_models=skip_models)
+            sharded.load_sharded(models, optimizers, directory, metadata, skip_models=skip_models,
+                                 options=StateDictOptions(strict=strict))
         else:
             full.load_full(models, optimizers, directory, metadata, skip_models=skip_models,
-                           options=StateDictOptions(full_state_dict=True))
+                           options=StateDictOptions(full_state_dict=True, strict=strict))
 
     def precision_report(self, models: Sequence[nn.Module],
                          optimizers: Sequence[torch.optim.Optimizer]) -> PrecisionReport:

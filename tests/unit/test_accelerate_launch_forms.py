@@ -50,18 +50,16 @@ def test_hyphens_after_the_script_are_the_scripts():
 
 
 def _ns(**kw):
-    base = {"tee": None, "log_dir": None, "no_python": False, "rdzv_conf": None, "dynamo_backend": None}
+    base = {"tee": None, "log_dir": None, "no_python": False, "rdzv_conf": None}
     return argparse.Namespace(**{**base, **kw})
 
 
 def test_launcher_flags_reach_torchrun():
     assert launch._agent_arguments(_ns(tee="3", log_dir="/logs", no_python=True, rdzv_conf="join_timeout=60")) == [
         "--tee", "3", "--log_dir", "/logs", "--no_python", "--rdzv_conf", "join_timeout=60"]
-    assert launch._agent_arguments(_ns(dynamo_backend="no")) == []
 
 
-@pytest.mark.parametrize("kw,match", [({"dynamo_backend": "inductor"}, "--dynamo_backend inductor is not supported"),
-                                      ({"tee": "4"}, "--tee 4 is not one of")])
+@pytest.mark.parametrize("kw,match", [({"tee": "4"}, "--tee 4 is not one of")])
 def test_launcher_flags_impel_cannot_honour_raise(kw, match):
     with pytest.raises(ConfigError, match=match):
         launch._agent_arguments(_ns(**kw))
