@@ -144,3 +144,25 @@ def wait_for_everyone() -> None:
     """A barrier across every rank of the default process group (a no-op on one process)."""
     if _distributed():
         dist.barrier()
+
+
+def send_to_device(obj: Any, device: torch.device, non_blocking: bool = False) -> Any:
+    """Move every tensor inside dicts, lists, tuples, namedtuples and ``.to``-able objects to ``device``."""
+    if isinstance(obj, torch.Tensor):
+        return obj if obj.device == device else obj.to(device, non_blocking=non_blocking)
+    if isinstance(obj, (list, tuple)):
+        moved = [send_to_device(o, device, non_blocking) for o in obj]
+        return type(obj)(*moved) if hasattr(obj, "_fields") else type(obj)(moved)
+    if isinstance(obj, Mapping):
+        moved_map = {k: send_to_device(v, device, non_blocking) for k, v in obj.items()}
+        try:
+            return type(obj)(moved_map)
+        except TypeError:
+            return moved_map
+    to = getattr(obj, "to", None)
+    if callable(to):
+        try:
+            return to(device)
+        except TypeError:
+            return obj
+    return obj

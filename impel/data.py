@@ -9,7 +9,7 @@ epoch; the real samples always come first, so ``gather_for_metrics`` drops the d
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch.utils.data import (DataLoader, IterableDataset, RandomSampler, Sampler,
@@ -17,31 +17,10 @@ from torch.utils.data import (DataLoader, IterableDataset, RandomSampler, Sample
 from torch.utils.data.distributed import DistributedSampler
 
 from . import collectives
+from .collectives import send_to_device
 from .config import ConfigError
 from .plugins import DataLoaderConfiguration
 from .seeding import synchronize_rng_states
-
-
-def send_to_device(obj: Any, device: torch.device, non_blocking: bool = False) -> Any:
-    """Move every tensor inside dicts, lists, tuples, namedtuples and ``.to``-able objects to ``device``."""
-    if isinstance(obj, torch.Tensor):
-        return obj if obj.device == device else obj.to(device, non_blocking=non_blocking)
-    if isinstance(obj, (list, tuple)):
-        moved = [send_to_device(o, device, non_blocking) for o in obj]
-        return type(obj)(*moved) if hasattr(obj, "_fields") else type(obj)(moved)
-    if isinstance(obj, Mapping):
-        moved_map = {k: send_to_device(v, device, non_blocking) for k, v in obj.items()}
-        try:
-            return type(obj)(moved_map)
-        except TypeError:
-            return moved_map
-    to = getattr(obj, "to", None)
-    if callable(to):
-        try:
-            return to(device)
-        except TypeError:
-            return obj
-    return obj
 
 
 class SeedableRandomSampler(RandomSampler):
@@ -226,13 +205,12 @@ class DataLoaderShard:
         self.gradient_state = gradient_state
         self.total_batch_size = per_rank_batch * getattr(shard, "world", 1)
         self.original = original
-        # epoch and position live in one shared record, so a skip_first_batches() view advances the original
-        self._progress = {"epoch": 0, "position": 0}
+        # epoch, position and the pass's random states live in one shared record, so a skip_first_batches() view
+        # advances the original, consumes a resume pending on it, and leaves its pass start for state_dict()
+        self._progress: dict[str, Any] = {"epoch": 0, "position": 0, "pass_start": None, "resume_rng": None}
         self.hooks: Any = None  # impel.resilience.Resilience: auto-resume and preemption checks
         self.end_of_dataloader = False
         self._skip_next = 0
-        self._pass_start: dict[str, torch.Tensor] | None = None  # random states the current pass started from
-        self._resume_rng: dict[str, torch.Tensor] | None = None  # set by load_state_dict, used by the next pass
 
     epoch = property(lambda self: self._progress["epoch"],
                      lambda self, value: self._progress.__setitem__("epoch", value),
@@ -240,6 +218,10 @@ class DataLoaderShard:
     position = property(lambda self: self._progress["position"],
                         lambda self, value: self._progress.__setitem__("position", value),
                         doc="Batches of the current epoch consumed, skipped ones included.")
+    _pass_start = property(lambda self: self._progress["pass_start"],  # random states the current pass started from
+                           lambda self, value: self._progress.__setitem__("pass_start", value))
+    _resume_rng = property(lambda self: self._progress["resume_rng"],  # set by load_state_dict, used by the next pass
+                           lambda self, value: self._progress.__setitem__("resume_rng", value))
 
     # --- DataLoader look-alike ------------------------------------------------------------------------------
     @property
@@ -499,6 +481,7 @@ def skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:
     if isinstance(dataloader, DataLoaderShard):
         clone = copy.copy(dataloader)
         clone.skip_batches(num_batches)
+        dataloader._skip_next = 0  # the view runs the next pass: a skip load_state left pending is not repeated
         return clone
     if isinstance(dataloader, DataLoader) and not isinstance(dataloader.dataset, IterableDataset):
         return DataLoader(dataloader.dataset, batch_sampler=_SkipBatchSampler(dataloader.batch_sampler, num_batches),

@@ -26,6 +26,7 @@ import logging
 import os
 import sys
 import types
+import warnings
 from typing import Any
 
 import torch.distributed as dist
@@ -40,12 +41,14 @@ def release_process_groups() -> None:
     worker threads). Call only after ``dist.destroy_process_group()`` and only when the script is done."""
     if not dist.is_available():
         return
-    _clear_captured_default_groups()
-    for obj in gc.get_objects():
-        try:
-            _release_one(obj)
-        except Exception as exc:  # noqa: BLE001 - a teardown at exit must never turn a finished run into a failure
-            logger.debug("could not release the process groups of a %s: %s", type(obj).__name__, exc)
+    with warnings.catch_warnings():  # isinstance() on torch.distributed.reduce_op warns that it is deprecated
+        warnings.simplefilter("ignore", FutureWarning)
+        _clear_captured_default_groups()
+        for obj in gc.get_objects():
+            try:
+                _release_one(obj)
+            except Exception as exc:  # noqa: BLE001 - a teardown at exit must never fail a finished run
+                logger.debug("could not release the process groups of a %s: %s", type(obj).__name__, exc)
     gc.collect()
     left = gloo_worker_threads()
     if left:

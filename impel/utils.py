@@ -34,7 +34,7 @@ _EXPORTS = {
     **{name: "impel.collectives" for name in (
         "gather", "gather_object", "broadcast", "broadcast_object_list", "reduce", "pad_across_processes",
         "recursively_apply", "wait_for_everyone")},
-    "send_to_device": "impel.data",
+    "send_to_device": "impel.collectives",
     "tqdm": "impel.progress",
     **{name: "impel.memory" for name in (
         "find_executable_batch_size", "release_memory", "should_reduce_batch_size", "clear_device_cache")},

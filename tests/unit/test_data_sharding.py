@@ -467,6 +467,36 @@ def test_state_dict_resumes_with_exactly_the_next_batch(world, seedable, stop_af
     assert batches(resumed) == epoch2
 
 
+@pytest.mark.parametrize("seedable", [False, True])
+def test_a_resume_through_skip_first_batches_is_not_replayed_next_epoch(seedable):
+    """The transformers no-trainer resume: ``load_state`` then ``skip_first_batches(loader, n)`` for the rest of
+    the epoch, then the loader itself. The view runs the resumed pass; the next epoch is the uninterrupted one's
+    (it used to replay the resumed pass and skip its first batches again)."""
+    def make():
+        return shard(DataLoader(IndexDataset(12), batch_size=3, shuffle=True), 2, 1, use_seedable_sampler=seedable)
+
+    dl = make()
+    full = [batches(dl) for _ in range(3)]
+    dl = make()
+    list(dl)
+    next(iter(dl))  # one batch of epoch 1, then the save
+    state, rng = dl.state_dict(), torch.get_rng_state()
+    resumed = make()
+    torch.set_rng_state(rng)
+    resumed.load_state_dict(state)
+    view = skip_first_batches(resumed, state["position"])
+    rest = iter(view)
+    assert next(rest).flatten().tolist() == full[1][1]
+    again, again_rng = resumed.state_dict(), torch.get_rng_state()  # save_state saves the prepared loader
+    assert [b.flatten().tolist() for b in rest] == full[1][2:]
+    assert (resumed.epoch, batches(resumed)) == (2, full[2])
+    third = make()  # a second resume, from the save made during the view's pass
+    torch.set_rng_state(again_rng)
+    third.load_state_dict(again)
+    assert batches(skip_first_batches(third, again["position"])) == full[1][2:]
+    assert batches(third) == full[2]
+
+
 def make_at_epoch(make, epoch):
     dl = make()
     dl.set_epoch(epoch)
