@@ -79,7 +79,7 @@ class Accelerator(ProcessUtilities, RunSettings):
                  project_config: ProjectConfiguration | None = None,
                  fsdp_plugin: FullyShardedDataParallelPlugin | None = None,
                  deepspeed_plugin: DeepSpeedPlugin | None = None, nonfinite_loss: str | None = None,
-                 log_with: str | Sequence[str] | None = None, rng_types: Sequence[str] | None = None,
+                 log_with: Any = None, rng_types: Sequence[str] | None = None,
                  dynamo_backend: Any = None, dynamo_plugin: TorchDynamoPlugin | None = None) -> None:
         if gradient_accumulation_plugin is not None and gradient_accumulation_steps not in (None, 1):
             raise ConfigError("pass either gradient_accumulation_steps or gradient_accumulation_plugin, not both")
@@ -429,28 +429,21 @@ class Accelerator(ProcessUtilities, RunSettings):
     # --- trackers (Accelerate's API) ----------------------------------------------------------------------------
     def init_trackers(self, project_name: str, config: dict[str, Any] | None = None,
                       init_kwargs: dict[str, Any] | None = None) -> None:
-        """Start the ``log_with`` trackers (main process only) under ``logging_dir`` (else ``project_dir``, else
-        the working directory), storing ``config`` as the run's hyper-parameters."""
-        if init_kwargs:
-            raise ConfigError(f"init_trackers(init_kwargs={init_kwargs!r}) is not supported: impel builds each "
-                              "tracker from logging_dir, project_name and config; set the tracker's environment "
-                              "(WANDB_PROJECT, MLFLOW_TRACKING_URI) instead")
+        """Start the ``log_with`` trackers (main process only, unless ``main_process_only=False``), built with
+        ``init_kwargs[name]``, under ``logging_dir`` (else ``project_dir``, else "."); store ``config``."""
         where = self.project_configuration.logging_dir or self.project_configuration.project_dir or "."
-        self._tracking.start(project_name, str(where), config, self.is_main_process)
+        self._tracking.start(project_name, str(where), config, init_kwargs, self.is_main_process)
 
     def log(self, values: dict[str, Any], step: int | None = None, log_kwargs: dict[str, Any] | None = None) -> None:
-        """Log ``values`` to every tracker (main process only; a no-op without trackers). ``step`` defaults to
-        ``accelerator.step``."""
-        if log_kwargs:
-            raise ConfigError(f"log(log_kwargs={log_kwargs!r}) is not supported; pass values and step only")
-        self._tracking.log(values, self.step if step is None else step)
+        """Log ``values`` at ``step`` to every tracker, with ``log_kwargs[name]`` (a no-op without trackers)."""
+        self._tracking.log(values, step, log_kwargs, jsonl_step=self.step)
 
     @property
     def trackers(self) -> list[Any]:
         return list(self._tracking.trackers)
 
     def get_tracker(self, name: str, unwrap: bool = False) -> Any:
-        """The tracker called ``name`` (unwrap: its SummaryWriter / wandb run / mlflow module)."""
+        """The tracker called ``name`` (unwrap: its SummaryWriter / wandb run / mlflow run)."""
         return self._tracking.get(name, unwrap)
 
     def end_training(self) -> None:

@@ -164,10 +164,10 @@ class RunSettings:
         return self.handlers.autocast
 
     @property
-    def log_with(self) -> list[str]:
-        """The tracker names asked for with ``Accelerator(log_with=...)`` (``"all"`` expanded)."""
-        tracking = self._tracking
-        return [*tracking.names, *(["jsonl"] if tracking.jsonl else [])]
+    def log_with(self) -> list[Any]:
+        """The tracker names and ``GeneralTracker`` instances asked for with ``Accelerator(log_with=...)`` (``"all"``
+        expanded)."""
+        return self._tracking.log_with
 
     @property
     def native_amp(self) -> bool:
