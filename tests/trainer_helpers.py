@@ -82,3 +82,38 @@ def reference_trainer_loop(model: nn.Module, dataset: TokenDataset, *, global_ba
 
 def steps_per_epoch(n: int, global_batch: int, accumulation: int) -> int:
     return math.ceil(math.ceil(n / global_batch) / accumulation)
+
+
+# --- transformers' own Trainer, the behavioural reference of impel's ------------------------------------------
+def transformers_trainer(output_dir, model: nn.Module, knobs: dict, **kwargs):
+    """``transformers.Trainer`` on the same knobs, on the CPU, reporting nowhere."""
+    import transformers
+
+    args = transformers.TrainingArguments(output_dir=str(output_dir), use_cpu=True, report_to="none",
+                                          disable_tqdm=True, **knobs)
+    return transformers.Trainer(model, args, **kwargs)
+
+
+def impel_trainer(output_dir, model: nn.Module, knobs: dict, **kwargs):
+    """impel's Trainer on the same knobs (no plot, no progress bar)."""
+    from impel import Trainer, TrainingArguments
+
+    args = TrainingArguments(output_dir=str(output_dir), report_to="none", disable_tqdm=True, plot_loss=False,
+                             **knobs)
+    return Trainer(model, args, **kwargs)
+
+
+def trained_weights(trainer) -> dict[str, torch.Tensor]:
+    """The model's weights after training, for either Trainer."""
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def scripted_metric(values: list[float], name: str = "score"):
+    """A ``compute_metrics`` that returns ``values[i]`` at the i-th evaluation: a known metric sequence."""
+    calls = iter(values)
+
+    def compute_metrics(prediction) -> dict[str, float]:
+        return {name: next(calls)}
+
+    return compute_metrics

@@ -1,9 +1,10 @@
 """The Trainer entry: ``TrainingArguments`` knobs (``fsdp``, ``deepspeed``, ...) plumbed into one Accelerator.
 
 Modules by job: ``arguments`` (TrainingArguments and its checks), ``distributed`` (arguments -> Accelerator
-arguments and plugins), ``trainer`` (the loop), ``callbacks`` (hooks, progress bar, summary), ``collate`` (default
-collator, column pruning), ``schedules`` (learning-rate schedules), ``evaluation`` (gathering predictions),
-``state`` (TrainerState, EvalPrediction), ``plot`` (loss PNGs). Names resolve lazily, so building
+arguments and plugins), ``trainer`` (the loop), ``callbacks`` (hooks, early stopping), ``progress`` (progress bar,
+summary), ``best_model`` (best checkpoint, rotation), ``optimization`` (weight-decay groups), ``collate`` (default
+collator, column pruning), ``schedules`` (learning-rate schedules, step planning), ``evaluation`` (gathering
+predictions), ``state`` (TrainerState, TrainerControl, EvalPrediction, PredictionOutput), ``plot`` (loss PNGs). Names resolve lazily, so building
 ``TrainingArguments`` does not import torch.
 
 Example::
@@ -20,12 +21,14 @@ from typing import Any
 
 _EXPORTS = {
     "TrainingArguments": "arguments", "Trainer": "trainer", "TrainerCallback": "callbacks",
-    "ProgressCallback": "callbacks", "default_data_collator": "collate", "get_scheduler": "schedules",
-    "EvalPrediction": "state", "TrainerControl": "state", "TrainerState": "state", "TrainOutput": "state",
+    "EarlyStoppingCallback": "callbacks", "ProgressCallback": "progress", "default_data_collator": "collate",
+    "get_scheduler": "schedules", "EvalPrediction": "state", "PredictionOutput": "state", "TrainerControl": "state",
+    "TrainerState": "state", "TrainOutput": "state",
 }
 
-__all__ = ["EvalPrediction", "ProgressCallback", "TrainOutput", "Trainer", "TrainerCallback", "TrainerControl",
-           "TrainerState", "TrainingArguments", "default_data_collator", "get_scheduler"]
+__all__ = ["EarlyStoppingCallback", "EvalPrediction", "PredictionOutput", "ProgressCallback", "TrainOutput", "Trainer",
+           "TrainerCallback", "TrainerControl", "TrainerState", "TrainingArguments", "default_data_collator",
+           "get_scheduler"]
 
 
 def __getattr__(name: str) -> Any:

@@ -21,6 +21,7 @@ from ..config import ConfigError, did_you_mean
 
 SCHEDULER_TYPES = ("linear", "cosine", "constant", "constant_with_warmup")
 INTERVALS = ("no", "steps", "epoch")
+SAVE_STRATEGIES = INTERVALS + ("best",)
 TRACKERS = ("tensorboard", "wandb", "mlflow")
 
 
@@ -29,7 +30,9 @@ class TrainingArguments:
     """Training knobs with transformers' names and defaults (``gradient_accumulation_steps`` defaults to None:
     the launch config's value, else 1). ``*_steps`` knobs given as a float in (0, 1) are a share of the total
     optimizer steps, as in transformers. ``plot_loss`` is impel's: None writes ``loss.png`` when matplotlib is
-    installed, True requires it, False skips it.
+    installed, True requires it, False skips it. ``load_best_model_at_end`` / ``metric_for_best_model`` /
+    ``greater_is_better`` / ``save_strategy="best"`` follow transformers (metric "loss" by default, lower is better
+    for names ending in "loss").
 
     Example::
 
@@ -63,6 +66,10 @@ class TrainingArguments:
     save_steps: float = 500
     save_total_limit: int | None = None
     save_on_each_node: bool = False
+    load_best_model_at_end: bool = False
+    metric_for_best_model: str | None = None
+    greater_is_better: bool | None = None
+    restore_callback_states_from_checkpoint: bool = False
     seed: int = 42
     dataloader_num_workers: int = 0
     dataloader_drop_last: bool = False
@@ -87,6 +94,7 @@ class TrainingArguments:
         self._check_schedule()
         self._check_intervals()
         self._check_switches()
+        self._check_best_model()
         self.trackers = resolve_report_to(self.report_to)
         from .distributed import check_distributed_arguments
 
@@ -137,11 +145,7 @@ class TrainingArguments:
 
     def _check_intervals(self) -> None:
         self.eval_strategy = _choice("eval_strategy", self.eval_strategy, INTERVALS)
-        raw = getattr(self.save_strategy, "value", self.save_strategy)
-        if isinstance(raw, str) and raw.lower() == "best":
-            raise ConfigError("save_strategy='best' is not supported by impel's Trainer; use 'steps' or 'epoch' "
-                              "(and save_total_limit to bound the number kept)")
-        self.save_strategy = _choice("save_strategy", self.save_strategy, INTERVALS)
+        self.save_strategy = _choice("save_strategy", self.save_strategy, SAVE_STRATEGIES)
         _steps("logging_steps", self.logging_steps)
         _steps("save_steps", self.save_steps)
         if self.eval_steps is not None:
@@ -149,7 +153,7 @@ class TrainingArguments:
 
     def _check_switches(self) -> None:
         for name in ("bf16", "fp16", "use_cpu", "dataloader_drop_last", "remove_unused_columns", "logging_first_step",
-                     "save_on_each_node"):
+                     "save_on_each_node", "load_best_model_at_end", "restore_callback_states_from_checkpoint"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be True or False")
         for name in ("disable_tqdm", "plot_loss"):
@@ -161,6 +165,33 @@ class TrainingArguments:
         if resume is not None and not isinstance(resume, (bool, str, os.PathLike)):
             raise ConfigError(f"resume_from_checkpoint={resume!r} must be a checkpoint directory, True (the newest "
                               "under output_dir/checkpoints) or None")
+
+    def _check_best_model(self) -> None:
+        """transformers' rules: the metric defaults to "loss" with load_best_model_at_end, greater_is_better to
+        "the name does not end in loss"; a best checkpoint to load needs saves that line up with evaluations."""
+        if self.load_best_model_at_end and self.metric_for_best_model is None:
+            self.metric_for_best_model = "loss"
+        if self.metric_for_best_model is not None and not isinstance(self.metric_for_best_model, str):
+            raise ConfigError(f"metric_for_best_model={self.metric_for_best_model!r} must be a metric name, e.g. "
+                              "'loss' or 'eval_accuracy'")
+        if self.greater_is_better is None and self.metric_for_best_model is not None:
+            self.greater_is_better = not self.metric_for_best_model.endswith("loss")
+        if self.greater_is_better not in (None, True, False):
+            raise ConfigError(f"greater_is_better={self.greater_is_better!r} must be True, False or None")
+        if (self.save_strategy == "best" or self.load_best_model_at_end) and self.metric_for_best_model is None:
+            raise ConfigError("save_strategy='best' needs metric_for_best_model (e.g. 'loss' or 'accuracy'): "
+                              "`args.metric_for_best_model` must be provided when using 'best' save_strategy")
+        if not self.load_best_model_at_end or self.save_strategy == "best":
+            return
+        if self.eval_strategy != self.save_strategy:
+            raise ConfigError("load_best_model_at_end requires the save and eval strategy to match, except when "
+                              f"save_strategy='best', but found eval_strategy={self.eval_strategy!r}, save_strategy="
+                              f"{self.save_strategy!r}; set both to 'steps' or both to 'epoch'")
+        eval_steps = self.eval_steps if self.eval_steps is not None else self.logging_steps
+        if self.eval_strategy == "steps" and not _multiple(self.save_steps, eval_steps):
+            raise ConfigError(f"load_best_model_at_end requires the saving steps to be a round multiple of the "
+                              f"evaluation steps, but found save_steps={self.save_steps!r}, eval_steps={eval_steps!r}"
+                              "; make save_steps a multiple of eval_steps (both steps, or both ratios)")
 
     # --- derived values -------------------------------------------------------------------------------------
     @property
@@ -209,6 +240,15 @@ def _number(name: str, value: Any, low: float, high: float | None = None, open_l
         if high is not None:
             bound += f" and <= {high:g}"
         raise ConfigError(f"{name}={value!r} must be a number {bound}" + (f" {fix}" if fix else ""))
+
+
+def _multiple(save_steps: float, eval_steps: float) -> bool:
+    """transformers' test: whole steps divide, ratios divide in millionths; a ratio and a step count never do."""
+    if save_steps >= 1 and eval_steps >= 1:
+        return int(save_steps) % int(eval_steps) == 0
+    if save_steps < 1 and eval_steps < 1:
+        return round(save_steps * 1_000_000) % round(eval_steps * 1_000_000) == 0
+    return False
 
 
 def _steps(name: str, value: Any) -> None:

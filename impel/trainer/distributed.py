@@ -248,9 +248,9 @@ def accelerator_kwargs(args: TrainingArguments) -> dict[str, Any]:
     """Keyword arguments for :class:`impel.Accelerator`; knobs left at their defaults are passed as None."""
     from ..plugins import DataLoaderConfiguration, ProjectConfiguration
 
+    # no total_limit: the Trainer rotates by itself, keeping the best checkpoint as transformers does
     project = ProjectConfiguration(project_dir=args.output_dir, logging_dir=args.logging_dir,
-                                   automatic_checkpoint_naming=True, total_limit=args.save_total_limit,
-                                   save_on_each_node=args.save_on_each_node)
+                                   automatic_checkpoint_naming=True, save_on_each_node=args.save_on_each_node)
     kwargs: dict[str, Any] = {"mixed_precision": args.mixed_precision,
                               "gradient_accumulation_steps": args.gradient_accumulation_steps,
                               "cpu": args.use_cpu or None, "project_config": project,

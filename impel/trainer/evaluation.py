@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -122,43 +122,73 @@ class Collected:
         return EvalPrediction(self._join(self.predictions), self._join(self.labels))
 
 
+class EvalLoopOutput(NamedTuple):
+    """What :func:`evaluate_batches` (and ``Trainer.evaluation_loop``) return, as transformers' EvalLoopOutput."""
+
+    predictions: Any
+    label_ids: Any
+    metrics: dict[str, float]
+    num_samples: int
+
+
 def evaluate_batches(accelerator: Any, model: torch.nn.Module, loader: Any,
                      forward: Callable[[Any, bool], tuple[Any, Any]], label_names: Sequence[str],
                      compute_metrics: Callable[[EvalPrediction], Mapping[str, float]] | None,
-                     prefix: str = "eval") -> dict[str, float]:
+                     prefix: str = "eval", collect: bool | None = None, ignore_keys: Sequence[str] = (),
+                     on_batch: Callable[[], None] | None = None) -> EvalLoopOutput:
     """Run ``forward(batch, has_labels) -> (loss, outputs)`` over a prepared loader without gradients.
 
     The loss is averaged over samples (each batch's mean loss counts once per sample in it), from every rank, each
-    sample once. ``compute_metrics`` (run on every rank, with identical arrays) gets the gathered predictions.
+    sample once. Predictions (outputs except the loss and ``ignore_keys``) and labels are gathered when ``collect``
+    (default: when there is a ``compute_metrics``), which runs on every rank with identical arrays when both exist.
+    ``on_batch`` runs after each batch (``on_prediction_step``).
     """
     was_training = model.training
     model.eval()
-    collected = Collected() if compute_metrics is not None else None
+    collected = Collected() if (compute_metrics is not None if collect is None else collect) else None
     totals = torch.zeros(2, dtype=torch.float64, device=accelerator.device)  # loss over samples, samples
+    samples = batches = 0
     started = time.perf_counter()
     with torch.no_grad():
         for batch in loader:
             labels = batch_labels(batch, label_names)
             loss, outputs = forward(batch, labels is not None)
+            size = batch_size_of(batch)
             if loss is not None:
-                per_sample = loss.detach().double().reshape(1).repeat(batch_size_of(batch))
-                per_sample = accelerator.gather_for_metrics(per_sample)
+                per_sample = accelerator.gather_for_metrics(loss.detach().double().reshape(1).repeat(size))
                 totals += torch.stack([per_sample.sum(), totals.new_tensor(per_sample.numel())])
             if collected is not None:
+                if ignore_keys and isinstance(outputs, Mapping):
+                    outputs = {k: v for k, v in outputs.items() if k not in ignore_keys}
                 parts = {"predictions": model_predictions(outputs, loss_first=labels is not None), "labels": labels}
                 parts = {k: v for k, v in parts.items() if v is not None}
                 parts = accelerator.pad_across_processes(parts, dim=1, pad_index=PAD_INDEX)
                 parts = accelerator.gather_for_metrics(parts)
                 collected.add(parts.get("predictions"), parts.get("labels"))
+            samples += size
+            batches += 1
+            if on_batch is not None:
+                on_batch()
     model.train(was_training)
     runtime = time.perf_counter() - started
+    prediction = collected.prediction() if collected is not None else EvalPrediction(None, None)
     metrics: dict[str, float] = {}
+    if compute_metrics is not None and prediction.predictions is not None and prediction.label_ids is not None:
+        for key, value in compute_metrics(prediction).items():
+            metrics[key if key.startswith(f"{prefix}_") else f"{prefix}_{key}"] = float(value)
     if totals[1] > 0:
         metrics[f"{prefix}_loss"] = float(totals[0] / totals[1])
-    if collected is not None and compute_metrics is not None:
-        for key, value in compute_metrics(collected.prediction()).items():
-            metrics[key if key.startswith(f"{prefix}_") else f"{prefix}_{key}"] = float(value)
+    num_samples = int(totals[1]) if totals[1] > 0 else _gathered_count(accelerator, samples, prediction)
     metrics[f"{prefix}_runtime"] = round(runtime, 4)
-    if totals[1] > 0 and runtime > 0:
-        metrics[f"{prefix}_samples_per_second"] = round(float(totals[1]) / runtime, 3)
-    return metrics
+    if runtime > 0:
+        metrics[f"{prefix}_samples_per_second"] = round(num_samples / runtime, 3)
+        metrics[f"{prefix}_steps_per_second"] = round(batches / runtime, 3)
+    return EvalLoopOutput(prediction.predictions, prediction.label_ids, metrics, num_samples)
+
+
+def _gathered_count(accelerator: Any, samples: int, prediction: EvalPrediction) -> int:
+    """Samples over all ranks when no loss counted them: the gathered predictions' length, else the sum."""
+    first = prediction.predictions[0] if isinstance(prediction.predictions, tuple) else prediction.predictions
+    if first is not None:
+        return len(first)
+    return int(accelerator.reduce(torch.tensor(samples, device=accelerator.device), "sum"))

@@ -12,6 +12,7 @@ Example::
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
@@ -58,3 +59,25 @@ def get_scheduler(name: str, optimizer: torch.optim.Optimizer, num_warmup_steps:
     if name in ("linear", "cosine") and (num_training_steps is None or num_training_steps < 1):
         raise ConfigError(f"the {name} schedule needs num_training_steps >= 1, got {num_training_steps!r}")
     return LambdaLR(optimizer, ScheduleMultiplier(name, num_warmup_steps, num_training_steps or 0))
+
+
+def plan_steps(args: Any, state: Any, loader: Any, accumulation: int, num_processes: int) -> None:
+    """Fill ``state.max_steps``, ``steps_per_epoch`` and the intervals from the prepared train loader: optimizer
+    steps, not batches (an epoch has ``ceil(batches / accumulation)``)."""
+    try:
+        state.steps_per_epoch = max(1, math.ceil(len(loader) / accumulation))
+    except TypeError:
+        state.steps_per_epoch = None
+    if args.max_steps > 0:
+        state.max_steps = args.max_steps
+    elif state.steps_per_epoch is None:
+        raise ConfigError("the train_dataset has no length, so num_train_epochs cannot be converted to steps; "
+                          "set max_steps")
+    else:
+        state.max_steps = max(1, math.ceil(args.num_train_epochs * state.steps_per_epoch))
+    spe = state.steps_per_epoch
+    state.num_train_epochs = math.ceil(state.max_steps / spe) if spe else 0
+    state.train_batch_size = args.per_device_train_batch_size * num_processes * accumulation
+    state.logging_steps = args.interval("logging_steps", state.max_steps)
+    state.eval_steps = args.interval("eval_steps", state.max_steps)
+    state.save_steps = args.interval("save_steps", state.max_steps)

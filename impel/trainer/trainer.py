@@ -11,13 +11,15 @@ Example::
     trainer = Trainer(model, args, train_dataset=train, eval_dataset=test, compute_metrics=accuracy)
     trainer.train()
     print(trainer.evaluate()["eval_accuracy"])
+    predictions, label_ids, metrics = trainer.predict(test)
 """
 from __future__ import annotations
 
-import math
+import contextlib
+import logging
 import os
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -29,33 +31,28 @@ from ..config import ConfigError
 from ..seeding import set_seed
 from ..tracking import Tracker, check_installed, make_trackers
 from .arguments import TrainingArguments
-from .callbacks import (
-    CallbackHandler,
-    ProgressCallback,
-    TrainerCallback,
-    format_summary,
+from .best_model import (
+    keep_only_best,
+    load_best_model,
+    next_checkpoint_path,
+    note_save,
+    rotate_checkpoints,
+    update_best,
 )
+from .callbacks import CallbackHandler, TrainerCallback, export_states, restore_states
 from .collate import default_data_collator, padding_collator, remove_unused_columns
 from .distributed import accelerator_kwargs, deepspeed_sections
-from .evaluation import evaluate_batches, model_loss
+from .evaluation import EvalLoopOutput, evaluate_batches, model_loss
+from .optimization import parameter_groups
 from .plot import write_loss_plot
-from .schedules import get_scheduler
-from .state import EvalPrediction, TrainerControl, TrainerState, TrainOutput
+from .progress import ProgressCallback, format_summary
+from .schedules import get_scheduler, plan_steps
+from .state import EvalPrediction, PredictionOutput, TrainerControl, TrainerState, TrainOutput
+
+logger = logging.getLogger("impel")
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss.png"
-
-
-def decay_parameter_names(model: nn.Module) -> set[str]:
-    """Parameters that get weight decay: all but biases and normalisation weights (transformers' rule)."""
-    no_decay: set[str] = set()
-    for module_name, module in model.named_modules():
-        is_norm = isinstance(module, (nn.LayerNorm, nn.GroupNorm)) or "norm" in type(module).__name__.lower()
-        for name, _ in module.named_parameters(recurse=False):
-            full = f"{module_name}.{name}" if module_name else name
-            if is_norm or "bias" in name.lower() or "norm" in full.lower().replace("_", ""):
-                no_decay.add(full)
-    return {name for name, _ in model.named_parameters() if name not in no_decay}
 
 
 class Trainer:
@@ -63,7 +60,8 @@ class Trainer:
 
     ``optimizers=(optimizer, scheduler)`` replaces the default AdamW + ``lr_scheduler_type`` schedule.
     ``compute_metrics(EvalPrediction) -> dict`` adds metrics to ``evaluate()``. ``processing_class`` (a tokenizer
-    with ``pad``) supplies a padding collator when ``data_collator`` is not given.
+    with ``pad``) supplies a padding collator when ``data_collator`` is not given. ``callbacks`` are impel's or
+    transformers' ``TrainerCallback`` classes or instances (see :mod:`impel.trainer.callbacks`).
     """
 
     def __init__(self, model: nn.Module | None = None, args: TrainingArguments | None = None,
@@ -97,7 +95,8 @@ class Trainer:
         self.state = TrainerState(is_world_process_zero=self.accelerator.is_main_process,
                                   is_local_process_zero=self.accelerator.is_local_main_process)
         self.control = TrainerControl()
-        self.callback_handler = CallbackHandler([ProgressCallback(), *(callbacks or ())])
+        # transformers' order: the user's callbacks, then the progress display
+        self.callback_handler = CallbackHandler([*(callbacks or ()), ProgressCallback()])
         self.trackers: list[Tracker] = []
         self.train_dataloader: Any = None
         self.eval_dataloader: Any = None
@@ -107,16 +106,22 @@ class Trainer:
 
     # --- callbacks and logging ------------------------------------------------------------------------------
     def _event(self, name: str, **kwargs: Any) -> None:
-        self.callback_handler.call(name, self.args, self.state, self.control, model=self.model,
-                                   optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
-                                   train_dataloader=self.train_dataloader, eval_dataloader=self.eval_dataloader,
-                                   **kwargs)
+        self.control = self.callback_handler.call(
+            name, self.args, self.state, self.control, model=self.model, processing_class=self.processing_class,
+            optimizer=self.optimizer, lr_scheduler=self.lr_scheduler, train_dataloader=self.train_dataloader,
+            eval_dataloader=self.eval_dataloader, **kwargs)
 
     def add_callback(self, callback: TrainerCallback | type) -> None:
+        """Add a callback (a class is instantiated)."""
         self.callback_handler.add(callback)
 
     def pop_callback(self, callback: TrainerCallback | type) -> TrainerCallback | None:
+        """Remove and return the callback (the first of a class); None when there is none."""
         return self.callback_handler.pop(callback)
+
+    def remove_callback(self, callback: TrainerCallback | type) -> None:
+        """Remove the callback (the first of a class)."""
+        self.callback_handler.remove(callback)
 
     def _open_trackers(self) -> None:
         """(Re)open the sinks; metrics.jsonl is rewritten from the log history (a resume's history)."""
@@ -163,11 +168,7 @@ class Trainer:
         """AdamW with ``learning_rate``, ``adam_*`` and ``weight_decay`` (not on biases and norm weights); when a
         DeepSpeed JSON defines its ``optimizer``, DeepSpeed's placeholder carrying the same values."""
         args = self.args
-        decay = decay_parameter_names(self.model)
-        params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
-        groups = [{"params": [p for n, p in params if n in decay], "weight_decay": args.weight_decay},
-                  {"params": [p for n, p in params if n not in decay], "weight_decay": 0.0}]
-        groups = [g for g in groups if g["params"]]
+        groups = parameter_groups(self.model, args.weight_decay)
         betas = (args.adam_beta1, args.adam_beta2)
         if "optimizer" in deepspeed_sections(args):
             from impel import DummyOptim
@@ -185,28 +186,6 @@ class Trainer:
             return DummyScheduler(optimizer, total_num_steps=num_training_steps, warmup_num_steps=warmup)
         return get_scheduler(self.args.lr_scheduler_type, optimizer, warmup, num_training_steps)
 
-    def _plan_steps(self, loader: Any) -> None:
-        """Fill ``state.max_steps`` etc. from the prepared loader: optimizer steps, not batches."""
-        args, state, acc = self.args, self.state, self.accelerator
-        accum = acc.gradient_accumulation_steps
-        try:
-            state.steps_per_epoch = max(1, math.ceil(len(loader) / accum))
-        except TypeError:
-            state.steps_per_epoch = None
-        if args.max_steps > 0:
-            state.max_steps = args.max_steps
-        elif state.steps_per_epoch is None:
-            raise ConfigError("the train_dataset has no length, so num_train_epochs cannot be converted to steps; "
-                              "set max_steps")
-        else:
-            state.max_steps = max(1, math.ceil(args.num_train_epochs * state.steps_per_epoch))
-        spe = state.steps_per_epoch
-        state.num_train_epochs = math.ceil(state.max_steps / spe) if spe else 0
-        state.train_batch_size = args.per_device_train_batch_size * acc.num_processes * accum
-        state.logging_steps = args.interval("logging_steps", state.max_steps)
-        state.eval_steps = args.interval("eval_steps", state.max_steps)
-        state.save_steps = args.interval("save_steps", state.max_steps)
-
     def _setup(self) -> None:
         """Prepare everything once, in a fixed order (checkpoints pair prepared objects by order)."""
         if self._prepared:
@@ -214,7 +193,8 @@ class Trainer:
         acc = self.accelerator
         if self.train_dataset is not None:
             self.train_dataloader = acc.prepare(self.get_train_dataloader())
-            self._plan_steps(self.train_dataloader)
+            plan_steps(self.args, self.state, self.train_dataloader, acc.gradient_accumulation_steps,
+                       acc.num_processes)
             optimizer = self.optimizer if self.optimizer is not None else self.create_optimizer()
             scheduler = self.lr_scheduler
             if scheduler is None:
@@ -247,10 +227,14 @@ class Trainer:
         with acc.accumulate(model):
             loss = self.compute_loss(model, inputs)
             acc.backward(loss)
-            if acc.sync_gradients and args.max_grad_norm:
-                # read at logging time: no device sync per step, and DeepSpeed fills it during step()
-                self._grad_norm = acc.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-            self.optimizer.step()
+            if acc.sync_gradients:
+                if args.max_grad_norm:
+                    # read at logging time: no device sync per step, and DeepSpeed fills it during step()
+                    self._grad_norm = acc.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                self._event("on_pre_optimizer_step")
+            self.optimizer.step()  # a no-op mid-group
+            if acc.sync_gradients:
+                self._event("on_optimizer_step")
             self.lr_scheduler.step()
             self.optimizer.zero_grad()
         return loss.detach()
@@ -269,8 +253,7 @@ class Trainer:
         elif acc._resilience is not None:  # `impel launch --auto_resume`: resume before the loop is planned
             resumed = acc._resilience.resume_now()
         if resumed:
-            state.last_checkpoint = resumed
-            self._window = torch.tensor([state.loss_sum, state.loss_count], dtype=torch.float64, device=acc.device)
+            self._after_resume(resumed)
         self._open_trackers()
         self.control = TrainerControl()
         self._grad_norm: torch.Tensor | None = None
@@ -282,14 +265,31 @@ class Trainer:
             self._train_epoch()
         runtime = time.perf_counter() - started
         metrics = self._final_metrics(runtime, state.global_step - start_step, state.samples_seen - start_samples)
+        if self.args.load_best_model_at_end and state.best_model_checkpoint is not None:
+            load_best_model(acc, self.model, state.best_model_checkpoint)
+        if self.args.save_total_limit == 1:
+            keep_only_best(state, acc, self.args.save_on_each_node)
         self._event("on_train_end")
         self._finish(metrics)
         return TrainOutput(state.global_step, metrics["train_loss"], metrics)
 
+    def _after_resume(self, checkpoint: str) -> None:
+        """Settle what a restored TrainerState refers to (transformers forgets a best checkpoint gone from disk)."""
+        state = self.state
+        state.last_checkpoint = checkpoint
+        self._window = torch.tensor([state.loss_sum, state.loss_count], dtype=torch.float64,
+                                    device=self.accelerator.device)
+        state.checkpoints = {step: path for step, path in state.checkpoints.items() if os.path.isdir(path)}
+        if state.best_model_checkpoint is not None and not os.path.isdir(state.best_model_checkpoint):
+            logger.warning("the best checkpoint %s recorded in the resumed state does not exist anymore; ignoring it",
+                           state.best_model_checkpoint)
+            state.best_model_checkpoint = None
+        if self.args.restore_callback_states_from_checkpoint:
+            restore_states(self.callback_handler.callbacks, state.stateful_callbacks)
+
     def _train_epoch(self) -> None:
-        loader, state, control = self.train_dataloader, self.state, self.control
+        loader, state = self.train_dataloader, self.state
         self._event("on_epoch_begin")
-        control.should_epoch_stop = False
         batches = 0
         per_step = self.args.per_device_train_batch_size * self.accelerator.num_processes
         for batch in loader:
@@ -303,20 +303,22 @@ class Trainer:
                 state.global_step += 1
                 state.epoch = self._epoch_progress(loader)
                 self._after_step()
-                if control.should_training_stop:
-                    break
-                if control.should_epoch_stop:  # a callback ends this epoch early: the next pass is a new epoch
-                    loader.set_epoch(loader.epoch + 1)
-                    break
+            else:
+                self._event("on_substep_end")
+            if self.control.should_training_stop:
+                break
+            if self.control.should_epoch_stop:  # a callback ends this epoch early: the next pass is a new epoch
+                loader.set_epoch(loader.epoch + 1)
+                break
         # a resume from a checkpoint taken on an epoch's last batch replays an empty rest of that epoch, once
         self._empty_passes = 0 if batches else self._empty_passes + 1
         if self._empty_passes > 1:
             raise ConfigError("the training dataloader produced no batches (an empty train_dataset, or "
                               "dataloader_drop_last=True with fewer samples than one global batch)")
         state.epoch = self._epoch_progress(loader)
-        control.should_evaluate = self.args.eval_strategy == "epoch"
-        control.should_save = self.args.save_strategy == "epoch"
-        control.should_log = False
+        control = self.control
+        control.should_evaluate = control.should_evaluate or self.args.eval_strategy == "epoch"
+        control.should_save = control.should_save or self.args.save_strategy == "epoch"
         self._event("on_epoch_end")
         self._act()
 
@@ -327,26 +329,30 @@ class Trainer:
             return float(loader.epoch)
 
     def _after_step(self) -> None:
+        """transformers' DefaultFlowCallback (it runs first, so later callbacks see its flags), then act."""
         args, state, control = self.args, self.state, self.control
-        control.reset_step()
         step, last = state.global_step, state.global_step >= state.max_steps
-        control.should_log = step % state.logging_steps == 0 or (args.logging_first_step and step == 1) or last
-        control.should_evaluate = args.eval_strategy == "steps" and (step % state.eval_steps == 0 or last)
-        control.should_save = args.save_strategy == "steps" and (step % state.save_steps == 0 or last)
+        if step % state.logging_steps == 0 or (args.logging_first_step and step == 1) or last:
+            control.should_log = True
+        if args.eval_strategy == "steps" and (step % state.eval_steps == 0 or last):
+            control.should_evaluate = True
+        if args.save_strategy == "steps" and (step % state.save_steps == 0 or last):
+            control.should_save = True
         control.should_training_stop = control.should_training_stop or last
         self._event("on_step_end")
         self._act()
 
     def _act(self) -> None:
-        """Log, evaluate and save as ``control`` says (after the callbacks had their say)."""
-        control = self.control
-        if control.should_log:
+        """Log, evaluate (and track the best metric), save, as ``control`` says after the callbacks had their say."""
+        if self.control.should_log:
             self._log_window()
-        if control.should_evaluate and self.eval_dataloader is not None:
-            self.evaluate()
-        if control.should_save:
+        if self.control.should_evaluate and self.eval_dataloader is not None:
+            is_best = update_best(self.args, self.state, self.evaluate())
+            if self.args.save_strategy == "best":
+                self.control.should_save = is_best
+        if self.control.should_save:
             self._save_checkpoint()
-        control.reset_step()
+        self.control.reset_step()
 
     def _log_window(self) -> None:
         window = self.accelerator.reduce(self._window, "sum")  # loss averaged over every rank's micro-steps
@@ -360,9 +366,15 @@ class Trainer:
         self.log(logs)
 
     def _save_checkpoint(self) -> None:
-        window = self.accelerator.reduce(self._window, "mean")  # the unlogged window, the same on every rank
-        self.state.loss_sum, self.state.loss_count = float(window[0]), round(float(window[1]))
-        self.state.last_checkpoint = self.accelerator.save_state()
+        """``save_state`` with the TrainerState inside already naming this checkpoint (and the best), then
+        rotation that keeps the newest and the best."""
+        acc, state = self.accelerator, self.state
+        window = acc.reduce(self._window, "mean")  # the unlogged window, the same on every rank
+        state.loss_sum, state.loss_count = float(window[0]), round(float(window[1]))
+        note_save(state, next_checkpoint_path(acc))
+        state.stateful_callbacks = export_states(self.callback_handler.callbacks)
+        state.last_checkpoint = acc.save_state()
+        rotate_checkpoints(state, acc, self.args.save_total_limit, self.args.save_on_each_node)
         self._event("on_save")
 
     def _final_metrics(self, runtime: float, steps: int, samples: int) -> dict[str, float]:
@@ -375,61 +387,79 @@ class Trainer:
         return metrics
 
     def _finish(self, metrics: dict[str, float]) -> None:
-        plot_path = self._write_plot()
+        """On the main process: ``output_dir/loss.png`` (as ``args.plot_loss`` says) and the summary."""
         if self.accelerator.is_main_process:
-            print(format_summary(self.state, self.accelerator, metrics, self._last_eval(),
-                                 os.path.join(self.args.output_dir, METRICS_FILE), plot_path), flush=True)
+            out = self.args.output_dir
+            plot_path = write_loss_plot(self.state.log_history, os.path.join(out, PLOT_FILE), self.args.plot_loss)
+            print(format_summary(self.state, self.accelerator, metrics, os.path.join(out, METRICS_FILE), plot_path),
+                  flush=True)
         for tracker in self.trackers:
             tracker.finish()
         self.trackers = []
         self.accelerator.wait_for_everyone()
 
-    def _last_eval(self) -> dict[str, float]:
-        for row in reversed(self.state.log_history):
-            if any(k.startswith("eval_") for k in row):
-                return {k: v for k, v in row.items() if k.startswith("eval_") and not k.endswith(
-                    ("_runtime", "_per_second"))}
-        return {}
-
-    def _write_plot(self) -> str | None:
-        """``output_dir/loss.png`` on the main process, as ``args.plot_loss`` says (see TrainingArguments)."""
-        if not self.accelerator.is_main_process:
-            return None
-        return write_loss_plot(self.state.log_history, os.path.join(self.args.output_dir, PLOT_FILE),
-                               self.args.plot_loss)
-
     # --- evaluation -----------------------------------------------------------------------------------------
-    def evaluate(self, eval_dataset: Any = None, metric_key_prefix: str = "eval") -> dict[str, float]:
+    def evaluate(self, eval_dataset: Any = None, ignore_keys: list[str] | None = None,
+                 metric_key_prefix: str = "eval") -> dict[str, float]:
         """Loss (and ``compute_metrics``) over the whole eval set, gathered from every rank; logged and returned."""
         self._setup()
-        acc = self.accelerator
-        if eval_dataset is None:
-            if self.eval_dataloader is None:
-                raise ConfigError("evaluate() needs an eval_dataset (pass it to Trainer or to evaluate())")
-            metrics = self.evaluation_loop(self.eval_dataloader, metric_key_prefix)
-        else:
-            if self.args.remove_unused_columns:
-                eval_dataset = remove_unused_columns(eval_dataset, acc.unwrap_model(self.model), self.label_names,
-                                                     "evaluation")
-            loader = acc.prepare(self.get_eval_dataloader(eval_dataset))
-            try:
-                metrics = self.evaluation_loop(loader, metric_key_prefix)
-            finally:  # a one-off loader must not become part of the checkpointed state
-                acc._dataloaders.remove(loader)
+        if eval_dataset is None and self.eval_dataloader is None:
+            raise ConfigError("evaluate() needs an eval_dataset (pass it to Trainer or to evaluate())")
+        with self._loader_for(eval_dataset) as loader:
+            metrics = self.evaluation_loop(loader, "Evaluation", ignore_keys=ignore_keys,
+                                           metric_key_prefix=metric_key_prefix).metrics
         self.log(metrics)
         self._event("on_evaluate", metrics=metrics)
         return metrics
 
-    def evaluation_loop(self, loader: Any, prefix: str = "eval") -> dict[str, float]:
-        """Metrics over one prepared loader (see :func:`impel.trainer.evaluation.evaluate_batches`)."""
+    def predict(self, test_dataset: Any, ignore_keys: list[str] | None = None,
+                metric_key_prefix: str = "test") -> PredictionOutput:
+        """Predictions over ``test_dataset``, gathered from every rank (each sample once, in order): transformers'
+        ``PredictionOutput(predictions, label_ids, metrics)``; metrics (``test_loss``, ``compute_metrics``) need
+        labels in the data. Not logged; callbacks get ``on_predict``."""
+        self._setup()
+        with self._loader_for(test_dataset) as loader:
+            output = self.evaluation_loop(loader, "Prediction", prediction_loss_only=False, ignore_keys=ignore_keys,
+                                          metric_key_prefix=metric_key_prefix)
+        self._event("on_predict", metrics=output.metrics)
+        return PredictionOutput(output.predictions, output.label_ids, output.metrics)
+
+    @contextlib.contextmanager
+    def _loader_for(self, dataset: Any) -> Iterator[Any]:
+        """The prepared eval loader, or a one-off loader for ``dataset`` that is not kept in the checkpointed
+        state afterwards."""
+        if dataset is None:
+            yield self.eval_dataloader
+            return
+        acc = self.accelerator
+        if self.args.remove_unused_columns:
+            dataset = remove_unused_columns(dataset, acc.unwrap_model(self.model), self.label_names, "evaluation")
+        loader = acc.prepare(self.get_eval_dataloader(dataset))
+        try:
+            yield loader
+        finally:  # a one-off loader must not become part of the checkpointed state
+            acc._dataloaders.remove(loader)
+
+    def evaluation_loop(self, dataloader: Any, description: str = "Evaluation",
+                        prediction_loss_only: bool | None = None, ignore_keys: list[str] | None = None,
+                        metric_key_prefix: str = "eval") -> EvalLoopOutput:
+        """Metrics (and, unless ``prediction_loss_only``, gathered predictions and labels) over one prepared loader;
+        see :func:`impel.trainer.evaluation.evaluate_batches`. ``prediction_loss_only=None``: gather predictions only
+        when there is a ``compute_metrics``. ``ignore_keys`` default: the model config's
+        ``keys_to_ignore_at_inference``."""
 
         def forward(batch: Any, has_labels: bool) -> tuple[Any, Any]:
             if has_labels:
                 return self.compute_loss(self.model, batch, return_outputs=True)
             return None, self.model(**batch)
 
-        return evaluate_batches(self.accelerator, self.model, loader, forward, self.label_names,
-                                self.compute_metrics, prefix)
+        if ignore_keys is None:
+            config = getattr(self.accelerator.unwrap_model(self.model), "config", None)
+            ignore_keys = list(getattr(config, "keys_to_ignore_at_inference", None) or [])
+        collect = None if prediction_loss_only is None else not prediction_loss_only
+        return evaluate_batches(self.accelerator, self.model, dataloader, forward, self.label_names,
+                                self.compute_metrics, metric_key_prefix, collect=collect, ignore_keys=ignore_keys,
+                                on_batch=lambda: self._event("on_prediction_step"))
 
     # --- saving ---------------------------------------------------------------------------------------------
     def save_model(self, output_dir: str | os.PathLike[str] | None = None) -> str:

@@ -29,7 +29,7 @@ def test_set_knobs_are_passed_through():
     kwargs = accelerator_kwargs(TrainingArguments(bf16=True, gradient_accumulation_steps=4, use_cpu=True,
                                                   save_total_limit=2))
     assert (kwargs["mixed_precision"], kwargs["gradient_accumulation_steps"], kwargs["cpu"]) == ("bf16", 4, True)
-    assert kwargs["project_config"].total_limit == 2
+    assert kwargs["project_config"].total_limit is None  # the Trainer rotates, keeping the best (test_trainer_best)
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -38,7 +38,7 @@ def test_set_knobs_are_passed_through():
     ({"warmup_steps": 10, "warmup_ratio": 0.1}, "set only one of them"),
     ({"warmup_steps": 2.5}, "whole number of steps"),
     ({"eval_strategy": "step"}, "did you mean 'steps'"),
-    ({"save_strategy": "best"}, "use 'steps' or 'epoch'"),
+    ({"save_strategy": "best"}, "save_strategy='best' needs metric_for_best_model"),
     ({"per_device_train_batch_size": 0}, "per_device_train_batch_size=0 must be an integer >= 1"),
     ({"gradient_accumulation_steps": 0}, "or None"),
     ({"learning_rate": -1.0}, "learning_rate=-1.0 must be a number >= 0"),
