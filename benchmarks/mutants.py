@@ -50,7 +50,7 @@ class Mutant:
 
 
 ACCUMULATION = (MP + "test_accumulation_and_schedule.py", UNIT + "test_gradient_accumulation.py")
-DATA = (UNIT + "test_data_sharding.py",)
+DATA = (UNIT + "test_data_sharding.py", UNIT + "test_data_resume.py")
 OPTIM = (UNIT + "test_optimizer_and_scheduler.py", MP + "test_accumulation_and_schedule.py")
 CKPT = (UNIT + "test_checkpoint_layout.py", UNIT + "test_checkpoint_marker.py")
 CONFIG = (UNIT + "test_config.py", UNIT + "test_fsdp_config.py")

@@ -134,11 +134,9 @@ class TensorBoardTracker(GeneralTracker):
         self.writer.close()
 
 
-class WandBTracker(GeneralTracker):
-    """A W&B run in the project ``run_name`` (kwargs go to ``wandb.init``: ``name``, ``entity``, ``tags``, ``dir``,
-    ``mode``...). W&B stores strings, dicts and non-finite numbers itself."""
+class _ProjectRunTracker(GeneralTracker):
+    """A run object in the project ``run_name``, from ``_init(project=..., **init_kwargs)`` (W&B, trackio)."""
 
-    name = "wandb"
     requires_logging_directory = False
 
     def __init__(self, run_name: str, **kwargs: Any) -> None:
@@ -146,27 +144,44 @@ class WandBTracker(GeneralTracker):
         self.run_name, self.init_kwargs = run_name, kwargs
         self.run: Any = None
 
+    def _init(self, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+    def _prepare(self, values: Mapping[str, Any]) -> Any:
+        return values
+
     @on_main_process
     def start(self) -> None:
-        import wandb
-
-        self.run = wandb.init(project=self.run_name, **self.init_kwargs)
+        self.run = self._init(project=self.run_name, **self.init_kwargs)
 
     @property
     def tracker(self) -> Any:
         return self.run
 
     @on_main_process
-    def store_init_configuration(self, values: dict[str, Any]) -> None:
-        self.run.config.update(values, allow_val_change=True)
-
-    @on_main_process
     def log(self, values: Mapping[str, Any], step: int | None = None, **kwargs: Any) -> None:
-        self.run.log(values, step=step, **kwargs)  # as given: W&B takes tensors, arrays and its media objects
+        self.run.log(self._prepare(values), step=step, **kwargs)
 
     @on_main_process
     def finish(self) -> None:
         self.run.finish()
+
+
+class WandBTracker(_ProjectRunTracker):
+    """A W&B run in the project ``run_name`` (kwargs go to ``wandb.init``: ``name``, ``entity``, ``tags``, ``dir``,
+    ``mode``...). W&B stores strings, dicts and non-finite numbers itself; values go as given (tensors, arrays and
+    its media objects included)."""
+
+    name = "wandb"
+
+    def _init(self, **kwargs: Any) -> Any:
+        import wandb
+
+        return wandb.init(**kwargs)
+
+    @on_main_process
+    def store_init_configuration(self, values: dict[str, Any]) -> None:
+        self.run.config.update(values, allow_val_change=True)
 
 
 class MLflowTracker(GeneralTracker):
@@ -249,35 +264,19 @@ class MLflowTracker(GeneralTracker):
         mlflow.end_run()
 
 
-class TrackioTracker(GeneralTracker):
+class TrackioTracker(_ProjectRunTracker):
     """A trackio run in the project ``run_name`` (kwargs go to ``trackio.init``: ``name``, ``space_id``...)."""
 
     name = "trackio"
-    requires_logging_directory = False
 
-    def __init__(self, run_name: str, **kwargs: Any) -> None:
-        super().__init__()
-        self.run_name, self.init_kwargs = run_name, kwargs
-        self.run: Any = None
-
-    @on_main_process
-    def start(self) -> None:
+    def _init(self, **kwargs: Any) -> Any:
         import trackio
 
-        self.run = trackio.init(project=self.run_name, **self.init_kwargs)
+        return trackio.init(**kwargs)
 
-    @property
-    def tracker(self) -> Any:
-        return self.run
+    def _prepare(self, values: Mapping[str, Any]) -> Any:
+        return plain(values)
 
     @on_main_process
     def store_init_configuration(self, values: dict[str, Any]) -> None:
         self.run.config.update(plain(values))
-
-    @on_main_process
-    def log(self, values: Mapping[str, Any], step: int | None = None, **kwargs: Any) -> None:
-        self.run.log(plain(values), step=step, **kwargs)
-
-    @on_main_process
-    def finish(self) -> None:
-        self.run.finish()
