@@ -31,12 +31,13 @@ from . import collectives, env
 from .accumulation import GradientState, MicroStep
 from .checkpoint.checkpointer import Checkpointer, resolve_project_configuration
 from .checkpoint.options import load_options, save_options
-from .compile import Compiler, TorchDynamoPlugin, dynamo_code_arguments, uncompiled, unwrap
-from .config import ConfigError, DistributedType, RunConfig, merge_code_arguments
+from .compile import Compiler, TorchDynamoPlugin, uncompiled, unwrap
+from .config import ConfigError, DistributedType, RunConfig
 from .data import DataLoaderShard, shard_dataloader, skip_first_batches
 from .ddp_hooks import refuse_hook_without_ddp
 from .model import ForwardContext, is_prepared, patch_forward
 from .optimizer import AcceleratedOptimizer, AcceleratedScheduler
+from .prepared import Prepared, TrainingRun
 from .plugins import (
     DataLoaderConfiguration,
     DeepSpeedPlugin,
@@ -49,7 +50,8 @@ from .process_utilities import ProcessUtilities
 from .resilience import Resilience
 from .run_settings import RunSettings
 from .seeding import check_rng_types
-from .shared_state import AcceleratorState
+from .resolve import RunArguments, resolve
+from .shared_state import AcceleratorState, current_topology
 from .strategies.base import Strategy, load_strategy
 from .tracking import AcceleratorTrackers
 
@@ -81,24 +83,15 @@ class Accelerator(ProcessUtilities, RunSettings):
                  deepspeed_plugin: DeepSpeedPlugin | None = None, nonfinite_loss: str | None = None,
                  log_with: Any = None, rng_types: Sequence[str] | None = None,
                  dynamo_backend: Any = None, dynamo_plugin: TorchDynamoPlugin | None = None) -> None:
-        if gradient_accumulation_plugin is not None and gradient_accumulation_steps not in (None, 1):
-            raise ConfigError("pass either gradient_accumulation_steps or gradient_accumulation_plugin, not both")
-        if gradient_accumulation_plugin is not None:
-            gradient_accumulation_steps = gradient_accumulation_plugin.num_steps
-        code: dict[str, Any] = {"mixed_precision": mixed_precision, "use_cpu": cpu or None,
-                                "gradient_accumulation_steps": gradient_accumulation_steps,
-                                "nonfinite_loss": nonfinite_loss}
-        if fsdp_plugin is not None and deepspeed_plugin is not None:
-            raise ConfigError("pass either fsdp_plugin or deepspeed_plugin, not both")
-        if fsdp_plugin is not None:
-            code.update(fsdp_plugin.code_arguments(mixed_precision))
-        if deepspeed_plugin is not None:
-            code.update(deepspeed_plugin.code_arguments(gradient_accumulation_steps))
-        code.update(dynamo_code_arguments(dynamo_backend, dynamo_plugin))  # torch.compile: impel.compile
-        self.config: RunConfig = merge_code_arguments(env.read_launch_config(), code)
-        self.handlers = Handlers.collect(kwargs_handlers)
+        # resolve: every value settled (launch config, these arguments, plugins, DeepSpeed JSON) before any object
+        args = RunArguments(mixed_precision, cpu, gradient_accumulation_steps, gradient_accumulation_plugin,
+                            nonfinite_loss, fsdp_plugin, deepspeed_plugin, dynamo_backend, dynamo_plugin,
+                            kwargs_handlers)
+        self.record = resolve(env.read_launch_config(), args, current_topology())
+        self.config: RunConfig = self.record.config  # read-only from here on
+        self.handlers = self.record.handlers
+        self.distributed_type = self.record.distributed_type
         self._tracking = AcceleratorTrackers(log_with)  # unknown or missing tracker packages raise now
-        self.handlers.extra["deepspeed_plugin"] = deepspeed_plugin  # its dict JSON stays in the process
         self.dataloader_config = dataloader_config or DataLoaderConfiguration()
         if split_batches is not None:
             self.dataloader_config.split_batches = bool(split_batches)
@@ -107,50 +100,24 @@ class Accelerator(ProcessUtilities, RunSettings):
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
         self.step_scheduler_per_process = step_scheduler_per_process
         self.cast_outputs_to_fp32 = cast_outputs_to_fp32
+        self.project_configuration = resolve_project_configuration(project_dir, project_config)
+        self._warn_unused_handlers()
+        # build: each part gets what it needs in its constructor
         init = self.handlers.init
-        cpu_only = self.config.use_cpu or self.config.distributed_type == "MULTI_CPU"
-        self.state = AcceleratorState(cpu=cpu_only, backend=init.backend if init else None,
+        self.state = AcceleratorState(cpu=self.record.cpu_only, backend=init.backend if init else None,
                                       timeout=init.timeout if init else None,
                                       init_method=init.init_method if init else None)
-        self.state.attach(self)
-        self._check_topology()
-        self.distributed_type = self._resolve_distributed_type()
-        self._warn_unused_handlers()
-        self._compiler = Compiler.create(self.config, dynamo_plugin, self.device, self.distributed_type, self.handlers)
-        # The strategy first: DeepSpeed may adopt accumulation steps and precision from its JSON into the config.
-        self.strategy: Strategy = load_strategy(self.distributed_type, self.state, self.config, self.handlers)
-        plugin = gradient_accumulation_plugin or GradientAccumulationPlugin(self.config.gradient_accumulation_steps)
-        self.gradient_state = GradientState(plugin)
-        self.strategy.gradient_state = self.gradient_state
-        self._models: list[nn.Module] = []
-        self._optimizers: list[AcceleratedOptimizer] = []
-        self._schedulers: list[AcceleratedScheduler] = []
-        self._dataloaders: list[DataLoaderShard] = []
-        self.project_configuration = resolve_project_configuration(project_dir, project_config)
-        self._checkpointer = Checkpointer(self.project_configuration)
-        self._resilience = Resilience.create(self)  # None unless auto_resume or nonfinite_loss is on
-
-    # --- configuration checks ---------------------------------------------------------------------------------
-    def _check_topology(self) -> None:
-        wanted = self.config.num_processes
-        launched = env.read_launch_config() or {}
-        if "num_processes" in launched and wanted is not None and wanted != self.state.num_processes:
-            raise ConfigError(f"the launch config says num_processes={wanted} but this job has WORLD_SIZE="
-                              f"{self.state.num_processes}; relaunch with impel launch or fix the config")
-
-    def _resolve_distributed_type(self) -> DistributedType:
-        asked = self.config.distributed_type
-        world = self.state.num_processes
-        plain = "NO" if world == 1 else ("MULTI_GPU" if self.state.device.type == "cuda" else "MULTI_CPU")
-        if asked in (None, "NO", "MULTI_CPU", "MULTI_GPU"):
-            if asked == "NO" and world > 1:
-                raise ConfigError(f"distributed_type='NO' but {world} processes were launched; set "
-                                  "distributed_type to MULTI_CPU/MULTI_GPU or launch one process")
-            if asked == "MULTI_GPU" and world > 1 and self.state.device.type != "cuda":
-                raise ConfigError("distributed_type='MULTI_GPU' but no CUDA device is visible; use MULTI_CPU "
-                                  "(--cpu) or run on GPU machines")
-            return DistributedType(plain)
-        return DistributedType(asked)
+        self.gradient_state = GradientState(self.record.accumulation)
+        self.strategy: Strategy = load_strategy(self.record, self.state, self.gradient_state)
+        self._compiler = Compiler(self.record.dynamo_plugin, self.distributed_type)
+        self._compiler.configure_backends(self.config.mixed_precision, self.device)
+        self.state.attach(self, self.record.dynamo_plugin)
+        self.prepared = Prepared()  # handed to the checkpointer, the resilience logic and the Trainer
+        run = TrainingRun(self.prepared, self.strategy, self.gradient_state, self.state, self.distributed_type,
+                          self.config.mixed_precision)
+        self._checkpointer = Checkpointer(self.project_configuration, run)
+        # None unless auto_resume or nonfinite_loss is on
+        self._resilience = Resilience.create(self.config, self.project_configuration, run, self._checkpointer)
 
     def _warn_unused_handlers(self) -> None:
         h = self.handlers
@@ -171,7 +138,30 @@ class Accelerator(ProcessUtilities, RunSettings):
 
     @property
     def optimizer_step_was_skipped(self) -> bool:
-        return any(opt.step_was_skipped for opt in self._optimizers)
+        return any(opt.step_was_skipped for opt in self.prepared.optimizers)
+
+    # Accelerate's private lists, which some libraries read: views of the prepared record
+    @property
+    def _models(self) -> list[nn.Module]:
+        return self.prepared.models
+
+    @property
+    def _optimizers(self) -> list[AcceleratedOptimizer]:
+        return self.prepared.optimizers
+
+    @property
+    def _schedulers(self) -> list[AcceleratedScheduler]:
+        return self.prepared.schedulers
+
+    @property
+    def _dataloaders(self) -> list[DataLoaderShard]:
+        return self.prepared.dataloaders
+
+    @property
+    def log_with(self) -> list[Any]:
+        """The tracker names and ``GeneralTracker`` instances asked for with ``Accelerator(log_with=...)`` (``"all"``
+        expanded)."""
+        return self._tracking.log_with
 
     @property
     def split_batches(self) -> bool:
@@ -195,7 +185,7 @@ class Accelerator(ProcessUtilities, RunSettings):
             if kind == "dataloader" and not isinstance(args[i], DataLoaderShard):
                 result[i] = self.prepare_data_loader(args[i], device_placement=places[i])
         if models or optims:
-            self.strategy.before_setup(self._dataloaders, [a for a, k in zip(args, kinds) if k == "scheduler"])
+            self.strategy.before_setup(self.prepared.dataloaders, [a for a, k in zip(args, kinds) if k == "scheduler"])
             wrapped_models, wrapped_optims = self.strategy.setup(
                 [args[i] for i in models], [args[i] for i in optims], [places[i] for i in models])
             for i, model in zip(models, wrapped_models):
@@ -232,13 +222,13 @@ class Accelerator(ProcessUtilities, RunSettings):
             patch_forward(inner, ForwardContext(self.strategy, self.gradient_state, autocast, track=False))
             patch_forward(model, ForwardContext(self.strategy, self.gradient_state, None, track=True,
                                                 cast_outputs=cast))
-        self._models.append(model)  # uncompiled: checkpoints keep the original parameter names
+        self.prepared.models.append(model)  # uncompiled: checkpoints keep the original parameter names
         return self._compiler.prepared(model, self.strategy)
 
     def _finish_optimizer(self, optimizer: torch.optim.Optimizer) -> AcceleratedOptimizer:
         wrapped = AcceleratedOptimizer(optimizer, self.strategy, self.gradient_state)
         wrapped.guard = self._resilience
-        self._optimizers.append(wrapped)
+        self.prepared.optimizers.append(wrapped)
         return wrapped
 
     def prepare_model(self, model: nn.Module, device_placement: bool | None = None) -> nn.Module:
@@ -255,7 +245,7 @@ class Accelerator(ProcessUtilities, RunSettings):
                                  device=self.device if place else None, config=self.dataloader_config,
                                  gradient_state=self.gradient_state, rng_types=self.rng_types)
         shard.hooks = self._resilience
-        self._dataloaders.append(shard)
+        self.prepared.dataloaders.append(shard)
         return shard
 
     def prepare_scheduler(self, scheduler: Any) -> AcceleratedScheduler:
@@ -263,13 +253,13 @@ class Accelerator(ProcessUtilities, RunSettings):
             return scheduler
         scheduler = self.strategy.resolve_scheduler(scheduler)
         target = getattr(scheduler, "optimizer", None)
-        opts = [o for o in self._optimizers if o is target or o.optimizer is target]
+        opts = [o for o in self.prepared.optimizers if o is target or o.optimizer is target]
         # As Accelerate: N ranks consume N batches per step, so the scheduler steps N times (scripts size it so).
         per_process = (self.step_scheduler_per_process and not self.dataloader_config.split_batches
                        and self.strategy.scheduler_steps_per_process)
         wrapped = AcceleratedScheduler(scheduler, opts, self.gradient_state, self.step_scheduler_with_optimizer,
                                        self.num_processes if per_process else 1)
-        self._schedulers.append(wrapped)
+        self.prepared.schedulers.append(wrapped)
         return wrapped
 
     # --- the training step ------------------------------------------------------------------------------------
@@ -319,10 +309,10 @@ class Accelerator(ProcessUtilities, RunSettings):
     def _inner_optimizers(self) -> list[torch.optim.Optimizer]:
         # The scaler keys its unscale bookkeeping by optimizer identity, and the strategy steps the inner one:
         # unscaling the wrapper would unscale twice (once here, again in scaler.step).
-        return [opt.optimizer for opt in self._optimizers]
+        return self.prepared.inner_optimizers()
 
     def unscale_gradients(self, optimizer: torch.optim.Optimizer | None = None) -> None:
-        targets = self._optimizers if optimizer is None else [optimizer]
+        targets = self.prepared.optimizers if optimizer is None else [optimizer]
         for opt in targets:
             self.strategy.unscale_gradients(opt.optimizer if isinstance(opt, AcceleratedOptimizer) else opt)
 
@@ -340,7 +330,7 @@ class Accelerator(ProcessUtilities, RunSettings):
     def precision_report(self, print_report: bool = False) -> PrecisionReport:
         """The dtypes in effect for the prepared models and optimizers (stored parameters, compute, gradients,
         reduction, optimizer states); ``print_report=True`` also prints it on the main process."""
-        report = self.strategy.precision_report(self._models, self._inner_optimizers())
+        report = self.strategy.precision_report(self.prepared.models, self._inner_optimizers())
         if print_report:
             self.print(report)
         return report
@@ -388,14 +378,14 @@ class Accelerator(ProcessUtilities, RunSettings):
         """Save everything an exact resume needs, atomically; collective (call on every rank). Returns the path.
         Extra keyword arguments go to DeepSpeed's ``engine.save_checkpoint`` (elsewhere they raise)."""
         options = save_options(save_model_func_kwargs, self.distributed_type == DistributedType.DEEPSPEED)
-        return self._checkpointer.save(self, output_dir, safe_serialization, options)
+        return self._checkpointer.save(output_dir, safe_serialization, options)
 
     def load_state(self, input_dir: str | os.PathLike[str] | None = None, load_kwargs: dict[str, Any] | None = None,
                    **load_model_func_kwargs: Any) -> str:
         """Restore a ``save_state`` checkpoint (the newest complete one by default); collective. Returns the path.
         ``strict=False`` lets model keys differ; other keywords as Accelerate's (impel.checkpoint.options)."""
         options = load_options(load_kwargs, load_model_func_kwargs, self.distributed_type == DistributedType.DEEPSPEED)
-        return self._checkpointer.load(self, input_dir, options)
+        return self._checkpointer.load(input_dir, options)
 
     def register_for_checkpointing(self, *objects: Any) -> None:
         """Save and load these objects (each needs ``state_dict``/``load_state_dict``) with the training state."""
@@ -409,15 +399,18 @@ class Accelerator(ProcessUtilities, RunSettings):
         """``hook(models, input_dir)`` runs before models are loaded; returns a removable handle."""
         return self._checkpointer.add_hook(self._checkpointer.load_hooks, hook)
 
+    def resume_from_auto_checkpoint(self) -> str | None:
+        """impel: with ``auto_resume``, load the newest complete checkpoint now rather than when the first prepared
+        dataloader starts (the Trainer calls this before it plans its loop). Returns its path; None without
+        ``auto_resume``, without a checkpoint, or when the resume already happened."""
+        return self._resilience.resume_now() if self._resilience is not None else None
+
     def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
         return skip_first_batches(dataloader, num_batches)
 
     def free_memory(self, *objects: Any) -> list[Any]:
         """Drop impel's references to prepared objects and release cached device memory."""
-        self._models.clear()
-        self._optimizers.clear()
-        self._schedulers.clear()
-        self._dataloaders.clear()
+        self.prepared.clear()
         self.step = 0
         gc.collect()
         if torch.cuda.is_available():

@@ -28,7 +28,7 @@ import os
 import shutil
 import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -41,8 +41,12 @@ from .plugins import KwargsHandler
 
 if TYPE_CHECKING:
     from .config import RunConfig
-    from .plugins import Handlers
-    from .strategies.base import Strategy
+
+class Unwrapping(Protocol):
+    """What compiling needs of a strategy (impel.strategies.base.Strategy has it; this module sits below them)."""
+
+    def unwrap_model(self, model: nn.Module) -> nn.Module: ...
+
 
 __all__ = ["DynamoBackend", "TorchDynamoPlugin", "has_compiled_regions", "is_compiled_module"]
 
@@ -204,6 +208,23 @@ class _CompiledForward(ForwardContext):
         super().before_forward(model._orig_mod)
 
 
+def settle_dynamo(config: RunConfig, given: TorchDynamoPlugin | None, device: torch.device,
+                  distributed_type: str) -> TorchDynamoPlugin:
+    """The plugin from the merged config (code > launch > defaults), checked to run here and with this strategy."""
+    section = config.dynamo_config or DynamoConfig()
+    extras = {"options": given.options, "disable": given.disable} if given is not None else {}
+    plugin = TorchDynamoPlugin(backend=section.backend, mode=section.mode, fullgraph=section.use_fullgraph,
+                               dynamic=section.use_dynamic, use_regional_compilation=section.use_regional_compilation,
+                               **extras)
+    if plugin.backend != DynamoBackend.NO and not plugin.disable:
+        if distributed_type == DistributedType.DEEPSPEED:
+            raise ConfigError(f"dynamo_backend={plugin.backend.value.lower()!r} under DeepSpeed is not supported "
+                              "yet: impel does not compile a DeepSpeed engine; drop dynamo_backend (or "
+                              "dynamo_config), or train with FSDP (--use_fsdp) or DDP")
+        check_backend(plugin.backend, device)
+    return plugin
+
+
 class Compiler:
     """The resolved compile settings of one Accelerator and where they are applied (see the module docstring)."""
 
@@ -211,33 +232,17 @@ class Compiler:
         self.plugin = plugin
         self.distributed_type = distributed_type
 
-    @classmethod
-    def create(cls, config: RunConfig, given: TorchDynamoPlugin | None, device: torch.device,
-               distributed_type: str, handlers: Handlers) -> Compiler:
-        """Settle the plugin from the merged config (code > launch > defaults) and check it can run here."""
-        section = config.dynamo_config or DynamoConfig()
-        extras = {"options": given.options, "disable": given.disable} if given is not None else {}
-        plugin = TorchDynamoPlugin(backend=section.backend, mode=section.mode, fullgraph=section.use_fullgraph,
-                                   dynamic=section.use_dynamic,
-                                   use_regional_compilation=section.use_regional_compilation, **extras)
-        compiler = cls(plugin, str(distributed_type))
-        handlers.extra["compiler"] = compiler  # the FSDP strategy compiles blocks before sharding
-        if compiler.active:
-            if compiler.distributed_type == DistributedType.DEEPSPEED:
-                raise ConfigError(f"dynamo_backend={plugin.backend.value.lower()!r} under DeepSpeed is not supported "
-                                  "yet: impel does not compile a DeepSpeed engine; drop dynamo_backend (or "
-                                  "dynamo_config), or train with FSDP (--use_fsdp) or DDP")
-            check_backend(plugin.backend, device)
-            if config.mixed_precision == "no" and device.type == "cuda":  # as Accelerate: compiled fp32 uses TF32
-                torch.backends.cuda.matmul.allow_tf32 = True
-        return compiler
+    def configure_backends(self, mixed_precision: str, device: torch.device) -> None:
+        """As Accelerate: a compiled fp32 run on CUDA uses TF32 matmuls (called once, by the Accelerator)."""
+        if self.active and mixed_precision == "no" and device.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = True
 
     @property
     def active(self) -> bool:
         return self.plugin.backend != DynamoBackend.NO and not self.plugin.disable
 
     # --- applying it ----------------------------------------------------------------------------------------
-    def prepared(self, model: nn.Module, strategy: Strategy) -> nn.Module:
+    def prepared(self, model: nn.Module, strategy: Unwrapping) -> nn.Module:
         """Compile a prepared (wrapped and forward-patched) model; returns what ``prepare`` hands back."""
         if not self.active or self.distributed_type == DistributedType.FSDP:
             return model  # FSDP: compiled per block in the strategy, before sharding
@@ -283,13 +288,6 @@ class Compiler:
             target.compile(**kwargs)
 
 
-def compile_before_shard(model: nn.Module, handlers: Handlers) -> None:
-    """The FSDP strategy's hook: per-block compile of ``model`` when the Accelerator asks for torch.compile."""
-    compiler = handlers.extra.get("compiler")
-    if compiler is not None:
-        compiler.before_shard(model)
-
-
 # --- regions, unwrapping -----------------------------------------------------------------------------------------
 def _repeated(module: nn.Module) -> bool:
     return (isinstance(module, nn.ModuleList) and len(module) > 0
@@ -324,7 +322,7 @@ def uncompiled(model: nn.Module) -> nn.Module:
     return model._orig_mod if is_compiled_module(model) else model
 
 
-def unwrap(strategy: Strategy, model: nn.Module, keep_fp32_wrapper: bool, keep_torch_compile: bool) -> nn.Module:
+def unwrap(strategy: Unwrapping, model: nn.Module, keep_fp32_wrapper: bool, keep_torch_compile: bool) -> nn.Module:
     """``accelerator.unwrap_model`` (Accelerate's semantics): the user's module without distributed wrappers; with
     ``keep_torch_compile`` (the default) a compiled model stays compiled (an ``OptimizedModule`` around the unwrapped
     module), else the module under the compile wrapper. Regionally compiled blocks are compiled in place and stay so."""

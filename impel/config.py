@@ -7,6 +7,7 @@ minimum, help, prompt, flag name): the CLI flags, the questionnaire and validati
 """
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import enum
 import logging
@@ -89,6 +90,25 @@ class ConfigError(ValueError):
 def did_you_mean(key: str, known: Iterable[str]) -> str:
     close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
     return f"; did you mean {close[0]!r}?" if close else ""
+
+
+class Freezable:
+    """A config object that becomes read-only once the run is resolved (:mod:`impel.resolve`)."""
+
+    _frozen = False
+
+    def freeze(self) -> None:
+        for value in vars(self).values():
+            if isinstance(value, Freezable):
+                value.freeze()
+        object.__setattr__(self, "_frozen", True)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self._frozen:
+            raise AttributeError(f"{type(self).__name__}.{name} is read-only: the run config is settled when the "
+                                 f"Accelerator is built; pass {name} to Accelerator(...) or set it in the launch "
+                                 "config instead")
+        object.__setattr__(self, name, value)
 
 
 def option(default: Any, kind: str, help: str, *, choices: tuple | None = None, minimum: float | None = None,
@@ -181,7 +201,7 @@ _FSDP1_STRATEGY_NUMBERS: dict[Any, str] = {
 
 
 @dataclass
-class FSDPConfig:
+class FSDPConfig(Freezable):
     """The ``fsdp_config`` section. YAML keys and flags carry an ``fsdp_`` prefix (``fsdp_sharding_strategy``)."""
 
     PREFIX = "fsdp_"
@@ -245,7 +265,7 @@ class FSDPConfig:
 
 
 @dataclass
-class DeepSpeedConfig:
+class DeepSpeedConfig(Freezable):
     """The ``deepspeed_config`` section; None means "take it from the DeepSpeed JSON, else DeepSpeed's default"."""
 
     PREFIX = ""
@@ -321,7 +341,7 @@ def _section_from_dict(name: str, cls: type, data: Any) -> Any:
 
 # --- the run config --------------------------------------------------------------------------------------------
 @dataclass
-class RunConfig:
+class RunConfig(Freezable):
     """Everything the launcher and the ranks need to know about the run."""
 
     compute_environment: str = option("LOCAL_MACHINE", "str", "impel runs on machines you start it on",
@@ -408,6 +428,12 @@ class RunConfig:
     @property
     def deepspeed(self) -> DeepSpeedConfig:
         return self.deepspeed_config if self.deepspeed_config is not None else DeepSpeedConfig().validate()
+
+    def with_values(self, **changes: Any) -> RunConfig:
+        """A validated copy with ``changes`` applied (the explicitly set keys are kept)."""
+        copy = dataclasses.replace(self, **changes)
+        copy.explicit = dict(self.explicit)
+        return copy.validate()
 
     def to_dict(self, explicit_only: bool = False) -> dict[str, Any]:
         """The config with Accelerate's YAML keys; ``explicit_only`` keeps only keys set by a file or a flag."""

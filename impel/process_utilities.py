@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
     from .accumulation import GradientState
     from .plugins import Handlers, ProjectConfiguration
+    from .prepared import Prepared
     from .profiling import ProfileKwargs
     from .state import ProcessState
 
@@ -109,7 +110,7 @@ class ProcessUtilities(ProcessControl):
     handlers: Handlers
     project_configuration: ProjectConfiguration
     dataloader_config: Any
-    _dataloaders: list[Any]
+    prepared: Prepared
     flag_tensor: Any = None  # set_trigger's flag (a 0-d tensor once set)
 
     # --- collectives ------------------------------------------------------------------------------------------
@@ -211,7 +212,7 @@ class ProcessUtilities(ProcessControl):
             if not isinstance(item, Joinable):
                 raise ConfigError(f"join_uneven_inputs got a {type(item).__name__}, which is not a torch Joinable; "
                                   "pass the models returned by accelerator.prepare (DDP-wrapped)")
-        shards = [dl.shard for dl in self._dataloaders]
+        shards = [dl.shard for dl in self.prepared.dataloaders]
         before = [shard.even_batches for shard in shards]
         if even_batches is not None:
             for shard in shards:

@@ -22,7 +22,10 @@ from .config import ConfigError
 if TYPE_CHECKING:  # torch is imported lazily: `impel launch` imports this module for its exit code
     import torch
 
-    from .accelerator import Accelerator
+    from .checkpoint.checkpointer import Checkpointer
+    from .config import RunConfig
+    from .plugins import ProjectConfiguration
+    from .prepared import TrainingRun
 
 logger = logging.getLogger("impel")
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "temporary failure, try again"
@@ -41,10 +44,12 @@ def _any_rank(flag: bool, device: torch.device) -> bool:
 
 
 class Resilience:
-    """The Accelerator's crash-safety switches; created only when one of them is on."""
+    """The Accelerator's crash-safety switches over one training run and its checkpointer; created only when one
+    of them is on."""
 
-    def __init__(self, acc: Accelerator, auto_resume: bool, nonfinite: str) -> None:
-        self.acc = acc
+    def __init__(self, run: TrainingRun, checkpointer: Checkpointer, auto_resume: bool, nonfinite: str) -> None:
+        self.run = run
+        self.checkpointer = checkpointer
         self.resume_pending = auto_resume
         self.handle_preemption = auto_resume
         self.nonfinite = nonfinite
@@ -56,16 +61,16 @@ class Resilience:
             self._install_handler()
 
     @classmethod
-    def create(cls, acc: Accelerator) -> Resilience | None:
-        auto = bool(acc.config.auto_resume or getattr(acc.project_configuration, "automatic_resume", False))
-        nonfinite = acc.config.nonfinite_loss
+    def create(cls, config: RunConfig, project: ProjectConfiguration, run: TrainingRun,
+               checkpointer: Checkpointer) -> Resilience | None:
+        auto = bool(config.auto_resume or project.automatic_resume)
+        nonfinite = config.nonfinite_loss
         if not auto and nonfinite == "ignore":
             return None
-        project = acc.project_configuration
         if auto and not (project.project_dir and project.automatic_checkpoint_naming):
             raise ConfigError("auto_resume needs somewhere to find checkpoints: pass Accelerator(project_config="
                               "ProjectConfiguration(project_dir=..., automatic_checkpoint_naming=True))")
-        return cls(acc, auto, nonfinite)
+        return cls(run, checkpointer, auto, nonfinite)
 
     # --- preemption -------------------------------------------------------------------------------------------
     def _install_handler(self) -> None:
@@ -77,7 +82,7 @@ class Resilience:
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         if not self.preempt_requested:
-            print(f"impel: SIGTERM on rank {self.acc.process_index}: saving a checkpoint at the next step boundary",
+            print(f"impel: SIGTERM on rank {self.run.process_index}: saving a checkpoint at the next step boundary",
                   flush=True)
         self.preempt_requested = True
 
@@ -99,11 +104,11 @@ class Resilience:
         return self._resume()
 
     def before_batch(self, loader: Any) -> None:
-        if not self.handle_preemption or not self.acc.gradient_state.sync_gradients:
+        if not self.handle_preemption or not self.run.gradient_state.sync_gradients:
             return  # mid-group: the boundary is after the group's optimizer step
-        if _any_rank(self.preempt_requested, self.acc.device):
-            path = self.acc.save_state()
-            if self.acc.is_main_process:
+        if _any_rank(self.preempt_requested, self.run.device):
+            path = self.checkpointer.save()
+            if self.run.is_main_process:
                 print(f"impel: preempted; saved {path}; exiting with code {PREEMPTED_EXIT_CODE} (relaunch the same "
                       "command to continue)", flush=True)
             raise SystemExit(PREEMPTED_EXIT_CODE)
@@ -112,17 +117,18 @@ class Resilience:
         from .checkpoint import layout
         from .collectives import broadcast_object_list
 
-        root = self.acc._checkpointer.checkpoints_root()
-        found = [bool(layout.list_complete(root)) if self.acc.is_main_process else None]
-        if self.acc.use_distributed:
+        run = self.run
+        root = self.checkpointer.checkpoints_root()
+        found = [bool(layout.list_complete(root)) if run.is_main_process else None]
+        if run.num_processes > 1:
             found = broadcast_object_list(found)
         if not found[0]:
-            if self.acc.is_main_process:
+            if run.is_main_process:
                 print(f"impel: auto_resume: no complete checkpoint under {root} yet; starting fresh", flush=True)
             return None
-        self.resumed_from = self.acc.load_state()
-        if self.acc.is_main_process:
-            steps = sum(o.steps_taken for o in self.acc._optimizers)
+        self.resumed_from = self.checkpointer.load()
+        if run.is_main_process:
+            steps = sum(run.prepared.optimizer_steps())
             print(f"impel: auto_resume: resumed from {self.resumed_from} (optimizer steps taken: {steps})",
                   flush=True)
         return self.resumed_from
@@ -142,10 +148,10 @@ class Resilience:
             return True
         local = bool(self._bad_loss.item()) if self._bad_loss is not None else False
         self._bad_loss = None
-        if not _any_rank(local, self.acc.device):
+        if not _any_rank(local, self.run.device):
             return True
         step = optimizer.steps_taken + 1
-        where = f"rank {self.acc.process_index}" if local else "another rank"
+        where = f"rank {self.run.process_index}" if local else "another rank"
         if self.nonfinite == "error":
             raise FloatingPointError(f"non-finite loss (NaN or inf) before optimizer step {step}, seen on {where}; "
                                      "lower the learning rate, check the data, or set nonfinite_loss='skip'")

@@ -6,6 +6,7 @@ A mixin over ``self.config`` (the resolved :class:`impel.config.RunConfig`), ``s
 """
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any
 
 from .config import ConfigError, DistributedType
@@ -18,6 +19,7 @@ if TYPE_CHECKING:
     from .plugins import (AutocastKwargs, DataLoaderConfiguration, DeepSpeedPlugin, DistributedDataParallelKwargs,
                           FullyShardedDataParallelPlugin, GradScalerKwargs, Handlers, InitProcessGroupKwargs)
     from .profiling import ProfileKwargs
+    from .resolve import RunRecord
 
 
 class RunSettings:
@@ -28,9 +30,9 @@ class RunSettings:
     gradient_state: GradientState
     dataloader_config: DataLoaderConfiguration
     handlers: Handlers
+    record: RunRecord
     distributed_type: DistributedType
     state: Any  # impel.shared_state.AcceleratorState
-    _tracking: Any  # impel.tracking.AcceleratorTrackers
 
     # --- this process (read from the state) -------------------------------------------------------------------
     @property
@@ -83,7 +85,6 @@ class RunSettings:
             raise ConfigError(f"gradient_accumulation_steps={value} set in the middle of an accumulation group (micro-"
                               f"step {state.micro_in_group} of {state.group_size}); set it between optimizer steps")
         state.num_steps = state.group_size = value
-        self.config.gradient_accumulation_steps = value
 
     @property
     def sync_gradients(self) -> bool:
@@ -164,12 +165,6 @@ class RunSettings:
         return self.handlers.autocast
 
     @property
-    def log_with(self) -> list[Any]:
-        """The tracker names and ``GeneralTracker`` instances asked for with ``Accelerator(log_with=...)`` (``"all"``
-        expanded)."""
-        return self._tracking.log_with
-
-    @property
     def native_amp(self) -> bool:
         """True under fp16 or bf16 mixed precision (torch's autocast)."""
         return self.config.mixed_precision in ("fp16", "bf16")
@@ -179,37 +174,32 @@ class RunSettings:
         """Always False: impel has no fp8 mode."""
         return False
 
-    @property
+    @functools.cached_property
     def deepspeed_plugin(self) -> DeepSpeedPlugin | None:
-        """The DeepSpeed settings in effect (the plugin passed in code, else one built from the launched config);
+        """The DeepSpeed settings in effect (the plugin passed in code, else one built from the resolved config);
         None when DeepSpeed is not used."""
         if self.distributed_type != DistributedType.DEEPSPEED:
             return None
-        given = self.handlers.extra.get("deepspeed_plugin")
-        if given is not None:
-            return given
-        if "deepspeed_plugin_from_config" not in self.handlers.extra:
-            from .plugins import _DEEPSPEED_KEYS, DeepSpeedPlugin
+        if self.record.deepspeed_plugin is not None:
+            return self.record.deepspeed_plugin
+        from .plugins import _DEEPSPEED_KEYS, DeepSpeedPlugin
 
-            section = self.config.deepspeed
-            self.handlers.extra["deepspeed_plugin_from_config"] = DeepSpeedPlugin(
-                hf_ds_config=section.deepspeed_config_file, gradient_accumulation_steps=self.gradient_accumulation_steps,
-                **{key: getattr(section, key) for key in _DEEPSPEED_KEYS})
-        return self.handlers.extra["deepspeed_plugin_from_config"]
+        section = self.config.deepspeed
+        return DeepSpeedPlugin(hf_ds_config=section.deepspeed_config_file,
+                               gradient_accumulation_steps=self.config.gradient_accumulation_steps,
+                               **{key: getattr(section, key) for key in _DEEPSPEED_KEYS})
 
-    @property
+    @functools.cached_property
     def fsdp_plugin(self) -> FullyShardedDataParallelPlugin | None:
         """The FSDP settings in effect as a plugin (built from the resolved config); None when FSDP is not used."""
         if self.distributed_type != DistributedType.FSDP:
             return None
-        if "fsdp_plugin_from_config" not in self.handlers.extra:
-            from .plugins import _FSDP_KEYS, FullyShardedDataParallelPlugin
+        from .plugins import _FSDP_KEYS, FullyShardedDataParallelPlugin
 
-            section = self.config.fsdp
-            self.handlers.extra["fsdp_plugin_from_config"] = FullyShardedDataParallelPlugin(
-                offload_params=section.offload_params, mixed_precision_policy=self.config.mixed_precision,
-                **{attr: getattr(section, name) for attr, name in _FSDP_KEYS.items()})
-        return self.handlers.extra["fsdp_plugin_from_config"]
+        section = self.config.fsdp
+        return FullyShardedDataParallelPlugin(
+            offload_params=section.offload_params, mixed_precision_policy=self.config.mixed_precision,
+            **{attr: getattr(section, name) for attr, name in _FSDP_KEYS.items()})
 
     @staticmethod
     def verify_device_map(model: nn.Module) -> bool:

@@ -52,9 +52,10 @@ class PartialState(ProcessState, ProcessControl):
 class AcceleratorState(PartialState):
     """``PartialState`` plus the settings the live Accelerator resolved; ``accelerator.state`` is one."""
 
-    def attach(self, accelerator: Any) -> None:
+    def attach(self, accelerator: Any, dynamo_plugin: Any) -> None:
         """Called by the Accelerator: later ``AcceleratorState()`` calls read its settings."""
         self.__dict__["accelerator_ref"] = weakref.ref(accelerator)
+        self.__dict__["dynamo_plugin_ref"] = dynamo_plugin
 
     def _accelerator(self, what: str) -> Any:
         ref = self.__dict__.get("accelerator_ref")
@@ -83,7 +84,8 @@ class AcceleratorState(PartialState):
     @property
     def dynamo_plugin(self) -> Any:
         """The resolved ``TorchDynamoPlugin`` (backend ``no`` when nothing is compiled)."""
-        return self._accelerator("dynamo_plugin")._compiler.plugin
+        self._accelerator("dynamo_plugin")  # raises before any Accelerator exists
+        return self.__dict__["dynamo_plugin_ref"]
 
     @property
     def is_fsdp2(self) -> bool:

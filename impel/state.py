@@ -36,6 +36,18 @@ def pick_device(local_rank: int, cpu: bool) -> torch.device:
     return torch.device("cpu")
 
 
+def live_device(cpu: bool) -> torch.device | None:
+    """The device of the process state already created in this process (None before the first one); raises when
+    ``cpu`` asks for the CPU but the process runs elsewhere."""
+    if not ProcessState._shared.get("initialized"):
+        return None
+    device: torch.device = ProcessState._shared["device"]
+    if cpu and device.type != "cpu":
+        raise ConfigError(f"cpu=True but this process already runs on {device}; create the first Accelerator with "
+                          "cpu=True")
+    return device
+
+
 class ProcessState:
     """One per process: where this rank is, which device it uses, and the default process group.
 
@@ -51,9 +63,7 @@ class ProcessState:
                  init_method: str | None = None) -> None:
         self.__dict__ = self._shared
         if self._shared.get("initialized"):
-            if cpu and self.device.type != "cpu":
-                raise ConfigError(f"cpu=True but this process already runs on {self.device}; "
-                                  "create the first Accelerator with cpu=True")
+            self._check_same(cpu, backend, timeout, init_method)
             return
         topo = env.read_topology()
         self.topology = topo
@@ -61,12 +71,30 @@ class ProcessState:
         self.backend: str | None = None
         self.owns_group = False
         self.timeout = timeout or DEFAULT_TIMEOUT
+        self.init_method = init_method
         if topo.distributed:
             self.backend = backend or ("nccl" if self.device.type == "cuda" else "gloo")
             self._init_group(init_method)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.initialized = True
+
+    def _check_same(self, cpu: bool, backend: str | None, timeout: timedelta | None, init_method: str | None) -> None:
+        """The process (device, process group) is one per process, as Accelerate's PartialState: a later request
+        that this process cannot honour raises instead of being ignored."""
+        if cpu and self.device.type != "cpu":
+            raise ConfigError(f"cpu=True but this process already runs on {self.device}; "
+                              "create the first Accelerator with cpu=True")
+        if not self.topology.distributed:
+            return  # one process joins no group: nothing to disagree with
+        asked = {"backend": (backend, self.backend), "timeout": (timeout, self.timeout),
+                 "init_method": (init_method, self.__dict__.get("init_method"))}
+        for name, (wanted, live) in asked.items():
+            if wanted is not None and wanted != live:
+                raise ConfigError(f"InitProcessGroupKwargs({name}={wanted!r}) but this process already joined a "
+                                  f"process group with {name}={live!r} (set by the first Accelerator or "
+                                  "PartialState; the process group is created once per process); pass the same "
+                                  "value or leave it out")
 
     def _init_group(self, init_method: str | None) -> None:
         topo = self.topology

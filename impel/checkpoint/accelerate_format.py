@@ -36,7 +36,6 @@ from __future__ import annotations
 import logging
 import random
 import re
-from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -52,14 +51,11 @@ from .restricted import RefusedGlobal, load_restricted
 from .state import describe
 
 if TYPE_CHECKING:
-    from ..accelerator import Accelerator
+    from ..prepared import TrainingRun
 
 logger = logging.getLogger("impel")
 
 FORMAT = "accelerate"
-_SIGNATURE = re.compile(r"^(random_states_\d+\.pkl|custom_checkpoint_\d+\.pkl|scaler\.pt|latest"
-                        r"|(optimizer|scheduler|sampler|dl_state_dict)(_\d+)?\.bin|optimizer_\d+(_rank\d+\.bin)?"
-                        r"|pytorch_model_fsdp(_\d+)?(_rank\d+)?(\.bin)?|latest_checkpointed_iteration\.txt)$")
 _PER_RANK_FSDP = re.compile(r"^(pytorch_model_fsdp(_\d+)?|optimizer_\d+)_rank\d+\.bin$")
 _IGNORED_RNG = ("torch_xpu_manual_seed", "torch_mlu_manual_seed", "torch_sdaa_manual_seed", "torch_musa_manual_seed",
                 "torch_hpu_manual_seed", "torch_neuron_manual_seed", "xm_seed")
@@ -70,19 +66,12 @@ def nth(base: str, index: int, ext: str) -> str:
     return f"{base}{ext}" if index == 0 else f"{base}_{index}{ext}"
 
 
-def is_accelerate_dir(directory: Path) -> bool:
-    """True for a directory without impel's marker that holds a file only Accelerate's ``save_state`` writes."""
-    if not directory.is_dir() or layout.is_complete(directory):
-        return False
-    return any(_SIGNATURE.match(entry.name) for entry in directory.iterdir())
-
-
 def list_accelerate(root: Path) -> list[tuple[int, Path]]:
     """``checkpoint_N`` directories under ``root`` in Accelerate's layout (automatic naming), oldest first."""
     found = []
     for entry in root.iterdir() if root.is_dir() else ():
         number = layout.parse_iteration(entry.name)
-        if number is not None and is_accelerate_dir(entry):
+        if number is not None and layout.is_accelerate_dir(entry):
             found.append((number, entry))
     return sorted(found)
 
@@ -185,34 +174,35 @@ def _contiguous(directory: Path, entries: list[str], pattern: str) -> list[str]:
 
 
 # --- loading (every rank) -------------------------------------------------------------------------------------------
-def load(acc: Accelerator, registered: Sequence[Any], directory: Path, plan: dict[str, Any],
-         skip: AbstractSet[int], options: LoadOptions = LoadOptions()) -> None:
+def load(run: TrainingRun, directory: Path, plan: dict[str, Any], skip: AbstractSet[int],
+         options: LoadOptions = LoadOptions()) -> None:
     """Restore everything ``plan`` lists; the small files are read first, so a bad one changes nothing."""
-    _check_counts(acc, registered, directory, plan, skip)
-    rank = acc.process_index
+    prepared, registered = run.prepared, run.prepared.registered
+    _check_counts(run, directory, plan, skip)
+    rank = run.process_index
     schedulers = [read_torch(directory / name, f"scheduler {i}") for i, name in enumerate(plan["schedulers"])]
     custom = [read_pickle(directory / name, f"registered object {i}, {describe(obj)}")
               for i, (name, obj) in enumerate(zip(plan["custom"], registered))]
-    scaler = _scaler_state(acc, directory, plan)
+    scaler = _scaler_state(run, directory, plan)
     rng_file = directory / f"random_states_{rank}.pkl"
     rng = read_pickle(rng_file, f"rank {rank} RNG state") if rank in plan["rng_ranks"] else None
     if rng is not None and not (isinstance(rng, dict) and {"random_state", "torch_manual_seed"} <= rng.keys()):
         raise CheckpointError(f"{rng_file} does not hold Accelerate's RNG states (random_state, torch_manual_seed); "
                               "it was not written by Accelerate's save_state")
     epochs = {int(i): sampler_epoch(directory / name) for i, name in plan["samplers"].items()}
-    if plan["world_size"] != acc.num_processes and acc.is_main_process:
+    if plan["world_size"] != run.num_processes and run.is_main_process:
         logger.warning("%s was saved by %d Accelerate processes and is loaded by %d: model and optimizer state load "
                        "as usual, but per-rank RNG streams follow a different layout", directory, plan["world_size"],
-                       acc.num_processes)
+                       run.num_processes)
 
     if scaler is not None:  # before the optimizers, as in impel's own load (FSDP2 steps a dummy optimizer)
-        acc.strategy.precision.load_state_dict({"scaler": scaler})
-    load_models_and_optimizers(acc, directory, plan, skip, options)
-    for scheduler, state in zip(acc._schedulers, schedulers):
+        run.strategy.precision.load_state_dict({"scaler": scaler})
+    load_models_and_optimizers(run, directory, plan, skip, options)
+    for scheduler, state in zip(prepared.schedulers, schedulers):
         scheduler.load_state_dict(state)
     for i, epoch in epochs.items():
         if epoch is not None:
-            acc._dataloaders[i].set_epoch(epoch)
+            prepared.dataloaders[i].set_epoch(epoch)
     for i, name in plan["dl_states"].items():
         logger.warning("%s (torchdata StatefulDataLoader state of dataloader %s) is not read: dataloader %s starts "
                        "at the beginning of its epoch; skip the batches already consumed with "
@@ -223,27 +213,26 @@ def load(acc: Accelerator, registered: Sequence[Any], directory: Path, plan: dic
         logger.warning("%s is missing (the Accelerate run had %d processes): rank %d's random streams start fresh",
                        rng_file, plan["world_size"], rank)
         return
-    _restore_step(acc, int(rng.get("step", 0)))
-    restore_rng(rng, acc.device, rng_file)
+    _restore_step(run, int(rng.get("step", 0)))
+    restore_rng(rng, run.device, rng_file)
 
 
-def _check_counts(acc: Accelerator, registered: Sequence[Any], directory: Path, plan: dict[str, Any],
-                  skip: AbstractSet[int]) -> None:
-    kind = plan["weights"]
+def _check_counts(run: TrainingRun, directory: Path, plan: dict[str, Any], skip: AbstractSet[int]) -> None:
+    kind, objs, registered = plan["weights"], run.prepared, run.prepared.registered
     # Accelerate numbers plain model files over the models its save hooks left; FSDP and DeepSpeed by model index
-    models = len(acc._models) - (len(skip) if kind == "full" else 0)
+    models = len(objs.models) - (len(skip) if kind == "full" else 0)
     hooks = f" (after {len(skip)} taken over by load_state pre-hooks)" if skip and kind == "full" else ""
     model_file = {"full": lambda i: nth("model", i, ".safetensors"), "sharded": "pytorch_model_fsdp_{}/".format,
                   "fsdp_full": lambda i: nth("pytorch_model_fsdp", i, ".bin"),
                   "deepspeed": lambda i: nth("pytorch_model", i, "/")}[kind]
     optimizer_file = "optimizer_{}/".format if kind == "sharded" else lambda i: nth("optimizer", i, ".bin")
     counts = [("model", plan["models"], f"{models} models{hooks}", models, model_file),
-              ("scheduler", plan["schedulers"], f"{len(acc._schedulers)} schedulers", len(acc._schedulers),
+              ("scheduler", plan["schedulers"], f"{len(objs.schedulers)} schedulers", len(objs.schedulers),
                lambda i: nth("scheduler", i, ".bin")),
               ("registered object", plan["custom"], f"{len(registered)} registered objects", len(registered),
                "custom_checkpoint_{}.pkl".format)]
     if kind != "deepspeed":  # DeepSpeed keeps the optimizer inside the engine checkpoint
-        counts.append(("optimizer", plan["optimizers"], f"{len(acc._optimizers)} optimizers", len(acc._optimizers),
+        counts.append(("optimizer", plan["optimizers"], f"{len(objs.optimizers)} optimizers", len(objs.optimizers),
                        optimizer_file))
     for what, saved, prepared, have, file_of in counts:
         if len(saved) == have:
@@ -254,20 +243,20 @@ def _check_counts(acc: Accelerator, registered: Sequence[Any], directory: Path, 
                               f"state(s){listed} but {prepared} are prepared now; prepare (and register) the same "
                               "objects in the same order as the Accelerate run before load_state()")
     loaders = [int(i) for i in (*plan["samplers"], *plan["dl_states"])]
-    if loaders and max(loaders) >= len(acc._dataloaders):
+    if loaders and max(loaders) >= len(objs.dataloaders):
         raise CheckpointError(f"the Accelerate checkpoint {directory} holds state for dataloader {max(loaders)} but "
-                              f"{len(acc._dataloaders)} dataloaders are prepared now; prepare the same dataloaders")
+                              f"{len(objs.dataloaders)} dataloaders are prepared now; prepare the same dataloaders")
 
 
-def _scaler_state(acc: Accelerator, directory: Path, plan: dict[str, Any]) -> Any:
-    has_scaler = "scaler" in acc.strategy.precision.state_dict()
+def _scaler_state(run: TrainingRun, directory: Path, plan: dict[str, Any]) -> Any:
+    has_scaler = "scaler" in run.strategy.precision.state_dict()
     path = directory / "scaler.pt"
     if has_scaler and not plan["scaler"]:
         raise CheckpointError(f"{path} is missing: this run scales fp16 losses with a GradScaler but the Accelerate "
                               "run saved none (it trained without fp16 loss scaling); resume with the mixed_precision "
                               "the Accelerate run used")
     if plan["scaler"] and not has_scaler:
-        logger.warning("%s is not loaded: this run has no GradScaler (mixed_precision=%r)", path, acc.mixed_precision)
+        logger.warning("%s is not loaded: this run has no GradScaler (mixed_precision=%r)", path, run.mixed_precision)
         return None
     return read_torch(path, "GradScaler state") if has_scaler else None
 
@@ -302,9 +291,9 @@ def sampler_epoch(path: Path) -> int | None:
     return epoch
 
 
-def _restore_step(acc: Accelerator, step: int) -> None:
+def _restore_step(run: TrainingRun, step: int) -> None:
     """Accelerate's ``step`` counts micro-steps since the last dataloader end; it syncs when ``step % n == 0``."""
-    state = acc.gradient_state
+    state = run.gradient_state
     state.load_state_dict({"step": step, "micro_in_group": step % state.num_steps, "group_size": state.num_steps})
 
 

@@ -22,15 +22,15 @@ from .full import first_mismatch, pair_optimizers, read_weights
 from .layout import CheckpointError
 
 if TYPE_CHECKING:
-    from ..accelerator import Accelerator
+    from ..prepared import TrainingRun
 
 
-def load_models_and_optimizers(acc: Accelerator, directory: Path, plan: dict[str, Any],
+def load_models_and_optimizers(run: TrainingRun, directory: Path, plan: dict[str, Any],
                                skip: AbstractSet[int], options: Any = None) -> None:
     """Every rank: the weights and optimizer states ``plan`` lists into the prepared models and optimizers."""
-    models, optimizers = list(acc._models), [o.optimizer for o in acc._optimizers]
+    models, optimizers = list(run.prepared.models), run.prepared.inner_optimizers()
     kind = plan["weights"]
-    deepspeed = acc.distributed_type == "DEEPSPEED"
+    deepspeed = run.distributed_type == "DEEPSPEED"
     if kind == "deepspeed" and not deepspeed:
         raise CheckpointError(f"{directory / plan['models'][0]} is a DeepSpeed engine checkpoint; resume under "
                               "DeepSpeed, or convert it to full weights with DeepSpeed's zero_to_fp32.py (saved in "
@@ -42,12 +42,12 @@ def load_models_and_optimizers(acc: Accelerator, directory: Path, plan: dict[str
                               "prepare()")
     if kind == "deepspeed":
         for i, tag in enumerate(plan["models"]):
-            acc.strategy.load_checkpoint([models[i]], [], directory, _deepspeed_metadata(directory, tag),
+            run.strategy.load_checkpoint([models[i]], [], directory, _deepspeed_metadata(directory, tag),
                                          skip_models=frozenset({0}) if i in skip else frozenset(), options=options)
         return
     if kind == "sharded":  # DCP directories holding {"model": ...} / {"optimizer": ...}, as impel's own
         metadata = {"format": "sharded", "models": plan["models"], "optimizers": plan["optimizers"]}
-        acc.strategy.load_checkpoint(models, optimizers, directory, metadata, skip_models=skip, options=options)
+        run.strategy.load_checkpoint(models, optimizers, directory, metadata, skip_models=skip, options=options)
         return
     _load_full(models, optimizers, directory, plan, skip, strict=True if options is None else options.strict)
 

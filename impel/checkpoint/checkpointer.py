@@ -46,7 +46,7 @@ from .state import (
 )
 
 if TYPE_CHECKING:
-    from ..accelerator import Accelerator
+    from ..prepared import TrainingRun
 
 logger = logging.getLogger("impel")
 
@@ -68,18 +68,19 @@ def resolve_project_configuration(project_dir: Any, project_config: ProjectConfi
 
 
 class Checkpointer:
-    """Holds what save/load need besides the Accelerator: project config, registered objects, hooks."""
+    """Saves and loads one training run (:class:`impel.prepared.TrainingRun`, handed over by the Accelerator) under
+    its project configuration; holds the state hooks."""
 
-    def __init__(self, config: ProjectConfiguration) -> None:
+    def __init__(self, config: ProjectConfiguration, run: TrainingRun) -> None:
         self.config = config
-        self.registered: list[Any] = []
+        self.run = run
         self.save_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
         self.load_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
 
     # --- registration -----------------------------------------------------------------------------------------
     def register(self, *objects: Any) -> None:
         check_registrable(objects)
-        self.registered.extend(objects)
+        self.run.prepared.registered.extend(objects)
 
     def add_hook(self, hooks: OrderedDict[int, Callable[..., None]], hook: Callable[..., None]) -> RemovableHandle:
         if not callable(hook):
@@ -106,17 +107,17 @@ class Checkpointer:
                               "automatic_checkpoint_naming=True)")
         return Path(output_dir).expanduser().absolute()
 
-    @staticmethod
-    def _leader(acc: Accelerator, on_each_node: bool) -> bool:
-        return acc.is_main_process or (on_each_node and acc.is_local_main_process)
+    def _leader(self) -> bool:
+        run = self.run
+        return run.is_main_process or (self.config.save_on_each_node and run.is_local_main_process)
 
     # --- save -------------------------------------------------------------------------------------------------
-    def save(self, acc: Accelerator, output_dir: Any = None, safe_serialization: bool = True,
+    def save(self, output_dir: Any = None, safe_serialization: bool = True,
              options: SaveOptions = SaveOptions()) -> str:
-        collective.arrive("save_state", acc.state.timeout)
+        collective.arrive("save_state", self.run.process.timeout)
         final = self._save_target(output_dir)
         collective.agree(str(final), "the save_state output directory")
-        leader = self._leader(acc, self.config.save_on_each_node)
+        leader = self._leader()
         temp = Path(collective.on_leader(lambda: self._prepare(final), "preparing the checkpoint directory", leader))
         if leader:
             temp.mkdir(parents=True, exist_ok=True)
@@ -124,10 +125,10 @@ class Checkpointer:
         try:
             with sealing(temp) as sealer:
                 strategy_meta = collective.run_shared(
-                    lambda: self._write(acc, temp, leader, safe_serialization, options), "save_state")
+                    lambda: self._write(temp, leader, safe_serialization, options), "save_state")
                 known = collective.run_shared(sealer.entries, "save_state")
             known = share_digests(temp, known, shared_dir=not self.config.save_on_each_node)
-            collective.run_shared(lambda: self._commit(acc, temp, final, strategy_meta, known) if leader else None,
+            collective.run_shared(lambda: self._commit(temp, final, strategy_meta, known) if leader else None,
                                   "committing the checkpoint")
         except BaseException:
             if leader:
@@ -148,20 +149,21 @@ class Checkpointer:
         layout.check_target(final)
         return str(layout.temp_dir_for(final))
 
-    def _write(self, acc: Accelerator, temp: Path, leader: bool, safe_serialization: bool,
-               options: SaveOptions) -> dict[str, Any]:
-        skip = self._run_save_hooks(acc, temp)
-        meta = acc.strategy.save_checkpoint(list(acc._models), [o.optimizer for o in acc._optimizers], temp,
+    def _write(self, temp: Path, leader: bool, safe_serialization: bool, options: SaveOptions) -> dict[str, Any]:
+        run, prepared = self.run, self.run.prepared
+        skip = self._run_save_hooks(temp)
+        meta = run.strategy.save_checkpoint(list(prepared.models), prepared.inner_optimizers(), temp,
                                             writer=leader, safe_serialization=safe_serialization,
                                             skip_models=skip, options=options)
         if leader:
-            for i, scheduler in enumerate(acc._schedulers):
+            for i, scheduler in enumerate(prepared.schedulers):
                 write_torch(scheduler.state_dict(), temp / f"scheduler{suffix(i)}.pt")
-            write_torch(collect_training_state(acc.step, acc.gradient_state, acc._optimizers, acc._dataloaders,
-                                               acc.strategy.precision), temp / TRAINING_STATE_FILE)
-            for i, obj in enumerate(self.registered):
+            write_torch(collect_training_state(run.step, run.gradient_state, prepared.optimizers,
+                                               prepared.dataloaders, run.strategy.precision),
+                        temp / TRAINING_STATE_FILE)
+            for i, obj in enumerate(prepared.registered):
                 self._write_registered(i, obj, temp / f"custom_checkpoint_{i}.pt")
-        write_torch(collect_rng_state(acc.device), temp / f"random_states_{acc.process_index}.pt")
+        write_torch(collect_rng_state(run.device), temp / f"random_states_{run.process_index}.pt")
         return dict(meta, skipped_models=sorted(skip))
 
     @staticmethod
@@ -175,60 +177,56 @@ class Checkpointer:
                                          f"store ({exc}); return tensors, numbers, strings, lists and dicts") from None
         read_torch(path, what)
 
-    def _run_save_hooks(self, acc: Accelerator, temp: Path) -> frozenset[int]:
+    def _run_save_hooks(self, temp: Path) -> frozenset[int]:
         """Accelerate's contract: ``hook(models, weights, output_dir)``; a model whose weights the hook removes
         from the list is saved by the hook, not by impel."""
-        if acc.gradient_state.micro_in_group:
+        if self.run.gradient_state.micro_in_group:
             logger.warning("save_state() in the middle of an accumulation group: the partial gradients are not "
                            "saved; save after optimizer.step() for an exact resume")
         if not self.save_hooks:
             return frozenset()
-        models = list(acc._models)
-        weights = [acc.get_state_dict(m) for m in models]
+        models = list(self.run.prepared.models)  # uncompiled: the strategy's own modules
+        weights = [self.run.strategy.model_state_dict(m) for m in models]
         ids = [id(w) for w in weights]
         for hook in list(self.save_hooks.values()):
             hook(models, weights, str(temp))
         remaining = {id(w) for w in weights}
         return frozenset(i for i, w in enumerate(ids) if w not in remaining)
 
-    def _commit(self, acc: Accelerator, temp: Path, final: Path, strategy_meta: dict[str, Any],
-                known: dict[str, Any]) -> None:
+    def _commit(self, temp: Path, final: Path, strategy_meta: dict[str, Any], known: dict[str, Any]) -> None:
         from .. import __version__
+
+        run = self.run
 
         metadata = {
             "impel_version": __version__, "torch_version": torch.__version__,
             "python_version": platform.python_version(),
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "iteration": self.config.iteration, "step": acc.step,
-            "optimizer_steps": [o.steps_taken for o in acc._optimizers],
-            "world_size": acc.num_processes, "distributed_type": str(acc.distributed_type),
-            "mixed_precision": acc.mixed_precision, "strategy": dict(strategy_meta, name=acc.strategy.name),
-            "counts": self._counts(acc),
+            "iteration": self.config.iteration, "step": run.step,
+            "optimizer_steps": run.prepared.optimizer_steps(),
+            "world_size": run.num_processes, "distributed_type": str(run.distributed_type),
+            "mixed_precision": run.mixed_precision, "strategy": dict(strategy_meta, name=run.strategy.name),
+            "counts": run.prepared.counts(),
         }
         layout.commit(temp, final, metadata, known)
         if self.config.automatic_checkpoint_naming:
             layout.rotate(final.parent, self.config.total_limit)
 
-    def _counts(self, acc: Accelerator) -> dict[str, int]:
-        return {"models": len(acc._models), "optimizers": len(acc._optimizers), "schedulers": len(acc._schedulers),
-                "dataloaders": len(acc._dataloaders), "registered objects": len(self.registered)}
-
     # --- load -------------------------------------------------------------------------------------------------
-    def load(self, acc: Accelerator, input_dir: Any = None, options: LoadOptions = LoadOptions()) -> str:
-        collective.arrive("load_state", acc.state.timeout)
+    def load(self, input_dir: Any = None, options: LoadOptions = LoadOptions()) -> str:
+        collective.arrive("load_state", self.run.process.timeout)
         if input_dir is not None:
             collective.agree(os.fspath(input_dir), "the load_state input directory")
-        leader = self._leader(acc, self.config.save_on_each_node)
+        leader = self._leader()
         found = collective.on_leader(lambda: self._locate(input_dir), "checking the checkpoint", leader)
         path, metadata, next_free = found  # type: ignore[misc]
         directory = Path(path)
         if metadata.get("format") == accelerate_format.FORMAT:  # written by Accelerate's save_state
-            read = lambda: accelerate_format.load(acc, self.registered, directory, metadata,  # noqa: E731
-                                                  self._run_load_hooks(acc, directory), options)
+            read = lambda: accelerate_format.load(self.run, directory, metadata,  # noqa: E731
+                                                  self._run_load_hooks(directory), options)
         else:
-            self._check_counts(acc, directory, metadata)
-            read = lambda: self._read(acc, directory, metadata, self._run_load_hooks(acc, directory),  # noqa: E731
-                                      options)
+            self._check_counts(directory, metadata)
+            read = lambda: self._read(directory, metadata, self._run_load_hooks(directory), options)  # noqa: E731
         collective.run_shared(read, "load_state")
         saved = metadata.get("iteration")  # None: an Accelerate directory not named checkpoint_N
         self.config.iteration = max(self.config.iteration if saved is None else int(saved) + 1, next_free)
@@ -248,49 +246,51 @@ class Checkpointer:
             directory = Path(input_dir).expanduser().absolute()
             layout.recover_swap(directory)
             layout.clean_incomplete(directory.parent)
-        if accelerate_format.is_accelerate_dir(directory):
+        if layout.is_accelerate_dir(directory):
             metadata = accelerate_format.inspect(directory)
         else:
             metadata = layout.verify(directory)
         next_free = layout.next_free_iteration(directory.parent) if self.config.automatic_checkpoint_naming else 0
         return str(directory), metadata, next_free
 
-    def _check_counts(self, acc: Accelerator, directory: Path, metadata: dict[str, Any]) -> None:
+    def _check_counts(self, directory: Path, metadata: dict[str, Any]) -> None:
         saved = metadata.get("counts", {})
-        for kind, have in self._counts(acc).items():
+        for kind, have in self.run.prepared.counts().items():
             if saved.get(kind, have) != have:
                 raise layout.CheckpointError(
                     f"{directory} was saved with {saved[kind]} {kind} but {have} are prepared now; prepare (and "
                     "register) the same objects in the same order before load_state()")
-        if metadata.get("world_size") != acc.num_processes:
+        if metadata.get("world_size") != self.run.num_processes:
             logger.warning("%s was saved by %s processes and is loaded by %d: model and optimizer state are "
                            "resharded, but per-rank RNG streams and the data position follow a different layout",
-                           directory, metadata.get("world_size"), acc.num_processes)
+                           directory, metadata.get("world_size"), self.run.num_processes)
 
-    def _run_load_hooks(self, acc: Accelerator, directory: Path) -> frozenset[int]:
+    def _run_load_hooks(self, directory: Path) -> frozenset[int]:
         """Accelerate's contract: ``hook(models, input_dir)``; models the hook removes are loaded by the hook."""
         if not self.load_hooks:
             return frozenset()
-        models = list(acc._models)
+        prepared = self.run.prepared.models
+        models = list(prepared)
         for hook in list(self.load_hooks.values()):
             hook(models, str(directory))
-        return frozenset(i for i, m in enumerate(acc._models) if not any(m is x for x in models))
+        return frozenset(i for i, m in enumerate(prepared) if not any(m is x for x in models))
 
-    def _read(self, acc: Accelerator, directory: Path, metadata: dict[str, Any], skip: frozenset[int],
-              options: LoadOptions) -> None:
+    def _read(self, directory: Path, metadata: dict[str, Any], skip: frozenset[int], options: LoadOptions) -> None:
+        run, prepared = self.run, self.run.prepared
         training = read_torch(directory / TRAINING_STATE_FILE, "training state")
-        acc.strategy.precision.load_state_dict(training["precision"])  # the scaler before the optimizers (FSDP2)
-        acc.strategy.load_checkpoint(list(acc._models), [o.optimizer for o in acc._optimizers], directory,
+        run.strategy.precision.load_state_dict(training["precision"])  # the scaler before the optimizers (FSDP2)
+        run.strategy.load_checkpoint(list(prepared.models), prepared.inner_optimizers(), directory,
                                      metadata["strategy"], skip_models=skip, options=options)
-        for i, scheduler in enumerate(acc._schedulers):
+        for i, scheduler in enumerate(prepared.schedulers):
             scheduler.load_state_dict(read_torch(directory / f"scheduler{suffix(i)}.pt", f"scheduler {i}"))
-        acc.step = restore_training_state(training, acc.gradient_state, acc._optimizers, acc._dataloaders)
-        for i, obj in enumerate(self.registered):
+        run.gradient_state.step = restore_training_state(training, run.gradient_state, prepared.optimizers,
+                                                         prepared.dataloaders)
+        for i, obj in enumerate(prepared.registered):
             obj.load_state_dict(read_torch(directory / f"custom_checkpoint_{i}.pt",
                                            f"registered object {i}, {describe(obj)}"))
-        rng = directory / f"random_states_{acc.process_index}.pt"
+        rng = directory / f"random_states_{run.process_index}.pt"
         if rng.is_file():
-            restore_rng_state(read_torch(rng, f"rank {acc.process_index} RNG state"), acc.device)
+            restore_rng_state(read_torch(rng, f"rank {run.process_index} RNG state"), run.device)
         else:
             logger.warning("%s has no RNG state for rank %d (saved by %s processes); this rank's random streams "
-                           "start fresh", directory, acc.process_index, metadata.get("world_size"))
+                           "start fresh", directory, run.process_index, metadata.get("world_size"))

@@ -17,7 +17,6 @@ import torch.distributed as dist
 from .layout import CheckpointError
 
 T = TypeVar("T")
-_calls: dict[tuple[int, str], int] = {}
 
 
 def distributed() -> bool:
@@ -29,10 +28,9 @@ def arrive(op: str, timeout: timedelta) -> None:
     if not distributed():
         return
     store = dist.distributed_c10d._get_default_store()
-    group = id(dist.distributed_c10d._get_default_group())
-    seq = _calls.get((group, op), 0)
-    _calls[(group, op)] = seq + 1
     rank, world = dist.get_rank(), dist.get_world_size()
+    # this rank's call count lives in the group's own store: a new group starts at 0, and nothing is process-global
+    seq = store.add(f"impel/checkpoint/{op}/calls/rank{rank}", 1) - 1
     key = f"impel/checkpoint/{op}/{seq}"
     store.set(f"{key}/rank{rank}", "1")
     if store.add(key, 1) == world:

@@ -64,16 +64,24 @@ def list_complete(root: Path) -> list[tuple[int, Path]]:
             continue
         if is_complete(entry):
             found.append((number, entry))
-        elif not _accelerate_layout(entry):  # those are listed by accelerate_format, which loads them
+        elif not is_accelerate_dir(entry):  # those are listed by accelerate_format, which loads them
             logger.warning("ignoring %s: it has no %s marker (not an impel checkpoint, or an interrupted copy)",
                            entry, MARKER_FILE)
     return sorted(found)
 
 
-def _accelerate_layout(directory: Path) -> bool:
-    from .accelerate_format import is_accelerate_dir
+# a file only Accelerate's save_state writes (its directories are loaded by accelerate_format)
+_ACCELERATE_SIGNATURE = re.compile(
+    r"^(random_states_\d+\.pkl|custom_checkpoint_\d+\.pkl|scaler\.pt|latest"
+    r"|(optimizer|scheduler|sampler|dl_state_dict)(_\d+)?\.bin|optimizer_\d+(_rank\d+\.bin)?"
+    r"|pytorch_model_fsdp(_\d+)?(_rank\d+)?(\.bin)?|latest_checkpointed_iteration\.txt)$")
 
-    return is_accelerate_dir(directory)
+
+def is_accelerate_dir(directory: Path) -> bool:
+    """True for a directory without impel's marker that holds a file only Accelerate's ``save_state`` writes."""
+    if not directory.is_dir() or is_complete(directory):
+        return False
+    return any(_ACCELERATE_SIGNATURE.match(entry.name) for entry in directory.iterdir())
 
 
 def latest_complete(root: Path) -> Path:

@@ -1,4 +1,5 @@
-"""Strategies: single device, DDP (and, as they land, FSDP2 and DeepSpeed) behind one contract."""
-from .base import REGISTRY, Strategy, load_strategy
+"""Strategies: single device, DDP, FSDP2 and DeepSpeed behind one contract (:mod:`impel.strategies.base`).
 
-__all__ = ["REGISTRY", "Strategy", "load_strategy"]
+Nothing is imported here, so that a settings module such as ``impel.strategies.deepspeed_config`` can be read
+without loading the strategies themselves.
+"""

@@ -23,8 +23,7 @@ from ..precision import Precision, make_precision
 
 if TYPE_CHECKING:
     from ..accumulation import GradientState
-    from ..config import RunConfig
-    from ..plugins import Handlers
+    from ..resolve import RunRecord
     from ..precision_report import PrecisionReport
     from ..state import ProcessState
 
@@ -44,16 +43,15 @@ class Strategy:
     # Accelerate steps a prepared scheduler once per process per optimizer step (each rank consumed a batch), except
     # under DeepSpeed, whose engine owns the scheduler and steps it once: the prepared scheduler follows suit.
     scheduler_steps_per_process = True
-    # The Accelerator's accumulation state, set right after construction (DeepSpeed's engine needs its boundary).
-    gradient_state: GradientState | None = None
-
-    def __init__(self, state: ProcessState, config: RunConfig, handlers: Handlers) -> None:
+    def __init__(self, state: ProcessState, record: RunRecord, gradient_state: GradientState) -> None:
         self.state = state
-        self.config = config
-        self.handlers = handlers
+        self.record = record
+        self.config = record.config
+        self.handlers = record.handlers
+        self.gradient_state = gradient_state  # the Accelerator's (DeepSpeed's engine needs the group boundary)
         self.device: torch.device = state.device
-        self.precision: Precision = make_precision(config.mixed_precision, state.device, handlers.autocast,
-                                                   handlers.scaler)
+        self.precision: Precision = make_precision(self.config.mixed_precision, state.device, self.handlers.autocast,
+                                                   self.handlers.scaler)
 
     # --- wrapping -------------------------------------------------------------------------------------------
     def init_context(self) -> contextlib.AbstractContextManager[Any]:
@@ -172,8 +170,9 @@ class Strategy:
         return None
 
 
-def load_strategy(distributed_type: str, state: ProcessState, config: RunConfig,
-                  handlers: Handlers) -> Strategy:
+def load_strategy(record: RunRecord, state: ProcessState, gradient_state: GradientState) -> Strategy:
+    """Build the strategy ``record.distributed_type`` names, from the resolved record."""
+    distributed_type = record.distributed_type
     if distributed_type == "AUTO":
         raise ConfigError("distributed_type='AUTO' is resolved by impel launch from a memory estimate; run the script "
                           "with `impel launch --strategy auto --auto_model MODEL` or set a concrete distributed_type")
@@ -182,12 +181,5 @@ def load_strategy(distributed_type: str, state: ProcessState, config: RunConfig,
     except KeyError:
         raise ValueError(f"distributed_type={distributed_type!r} has no strategy; use one of {sorted(REGISTRY)}") from None
     module_name, _, cls_name = target.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name and exc.name.startswith("impel.strategies"):
-            available = sorted(k for k, v in REGISTRY.items() if importlib.util.find_spec(v.partition(":")[0]))
-            raise ConfigError(f"distributed_type={distributed_type!r} is not available in this impel version; "
-                              f"use one of {available}") from None
-        raise
-    return getattr(module, cls_name)(state, config, handlers)
+    module = importlib.import_module(module_name)
+    return getattr(module, cls_name)(state, record, gradient_state)

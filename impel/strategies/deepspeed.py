@@ -42,14 +42,12 @@ from .deepspeed_config import (
     DummyScheduler,
     fill_runtime,
     init_config,
-    load_json,
-    resolve_static,
 )
 
 if TYPE_CHECKING:
-    from ..config import RunConfig
-    from ..plugins import Handlers
+    from ..accumulation import GradientState
     from ..precision_report import PrecisionReport
+    from ..resolve import RunRecord
     from ..state import ProcessState
 
 logger = logging.getLogger("impel")
@@ -101,15 +99,16 @@ class DeepSpeedStrategy(Strategy):
     name = "DEEPSPEED"
     scheduler_steps_per_process = False  # DeepSpeed's engine steps it once per optimizer step (as in Accelerate)
 
-    def __init__(self, state: ProcessState, config: RunConfig, handlers: Handlers) -> None:
+    def __init__(self, state: ProcessState, record: RunRecord, gradient_state: GradientState) -> None:
         self.deepspeed = import_deepspeed(state.device, state.local_process_index)
-        plugin = handlers.extra.get("deepspeed_plugin")
-        source = self._json_source(config, plugin)
-        ds, name = load_json(source)
-        self.resolved = resolve_static(ds, name, config, json_given=source is not None)
-        super().__init__(state, config, handlers)
+        if record.deepspeed is None:
+            raise ConfigError("the DeepSpeed strategy needs the DeepSpeed config settled by impel.resolve.resolve()")
+        self.resolved = record.deepspeed
+        plugin = record.deepspeed_plugin
+        super().__init__(state, record, gradient_state)
+        handlers = self.handlers
         if self.resolved.dtype != torch.float32:
-            self.precision = EnginePrecision(config.mixed_precision, self.resolved.dtype, state.device,
+            self.precision = EnginePrecision(self.config.mixed_precision, self.resolved.dtype, state.device,
                                              handlers.autocast)
         else:
             self.precision = Precision(state.device, handlers.autocast)
@@ -132,17 +131,6 @@ class DeepSpeedStrategy(Strategy):
         self._hf_config = self._register_with_transformers()
 
     # --- construction helpers -------------------------------------------------------------------------------
-    @staticmethod
-    def _json_source(config: RunConfig, plugin: Any) -> Any:
-        path = config.deepspeed.deepspeed_config_file
-        given = getattr(plugin, "hf_ds_config", None)
-        if isinstance(given, Mapping):
-            if path is not None:
-                raise ConfigError(f"DeepSpeedPlugin(hf_ds_config=<dict>) and deepspeed_config_file={path!r} both "
-                                  "give the DeepSpeed JSON; keep one")
-            return given
-        return path
-
     def _check_nvme(self) -> None:
         from deepspeed.accelerator import get_accelerator
 

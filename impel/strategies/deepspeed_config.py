@@ -163,8 +163,31 @@ class Resolved:
         return "none" if device in (_ABSENT, None) else str(device)
 
 
-def resolve_static(ds: dict[str, Any], source: str, config: RunConfig, json_given: bool) -> Resolved:
-    """Settle what is known before prepare; may adopt the JSON's accumulation steps and precision into ``config``."""
+def settle_deepspeed(config: RunConfig, plugin: Any) -> tuple[Resolved, dict[str, Any]]:
+    """The DeepSpeed JSON (the plugin's dict, else ``deepspeed_config_file``, else none) settled against the run
+    config, and what it decides for the run config: ``gradient_accumulation_steps`` and ``mixed_precision``."""
+    source = json_source(config, plugin)
+    ds, name = load_json(source)
+    return resolve_static(ds, name, config, json_given=source is not None)
+
+
+def json_source(config: RunConfig, plugin: Any) -> Any:
+    """Where the DeepSpeed JSON comes from: a dict given to ``DeepSpeedPlugin(hf_ds_config=...)``, else the config's
+    ``deepspeed_config_file`` (a path given to the plugin is already there), else None."""
+    path = config.deepspeed.deepspeed_config_file
+    given = getattr(plugin, "hf_ds_config", None)
+    if isinstance(given, Mapping):
+        if path is not None:
+            raise ConfigError(f"DeepSpeedPlugin(hf_ds_config=<dict>) and deepspeed_config_file={path!r} both "
+                              "give the DeepSpeed JSON; keep one")
+        return given
+    return path
+
+
+def resolve_static(ds: dict[str, Any], source: str, config: RunConfig,
+                   json_given: bool) -> tuple[Resolved, dict[str, Any]]:
+    """Settle what is known before prepare; returns the settled JSON and the accumulation steps and precision the
+    run takes from it (``config`` is not changed)."""
     section = config.deepspeed
     explicit = config.explicit
     key = "zero_optimization.stage"
@@ -180,14 +203,13 @@ def resolve_static(ds: dict[str, Any], source: str, config: RunConfig, json_give
     gas = settle(ds, "gradient_accumulation_steps",
                  config.gradient_accumulation_steps if "gradient_accumulation_steps" in explicit else None,
                  "gradient_accumulation_steps", source, default=config.gradient_accumulation_steps)
-    config.gradient_accumulation_steps = int(gas)
-    dtype = _settle_precision(ds, config, source)
+    mode, dtype = _settle_precision(ds, config, source)
     resolved = Resolved(ds, source, int(stage), dtype, float(clipping), bool(section.zero3_init_flag), save_16bit,
                         json_given)
     _check_combinations(resolved)
     ds.setdefault("steps_per_print", 2 ** 62)  # DeepSpeed's progress lines; impel's loop logs what it wants
     ds.setdefault("wall_clock_breakdown", False)
-    return resolved
+    return resolved, {"gradient_accumulation_steps": int(gas), "mixed_precision": mode}
 
 
 def _settle_offload(ds: dict[str, Any], what: str, section: Any, source: str) -> None:
@@ -215,8 +237,9 @@ def _settle_save_16bit(ds: dict[str, Any], ours: bool | None, source: str) -> bo
     return bool(settle(ds, key, ours, "zero3_save_16bit_model", source, default=off))
 
 
-def _settle_precision(ds: dict[str, Any], config: RunConfig, source: str) -> torch.dtype:
-    """bf16/fp16 ``enabled`` against mixed_precision: "auto" takes impel's, a JSON value may be adopted."""
+def _settle_precision(ds: dict[str, Any], config: RunConfig, source: str) -> tuple[str, torch.dtype]:
+    """bf16/fp16 ``enabled`` against mixed_precision: "auto" takes impel's, a JSON value may be adopted. Returns
+    the run's mixed_precision mode and the engine's parameter dtype."""
     mode = config.mixed_precision if "mixed_precision" in config.explicit else None
     wanted = {}
     for name in ("bf16", "fp16"):
@@ -230,16 +253,14 @@ def _settle_precision(ds: dict[str, Any], config: RunConfig, source: str) -> tor
     if concrete and mode is not None and mode != concrete[0]:
         raise ConfigError(f"mixed_precision={mode!r} contradicts {concrete[0]}.enabled=true in {source}; keep one "
                           "(or write \"auto\" in the JSON)")
-    if concrete and mode is None:
-        config.mixed_precision = concrete[0]  # the JSON decides when impel was not told
-    final = config.mixed_precision
+    final = concrete[0] if concrete and mode is None else config.mixed_precision  # the JSON decides when impel was not told
     for name in ("bf16", "fp16"):
         if wanted[name] is False and final == name:
             raise ConfigError(f"mixed_precision={final!r} contradicts {name}.enabled=false in {source}; keep one "
                               "(or write \"auto\" in the JSON)")
         if wanted[name] is not False or final == name:
             put(ds, f"{name}.enabled", final == name)
-    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(final, torch.float32)
+    return final, {"bf16": torch.bfloat16, "fp16": torch.float16}.get(final, torch.float32)
 
 
 def _check_combinations(r: Resolved) -> None:
@@ -390,4 +411,4 @@ def check_before_launch(config: RunConfig) -> None:
     launched settings (batch sizes and placeholders are only known at prepare)."""
     path = config.deepspeed.deepspeed_config_file
     ds, name = load_json(path)
-    resolve_static(ds, name, copy.deepcopy(config), json_given=path is not None)
+    resolve_static(ds, name, config, json_given=path is not None)

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import env
-from ..compile import compile_before_shard
+from ..compile import Compiler
 from ..config import ConfigError
 from ..precision_report import (
     PrecisionReport,
@@ -47,8 +47,8 @@ from .fsdp_loading import (
 from .fsdp_wrap import check_requested, checkpoint_units, select_units
 
 if TYPE_CHECKING:
-    from ..config import RunConfig
-    from ..plugins import Handlers
+    from ..accumulation import GradientState
+    from ..resolve import RunRecord
     from ..state import ProcessState
 
 logger = logging.getLogger("impel")
@@ -74,9 +74,10 @@ class FSDPStrategy(Strategy):
 
     name = "FSDP"
 
-    def __init__(self, state: ProcessState, config: RunConfig, handlers: Handlers) -> None:
-        super().__init__(state, config, handlers)
-        self.fsdp = config.fsdp
+    def __init__(self, state: ProcessState, record: RunRecord, gradient_state: GradientState) -> None:
+        super().__init__(state, record, gradient_state)
+        self.fsdp = self.config.fsdp
+        self.compiler = Compiler(record.dynamo_plugin, self.name)  # torch.compile per block, before sharding
         self.sharding_strategy = self.fsdp.resolved_sharding_strategy
         self._mesh: Any = None
         self._replacements = ParamReplacements()
@@ -153,7 +154,7 @@ class FSDPStrategy(Strategy):
         owners = ParamReplacements.owners(model)
         if self.fsdp.activation_checkpointing:
             units = checkpoint_units(model, units)
-        compile_before_shard(model, self.handlers)  # torch.compile per block, before sharding (as torchtitan)
+        self.compiler.before_shard(model)  # torch.compile per block, before sharding (as torchtitan)
         options = {"mesh": self.mesh, "reshard_after_forward": _RESHARD[self.sharding_strategy],
                    "mp_policy": self.mp_policy, "offload_policy": self.offload_policy}
         for unit in units:

@@ -250,8 +250,8 @@ class Trainer:
         resumed = None
         if resume:
             resumed = acc.load_state(None if resume is True else os.fspath(resume))
-        elif acc._resilience is not None:  # `impel launch --auto_resume`: resume before the loop is planned
-            resumed = acc._resilience.resume_now()
+        else:  # `impel launch --auto_resume`: resume before the loop is planned
+            resumed = acc.resume_from_auto_checkpoint()
         if resumed:
             self._after_resume(resumed)
         self._open_trackers()
@@ -438,7 +438,7 @@ class Trainer:
         try:
             yield loader
         finally:  # a one-off loader must not become part of the checkpointed state
-            acc._dataloaders.remove(loader)
+            acc.prepared.forget(loader)
 
     def evaluation_loop(self, dataloader: Any, description: str = "Evaluation",
                         prediction_loss_only: bool | None = None, ignore_keys: list[str] | None = None,

@@ -181,3 +181,22 @@ def test_trackers_live_on_the_main_process_only(tmp_path):
     counts = run_on_ranks(_trackers, 2, args=(str(tmp_path),))
     assert counts == [1, 0]
     assert (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() == ['{"step": 1, "rank": 0}']
+
+
+def _second_accelerator_with_other_group_settings():
+    from impel import Accelerator, ConfigError, InitProcessGroupKwargs
+
+    Accelerator(cpu=True, kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=97))])
+    Accelerator(cpu=True, kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=97))])  # the same: fine
+    Accelerator(cpu=True)  # nothing asked: the live group serves
+    try:
+        Accelerator(cpu=True, kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=30))])
+    except ConfigError as exc:
+        return str(exc)
+    return "accepted"
+
+
+def test_a_second_accelerator_cannot_silently_change_the_process_group():
+    for message in run_on_ranks(_second_accelerator_with_other_group_settings, 2, timeout=60):
+        assert "InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=30))" in message
+        assert "timeout=datetime.timedelta(seconds=97)" in message and "pass the same value" in message

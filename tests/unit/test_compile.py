@@ -228,10 +228,9 @@ def test_accelerates_older_top_level_dynamo_backend_key_is_folded_in(tmp_path):
 
 
 def test_deepspeed_with_a_backend_raises():
-    from impel.compile import Compiler
+    from impel.compile import settle_dynamo
     from impel.config import RunConfig
-    from impel.plugins import Handlers
 
     config = RunConfig.from_dict({"distributed_type": "DEEPSPEED", "dynamo_config": {"dynamo_backend": "eager"}})
     with pytest.raises(ConfigError, match="dynamo_backend='eager' under DeepSpeed is not supported yet"):
-        Compiler.create(config, None, torch.device("cpu"), "DEEPSPEED", Handlers())
+        settle_dynamo(config, None, torch.device("cpu"), "DEEPSPEED")

@@ -39,7 +39,8 @@ def run_config(section=None, **top):
 
 def resolve(ds, section=None, **top):
     config = run_config(section, **top)
-    return resolve_static(json.loads(json.dumps(ds)), "the test JSON", config, json_given=True), config
+    resolved, decided = resolve_static(json.loads(json.dumps(ds)), "the test JSON", config, json_given=True)
+    return resolved, config.with_values(**decided)
 
 
 def tiny_params():
@@ -70,7 +71,7 @@ def test_a_json_of_auto_values_gets_impel_s_concrete_values():
 
 def test_without_json_the_plugin_defaults_apply_and_clipping_is_off():
     config = run_config()
-    resolved = resolve_static({}, "the DeepSpeed config impel builds", config, json_given=False)
+    resolved, _ = resolve_static({}, "the DeepSpeed config impel builds", config, json_given=False)
     ds = fill_runtime(resolved, micro_batch=8, world=2, optimizer=torch.optim.SGD(tiny_params(), lr=0.1),
                       scheduler=None, has_optimizer=True)
     # Accelerate's DeepSpeedPlugin default stage; DeepSpeed's own default clipping (1.0) would clip a loop that
@@ -159,7 +160,8 @@ def tiny_bert(hidden=64):
 ])
 def test_zero3_without_a_json_sizes_its_buckets_from_the_model(stage, json_given, model, sized):
     config = run_config({"zero_stage": stage})
-    resolved = resolve_static({"zero_optimization": {"stage": stage}}, "the config", config, json_given=json_given)
+    resolved, _ = resolve_static({"zero_optimization": {"stage": stage}}, "the config", config,
+                                 json_given=json_given)
     module = tiny_bert(64) if model == "bert" else torch.nn.Linear(2, 2)
     zero = fill_runtime(resolved, micro_batch=2, world=1, optimizer=None, scheduler=None, has_optimizer=False,
                         model=module)["zero_optimization"]
