@@ -99,8 +99,15 @@ def option(default: Any, kind: str, help: str, *, choices: tuple | None = None, 
     return field(default=default, metadata=meta)
 
 
-_TRUE = ("true", "yes", "1", "on", "y")
-_FALSE = ("false", "no", "0", "off", "n", "none")
+# the words a bool takes as text (flags, prompts, the Trainer's fsdp_config values)
+TRUE_WORDS = ("true", "yes", "1", "on", "y", "t")
+FALSE_WORDS = ("false", "no", "0", "off", "n", "f", "none")
+
+
+def bool_word(text: str) -> bool | None:
+    """True / False for a word of :data:`TRUE_WORDS` / :data:`FALSE_WORDS` (any case), else None."""
+    word = text.strip().lower()
+    return True if word in TRUE_WORDS else False if word in FALSE_WORDS else None
 
 
 def coerce(name: str, value: Any, meta: Mapping[str, Any], from_text: bool = False) -> Any:
@@ -158,11 +165,10 @@ def _parse_text(name: str, raw: str, kind: str, choices: tuple | None) -> Any:
         kind = "int"
     try:
         if kind == "bool":
-            if text.lower() in _TRUE:
-                return True
-            if text.lower() in _FALSE:
-                return False
-            raise ValueError
+            flag = bool_word(text)
+            if flag is None:
+                raise ValueError
+            return flag
         if kind == "int":
             return int(text)
         if kind == "float":

@@ -12,11 +12,11 @@ from collections.abc import Iterator
 from dataclasses import fields
 from typing import Any
 
-from ..config import _FALSE, _TRUE, SECTIONS, ConfigError, RunConfig, coerce
+from ..config import FALSE_WORDS, SECTIONS, TRUE_WORDS, ConfigError, RunConfig, coerce
 
 _SHORTCUTS = {"multi_gpu": "MULTI_GPU", "use_fsdp": "FSDP", "use_deepspeed": "DEEPSPEED", "use_auto": "AUTO"}
-_DEST = "cfg__"
-_BOOL_WORDS = set(_TRUE) | set(_FALSE)  # namespace attribute prefix: cfg__<section>__<key>
+_DEST = "cfg__"  # namespace attribute prefix: cfg__<section>__<key>
+_BOOL_WORDS = set(TRUE_WORDS) | set(FALSE_WORDS)
 
 
 def config_fields() -> Iterator[tuple[str | None, str, str, Any]]:

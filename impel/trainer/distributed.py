@@ -17,7 +17,7 @@ import copy
 import os
 from typing import TYPE_CHECKING, Any
 
-from ..config import ConfigError, did_you_mean
+from ..config import ConfigError, bool_word, did_you_mean
 from ..config_file import read_json_object
 
 if TYPE_CHECKING:
@@ -44,7 +44,6 @@ _FSDP_KEYS: dict[str, tuple[str, str]] = {
 # keys transformers accepts that only mean something when "on"; impel runs them "off" and raises otherwise
 _INERT_FSDP_KEYS = {"xla": "impel does not drive XLA", "xla_fsdp_v2": "impel does not drive XLA",
                     "xla_fsdp_grad_ckpt": "impel does not drive XLA", "xla_fsdp_settings": "impel does not drive XLA"}
-_TRUE, _FALSE = ("true", "yes", "1", "on", "y", "t"), ("false", "no", "0", "off", "n", "f")
 
 
 # --- fsdp -------------------------------------------------------------------------------------------------------
@@ -84,8 +83,8 @@ def load_json_knob(name: str, value: Any) -> dict[str, Any]:
 
 def _convert(key: str, raw: Any, kind: str) -> Any:
     if kind == "bool":
-        if isinstance(raw, str) and raw.lower() in _TRUE + _FALSE:
-            return raw.lower() in _TRUE
+        if isinstance(raw, str) and bool_word(raw) is not None:
+            return bool_word(raw)
         if not isinstance(raw, bool):
             raise ConfigError(f"fsdp_config {key}={raw!r} must be true or false")
         return raw
