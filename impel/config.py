@@ -78,8 +78,16 @@ class PrecisionType(str, enum.Enum):
 
 
 MIXED_PRECISIONS = ("no", "fp16", "bf16")
+# in FSDP1's ShardingStrategy order: Accelerate accepts their numbers (1 = FULL_SHARD, ...)
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
+# sharding strategy -> FSDP2's reshard_after_forward; NO_SHARD (one shard per rank) implies nothing
+RESHARD_AFTER_FORWARD = {"FULL_SHARD": True, "SHARD_GRAD_OP": False, "HYBRID_SHARD": True, "HYBRID_SHARD_ZERO2": False}
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+
+
+def reshards_after_forward(strategy: str) -> bool:
+    """FSDP2's ``reshard_after_forward`` for a sharding strategy (False for NO_SHARD, where it changes nothing)."""
+    return RESHARD_AFTER_FORWARD.get(strategy, False)
 
 
 class ConfigError(ValueError):
@@ -181,9 +189,7 @@ def _parse_text(name: str, raw: str, kind: str, choices: tuple | None) -> Any:
 
 # --- sections ------------------------------------------------------------------------------------------------
 # FSDP1's ShardingStrategy numbers, as Accelerate accepts them (YAML 1 or "1", flag --fsdp_sharding_strategy 1)
-_FSDP1_STRATEGY_NUMBERS: dict[Any, str] = {
-    k: v for n, v in enumerate(("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2"), 1)
-    for k in (n, str(n))}
+_FSDP1_STRATEGY_NUMBERS: dict[Any, str] = {k: v for n, v in enumerate(SHARDING_STRATEGIES, 1) for k in (n, str(n))}
 
 
 @dataclass
@@ -200,8 +206,7 @@ class FSDPConfig:
     # `accelerate config` writes an FSDP1 answer here as a strategy name (FULL_SHARD): read it as FSDP2's bool
     reshard_after_forward: bool | None = option(
         None, "bool", "free gathered parameters after forward (FSDP2's name for FULL_SHARD vs SHARD_GRAD_OP)",
-        aliases={name: name in ("FULL_SHARD", "HYBRID_SHARD") for name in
-                 ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")})
+        aliases=RESHARD_AFTER_FORWARD)
     offload_params: bool = option(False, "bool", "keep parameters, gradients and optimizer states on the CPU "
                                   "(all or nothing)", question="Offload parameters to the CPU")
     auto_wrap_policy: str | None = option(
@@ -236,8 +241,7 @@ class FSDPConfig:
         if self.cpu_ram_efficient_loading and not self.sync_module_states:
             raise ConfigError("fsdp_cpu_ram_efficient_loading=true needs fsdp_sync_module_states=true (the other "
                               "ranks receive rank 0's weights); remove fsdp_sync_module_states or set it to true")
-        implied = {"FULL_SHARD": True, "HYBRID_SHARD": True, "SHARD_GRAD_OP": False, "HYBRID_SHARD_ZERO2": False}
-        want = implied.get(self.sharding_strategy or "")
+        want = RESHARD_AFTER_FORWARD.get(self.sharding_strategy or "")
         if self.reshard_after_forward is not None and want is not None and want != self.reshard_after_forward:
             raise ConfigError(f"fsdp_reshard_after_forward={self.reshard_after_forward} contradicts "
                               f"fsdp_sharding_strategy={self.sharding_strategy!r}; set only one of them")

@@ -17,9 +17,8 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from .config import ConfigError, RunConfig
+from .config import ConfigError, RunConfig, reshards_after_forward
 
-_TO_STAGE = {"FULL_SHARD": 3, "HYBRID_SHARD": 3, "SHARD_GRAD_OP": 2, "HYBRID_SHARD_ZERO2": 2, "NO_SHARD": 0}
 _TO_SHARDING = {3: "FULL_SHARD", 2: "SHARD_GRAD_OP", 1: "SHARD_GRAD_OP", 0: "NO_SHARD"}
 _TRANSPARENT = {
     "fsdp_auto_wrap_policy": "wrapping is transparent in DeepSpeed (it partitions every parameter)",
@@ -69,10 +68,16 @@ def convert(explicit: Mapping[str, Any], target: str) -> tuple[dict[str, Any], l
     return base, notes
 
 
+def _zero_stage(strategy: str) -> int:
+    """ZeRO-3 shards parameters outside forward/backward as FSDP does when it reshards after forward; ZeRO-2
+    shards gradients and optimizer states only; NO_SHARD shards nothing."""
+    return 0 if strategy == "NO_SHARD" else 3 if reshards_after_forward(strategy) else 2
+
+
 def _fsdp_to_deepspeed(cfg: RunConfig, given: Mapping[str, Any], notes: list[str]) -> dict[str, Any]:
     fsdp = cfg.fsdp
     strategy = fsdp.resolved_sharding_strategy
-    stage = _TO_STAGE[strategy]
+    stage = _zero_stage(strategy)
     out: dict[str, Any] = {"zero_stage": stage}
     if strategy.startswith("HYBRID"):
         notes.append(f"fsdp_sharding_strategy={strategy} (replicate across nodes, shard within) has no launch-config "

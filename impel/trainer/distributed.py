@@ -17,15 +17,20 @@ import copy
 import os
 from typing import TYPE_CHECKING, Any
 
-from ..config import ConfigError, bool_word, did_you_mean
+from ..config import (
+    SHARDING_STRATEGIES,
+    ConfigError,
+    bool_word,
+    did_you_mean,
+    reshards_after_forward,
+)
 from ..config_file import read_json_object
 
 if TYPE_CHECKING:
     from ..plugins import FullyShardedDataParallelPlugin
     from .arguments import TrainingArguments
 
-SHARDING_OPTIONS = {"full_shard": "FULL_SHARD", "shard_grad_op": "SHARD_GRAD_OP", "no_shard": "NO_SHARD",
-                    "hybrid_shard": "HYBRID_SHARD", "hybrid_shard_zero2": "HYBRID_SHARD_ZERO2"}
+SHARDING_OPTIONS = {name.lower(): name for name in SHARDING_STRATEGIES}  # "full_shard" -> "FULL_SHARD"
 FSDP_OPTIONS = tuple(SHARDING_OPTIONS) + ("offload", "auto_wrap")
 
 # transformers' fsdp_config key -> (FullyShardedDataParallelPlugin field, kind)
@@ -141,7 +146,7 @@ def fsdp_plugin_fields(fsdp: Any, fsdp_config: Any) -> dict[str, Any] | None:
     if out.get("cpu_offload") is not None and out.get("offload_params") is not None:
         _put(out, "cpu_offload", out.pop("offload_params"), "fsdp_config offload_params")
     if out.get("sharding_strategy") is not None and out.get("reshard_after_forward") is not None:
-        implied = out["sharding_strategy"] in ("FULL_SHARD", "HYBRID_SHARD")
+        implied = reshards_after_forward(out["sharding_strategy"])
         if implied != out["reshard_after_forward"]:
             raise ConfigError(f"fsdp_config reshard_after_forward={out['reshard_after_forward']} contradicts the "
                               f"sharding strategy {out['sharding_strategy']}; set only one of them")
