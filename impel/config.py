@@ -83,11 +83,20 @@ SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"
 # sharding strategy -> FSDP2's reshard_after_forward; NO_SHARD (one shard per rank) implies nothing
 RESHARD_AFTER_FORWARD = {"FULL_SHARD": True, "SHARD_GRAD_OP": False, "HYBRID_SHARD": True, "HYBRID_SHARD_ZERO2": False}
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+ZERO_STAGES = (0, 1, 2, 3)
+DEFAULT_ZERO_STAGE = 2  # Accelerate's DeepSpeedPlugin default, used when no DeepSpeed JSON says otherwise
 
 
 def reshards_after_forward(strategy: str) -> bool:
     """FSDP2's ``reshard_after_forward`` for a sharding strategy (False for NO_SHARD, where it changes nothing)."""
     return RESHARD_AFTER_FORWARD.get(strategy, False)
+
+
+def check_zero_stage(value: Any, what: str) -> None:
+    """Raise unless ``value`` is a ZeRO stage; ``what`` names where it came from (``zero_stage=4``)."""
+    if value not in ZERO_STAGES:
+        stages = ", ".join(str(s) for s in ZERO_STAGES[:-1]) + f" or {ZERO_STAGES[-1]}"
+        raise ConfigError(f"{what} is not a DeepSpeed ZeRO stage; use {stages}")
 
 
 class ConfigError(ValueError):
@@ -260,7 +269,7 @@ class DeepSpeedConfig:
 
     PREFIX = ""
 
-    zero_stage: int | None = option(None, "int", "ZeRO stage", choices=(0, 1, 2, 3), question="ZeRO stage")
+    zero_stage: int | None = option(None, "int", "ZeRO stage", choices=ZERO_STAGES, question="ZeRO stage")
     offload_optimizer_device: str | None = option(None, "str", "where optimizer states live",
                                                   choices=OFFLOAD_DEVICES, question="Offload the optimizer to")
     offload_param_device: str | None = option(None, "str", "where parameters live (ZeRO-3)", choices=OFFLOAD_DEVICES,
@@ -281,8 +290,8 @@ class DeepSpeedConfig:
                                                choices=("standard",))
 
     def validate(self) -> DeepSpeedConfig:
-        if self.zero_stage is not None and self.zero_stage not in (0, 1, 2, 3):
-            raise ConfigError(f"zero_stage={self.zero_stage!r} is not a DeepSpeed ZeRO stage; use 0, 1, 2 or 3")
+        if self.zero_stage is not None:
+            check_zero_stage(self.zero_stage, f"zero_stage={self.zero_stage!r}")
         _validate_fields(self)
         for what in ("optimizer", "param"):
             path_needed = not getattr(self, f"offload_{what}_nvme_path") and not self.deepspeed_config_file

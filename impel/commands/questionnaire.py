@@ -11,7 +11,14 @@ from collections.abc import Callable
 from dataclasses import fields
 from typing import Any, TextIO
 
-from ..config import ConfigError, DeepSpeedConfig, FSDPConfig, RunConfig, coerce
+from ..config import (
+    DEFAULT_ZERO_STAGE,
+    ConfigError,
+    DeepSpeedConfig,
+    FSDPConfig,
+    RunConfig,
+    coerce,
+)
 
 _LEAVE = object()  # "leave it to the script": the key is not written
 
@@ -137,7 +144,7 @@ def _deepspeed_questions(prompter: Prompter) -> dict[str, Any]:
     if ask("deepspeed_config_file", None) is not None:
         ask("zero3_init_flag", False)
         return out
-    stage = ask("zero_stage", 2)
+    stage = ask("zero_stage", DEFAULT_ZERO_STAGE)
     if ask("offload_optimizer_device", "none") == "nvme":
         ask("offload_optimizer_nvme_path", None, check=lambda p: p or _fail("an NVMe path is needed"))
     if stage == 3:
