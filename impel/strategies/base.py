@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import importlib.util
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, AbstractSet, Any
@@ -182,12 +181,4 @@ def load_strategy(distributed_type: str, state: ProcessState, config: RunConfig,
     except KeyError:
         raise ValueError(f"distributed_type={distributed_type!r} has no strategy; use one of {sorted(REGISTRY)}") from None
     module_name, _, cls_name = target.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name and exc.name.startswith("impel.strategies"):
-            available = sorted(k for k, v in REGISTRY.items() if importlib.util.find_spec(v.partition(":")[0]))
-            raise ConfigError(f"distributed_type={distributed_type!r} is not available in this impel version; "
-                              f"use one of {available}") from None
-        raise
-    return getattr(module, cls_name)(state, config, handlers)
+    return getattr(importlib.import_module(module_name), cls_name)(state, config, handlers)

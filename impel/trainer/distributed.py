@@ -227,13 +227,9 @@ def deepspeed_plugin(args: TrainingArguments) -> Any:
     config = deepspeed_config(args)
     if config is None:
         return None
-    from .. import plugins
+    from ..plugins import DeepSpeedPlugin
 
-    plugin_cls = getattr(plugins, "DeepSpeedPlugin", None)
-    if plugin_cls is None:  # the DeepSpeed strategy is being added; until then say so instead of ignoring the knob
-        raise ConfigError("TrainingArguments(deepspeed=...) needs impel.DeepSpeedPlugin, which this build of impel "
-                          "does not have yet; use fsdp=... or update impel")
-    return plugin_cls(hf_ds_config=config)
+    return DeepSpeedPlugin(hf_ds_config=config)
 
 
 # --- everything ---------------------------------------------------------------------------------------------------
