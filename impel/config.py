@@ -15,6 +15,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 from .compile_config import DynamoConfig
+from .schema import option
 
 logger = logging.getLogger("impel")
 
@@ -106,14 +107,6 @@ class ConfigError(ValueError):
 def did_you_mean(key: str, known: Iterable[str]) -> str:
     close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
     return f"; did you mean {close[0]!r}?" if close else ""
-
-
-def option(default: Any, kind: str, help: str, *, choices: tuple | None = None, minimum: float | None = None,
-           question: str | None = None, flag: str | None = None, aliases: Mapping[Any, Any] | None = None) -> Any:
-    """A config field with its schema. ``kind`` is one of str, int, float, bool."""
-    meta = {"kind": kind, "help": help, "choices": choices, "min": minimum, "question": question, "flag": flag,
-            "aliases": dict(aliases or {})}
-    return field(default=default, metadata=meta)
 
 
 # the words a bool takes as text (flags, prompts, the Trainer's fsdp_config values)
