@@ -11,7 +11,7 @@ import difflib
 import enum
 import logging
 from collections.abc import Iterable, Mapping
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any
 
 from .compile_config import DynamoConfig
@@ -109,6 +109,17 @@ def did_you_mean(key: str, known: Iterable[str]) -> str:
     return f"; did you mean {close[0]!r}?" if close else ""
 
 
+def plugin_keyword(f: Field) -> str | None:
+    """The keyword of Accelerate's plugin generated for a section field, or None when the plugin has none."""
+    name = f.metadata.get("plugin")
+    return None if name is False else (name or f.name)
+
+
+def plugin_keywords(cls: type) -> dict[str, str]:
+    """Plugin keyword -> field name for every field of a section (``fsdp_version`` -> ``version``)."""
+    return {kw: f.name for f in fields(cls) if (kw := plugin_keyword(f)) is not None}
+
+
 # the words a bool takes as text (flags, prompts, the Trainer's fsdp_config values)
 TRUE_WORDS = ("true", "yes", "1", "on", "y", "t")
 FALSE_WORDS = ("false", "no", "0", "off", "n", "f", "none")
@@ -196,12 +207,16 @@ _FSDP1_STRATEGY_NUMBERS: dict[Any, str] = {k: v for n, v in enumerate(SHARDING_S
 
 @dataclass
 class FSDPConfig:
-    """The ``fsdp_config`` section. YAML keys and flags carry an ``fsdp_`` prefix (``fsdp_sharding_strategy``)."""
+    """The ``fsdp_config`` section. YAML keys and flags carry an ``fsdp_`` prefix (``fsdp_sharding_strategy``).
+
+    The one place an FSDP option is written: ``FullyShardedDataParallelPlugin``'s keywords, the Trainer's
+    ``fsdp_config`` keys and the launch flags derive from these fields.
+    """
 
     PREFIX = "fsdp_"
 
     version: int = option(2, "int", "FSDP version; 1 is accepted and runs on FSDP2 with the same options",
-                          choices=(1, 2))
+                          choices=(1, 2), plugin="fsdp_version")
     sharding_strategy: str | None = option(
         None, "str", "how parameters, gradients and optimizer states are sharded", choices=SHARDING_STRATEGIES,
         question="Sharding strategy", aliases={**_FSDP1_STRATEGY_NUMBERS, "_HYBRID_SHARD_ZERO2": "HYBRID_SHARD_ZERO2"})
@@ -210,14 +225,15 @@ class FSDPConfig:
         None, "bool", "free gathered parameters after forward (FSDP2's name for FULL_SHARD vs SHARD_GRAD_OP)",
         aliases=RESHARD_AFTER_FORWARD)
     offload_params: bool = option(False, "bool", "keep parameters, gradients and optimizer states on the CPU "
-                                  "(all or nothing)", question="Offload parameters to the CPU")
+                                  "(all or nothing)", question="Offload parameters to the CPU", also=("cpu_offload",))
     auto_wrap_policy: str | None = option(
         None, "str", "which submodules become their own FSDP unit (default: transformer layers when the model "
         "names them, else the root only)", choices=("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP"),
         question="Auto wrap policy")
     transformer_layer_cls_to_wrap: str | None = option(
         None, "str", "comma-separated layer class names to wrap (default: detected from the model)",
-        question="Layer classes to wrap (comma-separated, empty = detect)")
+        question="Layer classes to wrap (comma-separated, empty = detect)", listed=True,
+        plugin="transformer_cls_names_to_wrap")
     min_num_params: int = option(100_000_000, "int", "SIZE_BASED_WRAP: parameters per unit", minimum=1,
                                  question="Minimum parameters per unit")
     backward_prefetch: str | None = option(
@@ -262,25 +278,27 @@ class DeepSpeedConfig:
 
     PREFIX = ""
 
+    # in the order of DeepSpeedPlugin's keywords (Accelerate's), which are generated from these fields
+    gradient_clipping: float | None = option(None, "float", "max gradient norm", minimum=0.0,
+                                             question="Gradient clipping (empty = none)")
     zero_stage: int | None = option(None, "int", "ZeRO stage", choices=ZERO_STAGES, question="ZeRO stage")
-    offload_optimizer_device: str | None = option(None, "str", "where optimizer states live",
-                                                  choices=OFFLOAD_DEVICES, question="Offload the optimizer to")
+    offload_optimizer_device: str | None = option(None, "str", "where optimizer states live", choices=OFFLOAD_DEVICES,
+                                                  question="Offload the optimizer to")
     offload_param_device: str | None = option(None, "str", "where parameters live (ZeRO-3)", choices=OFFLOAD_DEVICES,
                                               question="Offload parameters to")
     offload_optimizer_nvme_path: str | None = option(None, "str", "NVMe directory for optimizer offload",
                                                      question="NVMe path for the optimizer")
     offload_param_nvme_path: str | None = option(None, "str", "NVMe directory for parameter offload",
                                                  question="NVMe path for parameters")
-    gradient_clipping: float | None = option(None, "float", "max gradient norm", minimum=0.0,
-                                             question="Gradient clipping (empty = none)")
     zero3_init_flag: bool | None = option(None, "bool", "partition ZeRO-3 models at construction",
                                           question="Partition models at construction (zero3_init_flag)")
     zero3_save_16bit_model: bool | None = option(None, "bool", "save_model gathers 16-bit weights under ZeRO-3",
                                                  question="Save 16-bit weights under ZeRO-3")
+    # DeepSpeedPlugin's hf_ds_config, written by hand: it also takes a dict, which stays in the process
     deepspeed_config_file: str | None = option(None, "str", "DeepSpeed JSON for every other setting",
-                                               question="DeepSpeed JSON file (empty = none)")
+                                               question="DeepSpeed JSON file (empty = none)", plugin=False)
     deepspeed_multinode_launcher: str = option("standard", "str", "impel starts every node with torchrun",
-                                               choices=("standard",))
+                                               choices=("standard",), plugin=False)
 
     def validate(self) -> DeepSpeedConfig:
         if self.zero_stage is not None:

@@ -194,7 +194,7 @@ class RunSettings:
             section = self.config.deepspeed
             self.handlers.extra["deepspeed_plugin_from_config"] = DeepSpeedPlugin(
                 hf_ds_config=section.deepspeed_config_file, gradient_accumulation_steps=self.gradient_accumulation_steps,
-                **{key: getattr(section, key) for key in _DEEPSPEED_KEYS})
+                **{attr: getattr(section, name) for attr, name in _DEEPSPEED_KEYS.items()})
         return self.handlers.extra["deepspeed_plugin_from_config"]
 
     @property
@@ -207,7 +207,7 @@ class RunSettings:
 
             section = self.config.fsdp
             self.handlers.extra["fsdp_plugin_from_config"] = FullyShardedDataParallelPlugin(
-                offload_params=section.offload_params, mixed_precision_policy=self.config.mixed_precision,
+                mixed_precision_policy=self.config.mixed_precision,
                 **{attr: getattr(section, name) for attr, name in _FSDP_KEYS.items()})
         return self.handlers.extra["fsdp_plugin_from_config"]
 

@@ -9,8 +9,18 @@ from typing import Any
 
 
 def option(default: Any, kind: str, help: str, *, choices: tuple | None = None, minimum: float | None = None,
-           question: str | None = None, flag: str | None = None, aliases: Mapping[Any, Any] | None = None) -> Any:
-    """A config field with its schema. ``kind`` is one of str, int, float, bool."""
+           question: str | None = None, flag: str | None = None, aliases: Mapping[Any, Any] | None = None,
+           plugin: str | bool | None = None, also: tuple[str, ...] = (), listed: bool = False) -> Any:
+    """A config field with its schema; every other spelling of the option is derived from it.
+
+    ``kind`` is one of str, int, float, bool. ``aliases`` map other values onto allowed ones (FSDP1's ``1`` ->
+    ``FULL_SHARD``). The names the option has elsewhere: ``flag`` (the launch flag, default the YAML key),
+    ``plugin`` (the keyword of Accelerate's ``FullyShardedDataParallelPlugin`` / ``DeepSpeedPlugin``, default the
+    field's name; False: the plugin has none generated), ``also`` (more keywords of the same option that the
+    plugin writes by hand, e.g. ``cpu_offload``, which takes torch's objects too; the Trainer's ``fsdp_config``
+    takes them as keys). ``listed``: comma-separated names, which code may pass as a list (of names or classes).
+    ``question``: what ``impel config`` asks.
+    """
     meta = {"kind": kind, "help": help, "choices": choices, "min": minimum, "question": question, "flag": flag,
-            "aliases": dict(aliases or {})}
+            "aliases": dict(aliases or {}), "plugin": plugin, "also": tuple(also), "listed": listed}
     return field(default=default, metadata=meta)

@@ -15,13 +15,16 @@ from __future__ import annotations
 
 import copy
 import os
+from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
 from ..config import (
     SHARDING_STRATEGIES,
     ConfigError,
+    FSDPConfig,
     bool_word,
     did_you_mean,
+    plugin_keyword,
     reshards_after_forward,
 )
 from ..config_file import read_json_object
@@ -33,19 +36,30 @@ if TYPE_CHECKING:
 SHARDING_OPTIONS = {name.lower(): name for name in SHARDING_STRATEGIES}  # "full_shard" -> "FULL_SHARD"
 FSDP_OPTIONS = tuple(SHARDING_OPTIONS) + ("offload", "auto_wrap")
 
-# transformers' fsdp_config key -> (FullyShardedDataParallelPlugin field, kind)
-_FSDP_KEYS: dict[str, tuple[str, str]] = {
-    "version": ("fsdp_version", "int"), "sharding_strategy": ("sharding_strategy", "upper"),
-    "reshard_after_forward": ("reshard_after_forward", "bool"), "cpu_offload": ("cpu_offload", "bool"),
-    "offload_params": ("offload_params", "bool"), "auto_wrap_policy": ("auto_wrap_policy", "upper"),
-    "transformer_layer_cls_to_wrap": ("transformer_cls_names_to_wrap", "names"),
-    "transformer_cls_names_to_wrap": ("transformer_cls_names_to_wrap", "names"),
-    "min_num_params": ("min_num_params", "int"), "backward_prefetch": ("backward_prefetch", "upper"),
-    "forward_prefetch": ("forward_prefetch", "bool"), "state_dict_type": ("state_dict_type", "upper"),
-    "use_orig_params": ("use_orig_params", "bool"), "sync_module_states": ("sync_module_states", "bool"),
-    "cpu_ram_efficient_loading": ("cpu_ram_efficient_loading", "bool"),
-    "activation_checkpointing": ("activation_checkpointing", "bool"),
-}
+
+def _value_kind(meta: Any) -> str:
+    if meta["listed"]:
+        return "names"
+    if meta["kind"] == "str" and meta["choices"] is not None:
+        return "upper"
+    return meta["kind"]
+
+
+def _fsdp_keys() -> dict[str, tuple[str, str]]:
+    """transformers' ``fsdp_config`` key (without ``fsdp_``) -> (FullyShardedDataParallelPlugin keyword, value kind),
+    from FSDPConfig: each field is taken by its name, its plugin keyword and the keywords in its ``also`` metadata;
+    a key that is itself a plugin keyword goes to that keyword (``cpu_offload``), the others to the field's."""
+    out: dict[str, tuple[str, str]] = {}
+    for f in fields(FSDPConfig):
+        keyword = plugin_keyword(f)
+        if keyword is None:
+            continue
+        for key in (f.name, keyword, *f.metadata["also"]):
+            out[key.removeprefix(FSDPConfig.PREFIX)] = (keyword if key == f.name else key, _value_kind(f.metadata))
+    return out
+
+
+_FSDP_KEYS = _fsdp_keys()
 # keys transformers accepts that only mean something when "on"; impel runs them "off" and raises otherwise
 _INERT_FSDP_KEYS = {"xla": "impel does not drive XLA", "xla_fsdp_v2": "impel does not drive XLA",
                     "xla_fsdp_grad_ckpt": "impel does not drive XLA", "xla_fsdp_settings": "impel does not drive XLA"}
