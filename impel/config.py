@@ -203,6 +203,8 @@ def _parse_text(name: str, raw: str, kind: str, choices: tuple | None) -> Any:
 # --- sections ------------------------------------------------------------------------------------------------
 # FSDP1's ShardingStrategy numbers, as Accelerate accepts them (YAML 1 or "1", flag --fsdp_sharding_strategy 1)
 _FSDP1_STRATEGY_NUMBERS: dict[Any, str] = {k: v for n, v in enumerate(SHARDING_STRATEGIES, 1) for k in (n, str(n))}
+_WRAPPING_NOTE = "wrapping is transparent in DeepSpeed (it partitions every parameter)"
+_PREFETCH_NOTE = "prefetching is automatic in DeepSpeed (tune stage3_prefetch_bucket_size in a DeepSpeed JSON)"
 
 
 @dataclass
@@ -210,46 +212,55 @@ class FSDPConfig:
     """The ``fsdp_config`` section. YAML keys and flags carry an ``fsdp_`` prefix (``fsdp_sharding_strategy``).
 
     The one place an FSDP option is written: ``FullyShardedDataParallelPlugin``'s keywords, the Trainer's
-    ``fsdp_config`` keys and the launch flags derive from these fields.
+    ``fsdp_config`` keys, the launch flags, the questionnaire and ``impel config convert`` derive from these fields.
     """
 
     PREFIX = "fsdp_"
 
     version: int = option(2, "int", "FSDP version; 1 is accepted and runs on FSDP2 with the same options",
-                          choices=(1, 2), plugin="fsdp_version")
+                          choices=(1, 2), plugin="fsdp_version", deepspeed_note="no DeepSpeed counterpart")
     sharding_strategy: str | None = option(
         None, "str", "how parameters, gradients and optimizer states are sharded", choices=SHARDING_STRATEGIES,
-        question="Sharding strategy", aliases={**_FSDP1_STRATEGY_NUMBERS, "_HYBRID_SHARD_ZERO2": "HYBRID_SHARD_ZERO2"})
+        question="Sharding strategy", suggest="FULL_SHARD",
+        aliases={**_FSDP1_STRATEGY_NUMBERS, "_HYBRID_SHARD_ZERO2": "HYBRID_SHARD_ZERO2"})
     # `accelerate config` writes an FSDP1 answer here as a strategy name (FULL_SHARD): read it as FSDP2's bool
     reshard_after_forward: bool | None = option(
         None, "bool", "free gathered parameters after forward (FSDP2's name for FULL_SHARD vs SHARD_GRAD_OP)",
-        aliases=RESHARD_AFTER_FORWARD)
+        aliases=RESHARD_AFTER_FORWARD, deepspeed_note="folded into zero_stage")
     offload_params: bool = option(False, "bool", "keep parameters, gradients and optimizer states on the CPU "
                                   "(all or nothing)", question="Offload parameters to the CPU", also=("cpu_offload",))
     auto_wrap_policy: str | None = option(
         None, "str", "which submodules become their own FSDP unit (default: transformer layers when the model "
         "names them, else the root only)", choices=("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP"),
-        question="Auto wrap policy")
+        question="Auto wrap policy", suggest="TRANSFORMER_BASED_WRAP", deepspeed_note=_WRAPPING_NOTE)
     transformer_layer_cls_to_wrap: str | None = option(
         None, "str", "comma-separated layer class names to wrap (default: detected from the model)",
         question="Layer classes to wrap (comma-separated, empty = detect)", listed=True,
-        plugin="transformer_cls_names_to_wrap")
+        plugin="transformer_cls_names_to_wrap", ask_if=("auto_wrap_policy", "TRANSFORMER_BASED_WRAP"),
+        deepspeed_note=_WRAPPING_NOTE)
     min_num_params: int = option(100_000_000, "int", "SIZE_BASED_WRAP: parameters per unit", minimum=1,
-                                 question="Minimum parameters per unit")
+                                 question="Minimum parameters per unit", ask_if=("auto_wrap_policy", "SIZE_BASED_WRAP"),
+                                 deepspeed_note=_WRAPPING_NOTE)
     backward_prefetch: str | None = option(
         "BACKWARD_PRE", "str", "when the next unit's parameters are gathered in backward",
-        choices=("BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH"), question="Backward prefetch")
+        choices=("BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH"), question="Backward prefetch",
+        deepspeed_note=_PREFETCH_NOTE)
     forward_prefetch: bool = option(False, "bool", "gather the next unit's parameters during forward",
-                                    question="Forward prefetch")
+                                    question="Forward prefetch", deepspeed_note=_PREFETCH_NOTE)
     state_dict_type: str = option("SHARDED_STATE_DICT", "str", "checkpoint format",
                                   choices=("FULL_STATE_DICT", "SHARDED_STATE_DICT"), question="State dict type")
-    use_orig_params: bool = option(True, "bool", "FSDP2 always trains the original parameters; false is an error")
-    sync_module_states: bool = option(True, "bool", "broadcast rank 0's weights at prepare")
+    use_orig_params: bool = option(True, "bool", "FSDP2 always trains the original parameters; false is an error",
+                                   deepspeed_note="DeepSpeed keeps the original parameters; nothing to set")
+    sync_module_states: bool = option(
+        True, "bool", "broadcast rank 0's weights at prepare",
+        deepspeed_note="DeepSpeed broadcasts rank 0's weights at initialisation; nothing to set")
     cpu_ram_efficient_loading: bool = option(
         False, "bool", "only rank 0 reads real weights; the others build on the meta device (turns on "
         "sync_module_states)", question="CPU-RAM-efficient loading")
-    activation_checkpointing: bool = option(False, "bool", "recompute each wrapped unit's activations in backward",
-                                            question="Activation checkpointing")
+    activation_checkpointing: bool = option(
+        False, "bool", "recompute each wrapped unit's activations in backward", question="Activation checkpointing",
+        deepspeed_note="no counterpart in the launch config: enable gradient checkpointing on the model "
+                       "(model.gradient_checkpointing_enable()) or in a DeepSpeed JSON")
 
     def validate(self) -> FSDPConfig:
         _validate_fields(self)
@@ -281,19 +292,20 @@ class DeepSpeedConfig:
     # in the order of DeepSpeedPlugin's keywords (Accelerate's), which are generated from these fields
     gradient_clipping: float | None = option(None, "float", "max gradient norm", minimum=0.0,
                                              question="Gradient clipping (empty = none)")
-    zero_stage: int | None = option(None, "int", "ZeRO stage", choices=ZERO_STAGES, question="ZeRO stage")
+    zero_stage: int | None = option(None, "int", "ZeRO stage", choices=ZERO_STAGES, question="ZeRO stage",
+                                    suggest=DEFAULT_ZERO_STAGE)
     offload_optimizer_device: str | None = option(None, "str", "where optimizer states live", choices=OFFLOAD_DEVICES,
-                                                  question="Offload the optimizer to")
+                                                  question="Offload the optimizer to", suggest="none")
     offload_param_device: str | None = option(None, "str", "where parameters live (ZeRO-3)", choices=OFFLOAD_DEVICES,
-                                              question="Offload parameters to")
+                                              question="Offload parameters to", suggest="none")
     offload_optimizer_nvme_path: str | None = option(None, "str", "NVMe directory for optimizer offload",
                                                      question="NVMe path for the optimizer")
     offload_param_nvme_path: str | None = option(None, "str", "NVMe directory for parameter offload",
                                                  question="NVMe path for parameters")
     zero3_init_flag: bool | None = option(None, "bool", "partition ZeRO-3 models at construction",
-                                          question="Partition models at construction (zero3_init_flag)")
+                                          question="Partition models at construction (zero3_init_flag)", suggest=False)
     zero3_save_16bit_model: bool | None = option(None, "bool", "save_model gathers 16-bit weights under ZeRO-3",
-                                                 question="Save 16-bit weights under ZeRO-3")
+                                                 question="Save 16-bit weights under ZeRO-3", suggest=False)
     # DeepSpeedPlugin's hf_ds_config, written by hand: it also takes a dict, which stays in the process
     deepspeed_config_file: str | None = option(None, "str", "DeepSpeed JSON for every other setting",
                                                question="DeepSpeed JSON file (empty = none)", plugin=False)

@@ -15,26 +15,15 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from dataclasses import fields
 from typing import Any
 
-from .config import ConfigError, RunConfig, reshards_after_forward
+from .config import ConfigError, FSDPConfig, RunConfig, reshards_after_forward
 
 _TO_SHARDING = {3: "FULL_SHARD", 2: "SHARD_GRAD_OP", 1: "SHARD_GRAD_OP", 0: "NO_SHARD"}
-_TRANSPARENT = {
-    "fsdp_auto_wrap_policy": "wrapping is transparent in DeepSpeed (it partitions every parameter)",
-    "fsdp_transformer_layer_cls_to_wrap": "wrapping is transparent in DeepSpeed (it partitions every parameter)",
-    "fsdp_min_num_params": "wrapping is transparent in DeepSpeed (it partitions every parameter)",
-    "fsdp_backward_prefetch": "prefetching is automatic in DeepSpeed (tune stage3_prefetch_bucket_size in a "
-                              "DeepSpeed JSON)",
-    "fsdp_forward_prefetch": "prefetching is automatic in DeepSpeed (tune stage3_prefetch_bucket_size in a "
-                             "DeepSpeed JSON)",
-    "fsdp_use_orig_params": "DeepSpeed keeps the original parameters; nothing to set",
-    "fsdp_sync_module_states": "DeepSpeed broadcasts rank 0's weights at initialisation; nothing to set",
-    "fsdp_version": "no DeepSpeed counterpart",
-    "fsdp_reshard_after_forward": "folded into zero_stage",
-    "fsdp_activation_checkpointing": "no counterpart in the launch config: enable gradient checkpointing on the "
-                                     "model (model.gradient_checkpointing_enable()) or in a DeepSpeed JSON",
-}
+# FSDP keys with no DeepSpeed counterpart, and why (each field's deepspeed_note)
+_TRANSPARENT = {FSDPConfig.PREFIX + f.name: f.metadata["deepspeed_note"] for f in fields(FSDPConfig)
+                if f.metadata["deepspeed_note"]}
 _PRECISION_NOTE = {
     "DEEPSPEED": "precision behaviour changes: with mixed_precision 'no', FSDP trains a 16-bit-loaded model in its "
                  "load dtype, while DeepSpeed upcasts to fp32 master weights and steps in fp32 (more memory)",
