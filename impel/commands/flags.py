@@ -56,6 +56,16 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
                                      metavar=_metavar(meta), help=meta["help"])
 
 
+def add_field_flag(parser: argparse.ArgumentParser, name: str, **overrides: Any) -> None:
+    """One top-level config field as a plain flag of another command (``impel config default --mixed_precision``),
+    with the field's flag name, choices and help; ``overrides`` are argparse's (``default=...``)."""
+    meta = next(f.metadata for f in fields(RunConfig) if f.name == name)
+    options: dict[str, Any] = {"choices": meta["choices"], "help": meta["help"], "dest": name}
+    if meta["kind"] in ("int", "float"):
+        options["type"] = int if meta["kind"] == "int" else float
+    parser.add_argument(f"--{meta['flag'] or name}", **{**options, **overrides})
+
+
 def bool_values_joined(argv: list[str]) -> list[str]:
     """Accelerate's bool flags work alone (``--cpu``) or with a value (``--fsdp_offload_params false``).
 
