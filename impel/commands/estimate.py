@@ -24,7 +24,7 @@ def register(subparsers: Any) -> None:
                    default="adamw")
     p.add_argument("--batch_size", type=int, default=None, help="per-rank batch for the activation estimate")
     p.add_argument("--seq_len", type=int, default=None, help="sequence length for the activation estimate")
-    add_field_flag(p, "device_memory", default=None)
+    add_field_flag(p, "device_memory", default=None, help="memory per device, e.g. 80GB or 24GiB")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(handler=main)
 
