@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 
 
-def _distributed() -> bool:
+def is_distributed() -> bool:
+    """True when a process group of more than one rank exists: the one test of "do collectives run?"."""
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
@@ -37,7 +38,7 @@ def recursively_apply(fn: Callable[[torch.Tensor], Any], data: Any, error_on_oth
 def _gather_one(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.ndim == 0:
         tensor = tensor[None]
-    if not _distributed():
+    if not is_distributed():
         return tensor
     tensor = tensor.contiguous()
     out = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
@@ -47,7 +48,7 @@ def _gather_one(tensor: torch.Tensor) -> torch.Tensor:
 
 def gather(data: Any) -> Any:
     """Concatenate each tensor across ranks along dim 0 (0-d tensors become 1-d); shapes must match."""
-    if _distributed():
+    if is_distributed():
         _check_same_shapes(data)
     return recursively_apply(_gather_one, data)
 
@@ -69,7 +70,7 @@ def _check_same_shapes(data: Any) -> None:
 
 def gather_object(obj: Any) -> list[Any]:
     """Gather picklable objects; lists are flattened one level (as Accelerate does)."""
-    if not _distributed():
+    if not is_distributed():
         return list(obj) if isinstance(obj, list) else [obj]
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
@@ -85,7 +86,7 @@ def reduce(data: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
 
     def one(t: torch.Tensor) -> torch.Tensor:
         t = t.clone()
-        if _distributed() and reduction != "none":
+        if is_distributed() and reduction != "none":
             dist.all_reduce(t, op=dist.ReduceOp.SUM)
             if reduction == "mean":
                 t = t / dist.get_world_size()
@@ -96,7 +97,7 @@ def reduce(data: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
 
 def broadcast(data: Any, from_process: int = 0) -> Any:
     """Tensors are broadcast in place; other objects are sent pickled. Returns the received value."""
-    if not _distributed():
+    if not is_distributed():
         return data
     try:
         return recursively_apply(lambda t: (dist.broadcast(t, src=from_process), t)[1], data)
@@ -107,7 +108,7 @@ def broadcast(data: Any, from_process: int = 0) -> Any:
 
 
 def broadcast_object_list(object_list: list[Any], from_process: int = 0) -> list[Any]:
-    if _distributed():
+    if is_distributed():
         dist.broadcast_object_list(object_list, src=from_process)
     return object_list
 
@@ -116,7 +117,7 @@ def pad_across_processes(data: Any, dim: int = 0, pad_index: int = 0, pad_first:
     """Pad each tensor along ``dim`` to the largest size any rank holds, so it can be gathered."""
 
     def one(t: torch.Tensor) -> torch.Tensor:
-        if not _distributed() or t.ndim == 0 or dim >= t.ndim:
+        if not is_distributed() or t.ndim == 0 or dim >= t.ndim:
             return t
         size = torch.tensor([t.shape[dim]], device=t.device)
         sizes = [torch.empty_like(size) for _ in range(dist.get_world_size())]
@@ -142,7 +143,7 @@ def truncate(data: Any, length: int) -> Any:
 
 def wait_for_everyone() -> None:
     """A barrier across every rank of the default process group (a no-op on one process)."""
-    if _distributed():
+    if is_distributed():
         dist.barrier()
 
 

@@ -12,10 +12,11 @@ import difflib
 import enum
 import logging
 from collections.abc import Iterable, Mapping
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any
 
 from .compile_config import DynamoConfig
+from .schema import option
 
 logger = logging.getLogger("impel")
 
@@ -79,8 +80,25 @@ class PrecisionType(str, enum.Enum):
 
 
 MIXED_PRECISIONS = ("no", "fp16", "bf16")
+# in FSDP1's ShardingStrategy order: Accelerate accepts their numbers (1 = FULL_SHARD, ...)
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
+# sharding strategy -> FSDP2's reshard_after_forward; NO_SHARD (one shard per rank) implies nothing
+RESHARD_AFTER_FORWARD = {"FULL_SHARD": True, "SHARD_GRAD_OP": False, "HYBRID_SHARD": True, "HYBRID_SHARD_ZERO2": False}
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+ZERO_STAGES = (0, 1, 2, 3)
+DEFAULT_ZERO_STAGE = 2  # Accelerate's DeepSpeedPlugin default, used when no DeepSpeed JSON says otherwise
+
+
+def reshards_after_forward(strategy: str) -> bool:
+    """FSDP2's ``reshard_after_forward`` for a sharding strategy (False for NO_SHARD, where it changes nothing)."""
+    return RESHARD_AFTER_FORWARD.get(strategy, False)
+
+
+def check_zero_stage(value: Any, what: str) -> None:
+    """Raise unless ``value`` is a ZeRO stage; ``what`` names where it came from (``zero_stage=4``)."""
+    if value not in ZERO_STAGES:
+        stages = ", ".join(str(s) for s in ZERO_STAGES[:-1]) + f" or {ZERO_STAGES[-1]}"
+        raise ConfigError(f"{what} is not a DeepSpeed ZeRO stage; use {stages}")
 
 
 class ConfigError(ValueError):
@@ -111,16 +129,26 @@ class Freezable:
         object.__setattr__(self, name, value)
 
 
-def option(default: Any, kind: str, help: str, *, choices: tuple | None = None, minimum: float | None = None,
-           question: str | None = None, flag: str | None = None, aliases: Mapping[Any, Any] | None = None) -> Any:
-    """A config field with its schema. ``kind`` is one of str, int, float, bool."""
-    meta = {"kind": kind, "help": help, "choices": choices, "min": minimum, "question": question, "flag": flag,
-            "aliases": dict(aliases or {})}
-    return field(default=default, metadata=meta)
+def plugin_keyword(f: Field) -> str | None:
+    """The keyword of Accelerate's plugin generated for a section field, or None when the plugin has none."""
+    name = f.metadata.get("plugin")
+    return None if name is False else (name or f.name)
 
 
-_TRUE = ("true", "yes", "1", "on", "y")
-_FALSE = ("false", "no", "0", "off", "n", "none")
+def plugin_keywords(cls: type) -> dict[str, str]:
+    """Plugin keyword -> field name for every field of a section (``fsdp_version`` -> ``version``)."""
+    return {kw: f.name for f in fields(cls) if (kw := plugin_keyword(f)) is not None}
+
+
+# the words a bool takes as text (flags, prompts, the Trainer's fsdp_config values)
+TRUE_WORDS = ("true", "yes", "1", "on", "y", "t")
+FALSE_WORDS = ("false", "no", "0", "off", "n", "f", "none")
+
+
+def bool_word(text: str) -> bool | None:
+    """True / False for a word of :data:`TRUE_WORDS` / :data:`FALSE_WORDS` (any case), else None."""
+    word = text.strip().lower()
+    return True if word in TRUE_WORDS else False if word in FALSE_WORDS else None
 
 
 def coerce(name: str, value: Any, meta: Mapping[str, Any], from_text: bool = False) -> Any:
@@ -178,11 +206,10 @@ def _parse_text(name: str, raw: str, kind: str, choices: tuple | None) -> Any:
         kind = "int"
     try:
         if kind == "bool":
-            if text.lower() in _TRUE:
-                return True
-            if text.lower() in _FALSE:
-                return False
-            raise ValueError
+            flag = bool_word(text)
+            if flag is None:
+                raise ValueError
+            return flag
         if kind == "int":
             return int(text)
         if kind == "float":
@@ -195,52 +222,65 @@ def _parse_text(name: str, raw: str, kind: str, choices: tuple | None) -> Any:
 
 # --- sections ------------------------------------------------------------------------------------------------
 # FSDP1's ShardingStrategy numbers, as Accelerate accepts them (YAML 1 or "1", flag --fsdp_sharding_strategy 1)
-_FSDP1_STRATEGY_NUMBERS: dict[Any, str] = {
-    k: v for n, v in enumerate(("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2"), 1)
-    for k in (n, str(n))}
+_FSDP1_STRATEGY_NUMBERS: dict[Any, str] = {k: v for n, v in enumerate(SHARDING_STRATEGIES, 1) for k in (n, str(n))}
+_WRAPPING_NOTE = "wrapping is transparent in DeepSpeed (it partitions every parameter)"
+_PREFETCH_NOTE = "prefetching is automatic in DeepSpeed (tune stage3_prefetch_bucket_size in a DeepSpeed JSON)"
 
 
 @dataclass
 class FSDPConfig(Freezable):
-    """The ``fsdp_config`` section. YAML keys and flags carry an ``fsdp_`` prefix (``fsdp_sharding_strategy``)."""
+    """The ``fsdp_config`` section. YAML keys and flags carry an ``fsdp_`` prefix (``fsdp_sharding_strategy``).
+
+    The one place an FSDP option is written: ``FullyShardedDataParallelPlugin``'s keywords, the Trainer's
+    ``fsdp_config`` keys, the launch flags, the questionnaire and ``impel config convert`` derive from these fields.
+    """
 
     PREFIX = "fsdp_"
 
     version: int = option(2, "int", "FSDP version; 1 is accepted and runs on FSDP2 with the same options",
-                          choices=(1, 2))
+                          choices=(1, 2), plugin="fsdp_version", deepspeed_note="no DeepSpeed counterpart")
     sharding_strategy: str | None = option(
         None, "str", "how parameters, gradients and optimizer states are sharded", choices=SHARDING_STRATEGIES,
-        question="Sharding strategy", aliases={**_FSDP1_STRATEGY_NUMBERS, "_HYBRID_SHARD_ZERO2": "HYBRID_SHARD_ZERO2"})
+        question="Sharding strategy", suggest="FULL_SHARD",
+        aliases={**_FSDP1_STRATEGY_NUMBERS, "_HYBRID_SHARD_ZERO2": "HYBRID_SHARD_ZERO2"})
     # `accelerate config` writes an FSDP1 answer here as a strategy name (FULL_SHARD): read it as FSDP2's bool
     reshard_after_forward: bool | None = option(
         None, "bool", "free gathered parameters after forward (FSDP2's name for FULL_SHARD vs SHARD_GRAD_OP)",
-        aliases={name: name in ("FULL_SHARD", "HYBRID_SHARD") for name in
-                 ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")})
+        aliases=RESHARD_AFTER_FORWARD, deepspeed_note="folded into zero_stage")
     offload_params: bool = option(False, "bool", "keep parameters, gradients and optimizer states on the CPU "
-                                  "(all or nothing)", question="Offload parameters to the CPU")
+                                  "(all or nothing)", question="Offload parameters to the CPU", also=("cpu_offload",))
     auto_wrap_policy: str | None = option(
         None, "str", "which submodules become their own FSDP unit (default: transformer layers when the model "
         "names them, else the root only)", choices=("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP"),
-        question="Auto wrap policy")
+        question="Auto wrap policy", suggest="TRANSFORMER_BASED_WRAP", deepspeed_note=_WRAPPING_NOTE)
     transformer_layer_cls_to_wrap: str | None = option(
         None, "str", "comma-separated layer class names to wrap (default: detected from the model)",
-        question="Layer classes to wrap (comma-separated, empty = detect)")
+        question="Layer classes to wrap (comma-separated, empty = detect)", listed=True,
+        plugin="transformer_cls_names_to_wrap", ask_if=("auto_wrap_policy", "TRANSFORMER_BASED_WRAP"),
+        deepspeed_note=_WRAPPING_NOTE)
     min_num_params: int = option(100_000_000, "int", "SIZE_BASED_WRAP: parameters per unit", minimum=1,
-                                 question="Minimum parameters per unit")
+                                 question="Minimum parameters per unit", ask_if=("auto_wrap_policy", "SIZE_BASED_WRAP"),
+                                 deepspeed_note=_WRAPPING_NOTE)
     backward_prefetch: str | None = option(
         "BACKWARD_PRE", "str", "when the next unit's parameters are gathered in backward",
-        choices=("BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH"), question="Backward prefetch")
+        choices=("BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH"), question="Backward prefetch",
+        deepspeed_note=_PREFETCH_NOTE)
     forward_prefetch: bool = option(False, "bool", "gather the next unit's parameters during forward",
-                                    question="Forward prefetch")
+                                    question="Forward prefetch", deepspeed_note=_PREFETCH_NOTE)
     state_dict_type: str = option("SHARDED_STATE_DICT", "str", "checkpoint format",
                                   choices=("FULL_STATE_DICT", "SHARDED_STATE_DICT"), question="State dict type")
-    use_orig_params: bool = option(True, "bool", "FSDP2 always trains the original parameters; false is an error")
-    sync_module_states: bool = option(True, "bool", "broadcast rank 0's weights at prepare")
+    use_orig_params: bool = option(True, "bool", "FSDP2 always trains the original parameters; false is an error",
+                                   deepspeed_note="DeepSpeed keeps the original parameters; nothing to set")
+    sync_module_states: bool = option(
+        True, "bool", "broadcast rank 0's weights at prepare",
+        deepspeed_note="DeepSpeed broadcasts rank 0's weights at initialisation; nothing to set")
     cpu_ram_efficient_loading: bool = option(
         False, "bool", "only rank 0 reads real weights; the others build on the meta device (turns on "
         "sync_module_states)", question="CPU-RAM-efficient loading")
-    activation_checkpointing: bool = option(False, "bool", "recompute each wrapped unit's activations in backward",
-                                            question="Activation checkpointing")
+    activation_checkpointing: bool = option(
+        False, "bool", "recompute each wrapped unit's activations in backward", question="Activation checkpointing",
+        deepspeed_note="no counterpart in the launch config: enable gradient checkpointing on the model "
+                       "(model.gradient_checkpointing_enable()) or in a DeepSpeed JSON")
 
     def validate(self) -> FSDPConfig:
         _validate_fields(self)
@@ -250,8 +290,7 @@ class FSDPConfig(Freezable):
         if self.cpu_ram_efficient_loading and not self.sync_module_states:
             raise ConfigError("fsdp_cpu_ram_efficient_loading=true needs fsdp_sync_module_states=true (the other "
                               "ranks receive rank 0's weights); remove fsdp_sync_module_states or set it to true")
-        implied = {"FULL_SHARD": True, "HYBRID_SHARD": True, "SHARD_GRAD_OP": False, "HYBRID_SHARD_ZERO2": False}
-        want = implied.get(self.sharding_strategy or "")
+        want = RESHARD_AFTER_FORWARD.get(self.sharding_strategy or "")
         if self.reshard_after_forward is not None and want is not None and want != self.reshard_after_forward:
             raise ConfigError(f"fsdp_reshard_after_forward={self.reshard_after_forward} contradicts "
                               f"fsdp_sharding_strategy={self.sharding_strategy!r}; set only one of them")
@@ -270,29 +309,32 @@ class DeepSpeedConfig(Freezable):
 
     PREFIX = ""
 
-    zero_stage: int | None = option(None, "int", "ZeRO stage", choices=(0, 1, 2, 3), question="ZeRO stage")
-    offload_optimizer_device: str | None = option(None, "str", "where optimizer states live",
-                                                  choices=OFFLOAD_DEVICES, question="Offload the optimizer to")
+    # in the order of DeepSpeedPlugin's keywords (Accelerate's), which are generated from these fields
+    gradient_clipping: float | None = option(None, "float", "max gradient norm", minimum=0.0,
+                                             question="Gradient clipping (empty = none)")
+    zero_stage: int | None = option(None, "int", "ZeRO stage", choices=ZERO_STAGES, question="ZeRO stage",
+                                    suggest=DEFAULT_ZERO_STAGE)
+    offload_optimizer_device: str | None = option(None, "str", "where optimizer states live", choices=OFFLOAD_DEVICES,
+                                                  question="Offload the optimizer to", suggest="none")
     offload_param_device: str | None = option(None, "str", "where parameters live (ZeRO-3)", choices=OFFLOAD_DEVICES,
-                                              question="Offload parameters to")
+                                              question="Offload parameters to", suggest="none")
     offload_optimizer_nvme_path: str | None = option(None, "str", "NVMe directory for optimizer offload",
                                                      question="NVMe path for the optimizer")
     offload_param_nvme_path: str | None = option(None, "str", "NVMe directory for parameter offload",
                                                  question="NVMe path for parameters")
-    gradient_clipping: float | None = option(None, "float", "max gradient norm", minimum=0.0,
-                                             question="Gradient clipping (empty = none)")
     zero3_init_flag: bool | None = option(None, "bool", "partition ZeRO-3 models at construction",
-                                          question="Partition models at construction (zero3_init_flag)")
+                                          question="Partition models at construction (zero3_init_flag)", suggest=False)
     zero3_save_16bit_model: bool | None = option(None, "bool", "save_model gathers 16-bit weights under ZeRO-3",
-                                                 question="Save 16-bit weights under ZeRO-3")
+                                                 question="Save 16-bit weights under ZeRO-3", suggest=False)
+    # DeepSpeedPlugin's hf_ds_config, written by hand: it also takes a dict, which stays in the process
     deepspeed_config_file: str | None = option(None, "str", "DeepSpeed JSON for every other setting",
-                                               question="DeepSpeed JSON file (empty = none)")
+                                               question="DeepSpeed JSON file (empty = none)", plugin=False)
     deepspeed_multinode_launcher: str = option("standard", "str", "impel starts every node with torchrun",
-                                               choices=("standard",))
+                                               choices=("standard",), plugin=False)
 
     def validate(self) -> DeepSpeedConfig:
-        if self.zero_stage is not None and self.zero_stage not in (0, 1, 2, 3):
-            raise ConfigError(f"zero_stage={self.zero_stage!r} is not a DeepSpeed ZeRO stage; use 0, 1, 2 or 3")
+        if self.zero_stage is not None:
+            check_zero_stage(self.zero_stage, f"zero_stage={self.zero_stage!r}")
         _validate_fields(self)
         for what in ("optimizer", "param"):
             path_needed = not getattr(self, f"offload_{what}_nvme_path") and not self.deepspeed_config_file

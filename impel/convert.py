@@ -15,27 +15,15 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from dataclasses import fields
 from typing import Any
 
-from .config import ConfigError, RunConfig
+from .config import ConfigError, FSDPConfig, RunConfig, reshards_after_forward
 
-_TO_STAGE = {"FULL_SHARD": 3, "HYBRID_SHARD": 3, "SHARD_GRAD_OP": 2, "HYBRID_SHARD_ZERO2": 2, "NO_SHARD": 0}
 _TO_SHARDING = {3: "FULL_SHARD", 2: "SHARD_GRAD_OP", 1: "SHARD_GRAD_OP", 0: "NO_SHARD"}
-_TRANSPARENT = {
-    "fsdp_auto_wrap_policy": "wrapping is transparent in DeepSpeed (it partitions every parameter)",
-    "fsdp_transformer_layer_cls_to_wrap": "wrapping is transparent in DeepSpeed (it partitions every parameter)",
-    "fsdp_min_num_params": "wrapping is transparent in DeepSpeed (it partitions every parameter)",
-    "fsdp_backward_prefetch": "prefetching is automatic in DeepSpeed (tune stage3_prefetch_bucket_size in a "
-                              "DeepSpeed JSON)",
-    "fsdp_forward_prefetch": "prefetching is automatic in DeepSpeed (tune stage3_prefetch_bucket_size in a "
-                             "DeepSpeed JSON)",
-    "fsdp_use_orig_params": "DeepSpeed keeps the original parameters; nothing to set",
-    "fsdp_sync_module_states": "DeepSpeed broadcasts rank 0's weights at initialisation; nothing to set",
-    "fsdp_version": "no DeepSpeed counterpart",
-    "fsdp_reshard_after_forward": "folded into zero_stage",
-    "fsdp_activation_checkpointing": "no counterpart in the launch config: enable gradient checkpointing on the "
-                                     "model (model.gradient_checkpointing_enable()) or in a DeepSpeed JSON",
-}
+# FSDP keys with no DeepSpeed counterpart, and why (each field's deepspeed_note)
+_TRANSPARENT = {FSDPConfig.PREFIX + f.name: f.metadata["deepspeed_note"] for f in fields(FSDPConfig)
+                if f.metadata["deepspeed_note"]}
 _PRECISION_NOTE = {
     "DEEPSPEED": "precision behaviour changes: with mixed_precision 'no', FSDP trains a 16-bit-loaded model in its "
                  "load dtype, while DeepSpeed upcasts to fp32 master weights and steps in fp32 (more memory)",
@@ -69,10 +57,16 @@ def convert(explicit: Mapping[str, Any], target: str) -> tuple[dict[str, Any], l
     return base, notes
 
 
+def _zero_stage(strategy: str) -> int:
+    """ZeRO-3 shards parameters outside forward/backward as FSDP does when it reshards after forward; ZeRO-2
+    shards gradients and optimizer states only; NO_SHARD shards nothing."""
+    return 0 if strategy == "NO_SHARD" else 3 if reshards_after_forward(strategy) else 2
+
+
 def _fsdp_to_deepspeed(cfg: RunConfig, given: Mapping[str, Any], notes: list[str]) -> dict[str, Any]:
     fsdp = cfg.fsdp
     strategy = fsdp.resolved_sharding_strategy
-    stage = _TO_STAGE[strategy]
+    stage = _zero_stage(strategy)
     out: dict[str, Any] = {"zero_stage": stage}
     if strategy.startswith("HYBRID"):
         notes.append(f"fsdp_sharding_strategy={strategy} (replicate across nodes, shard within) has no launch-config "

@@ -4,13 +4,21 @@ They are thin: each validates its own fields and the Accelerator reads them; non
 """
 from __future__ import annotations
 
+import inspect
 import os
 import warnings
-from dataclasses import dataclass, field, fields
+from collections.abc import Callable
+from dataclasses import MISSING, Field, dataclass, field, fields
 from datetime import timedelta
 from typing import Any
 
-from .config import ConfigError
+from .config import (
+    ConfigError,
+    DeepSpeedConfig,
+    FSDPConfig,
+    plugin_keyword,
+    plugin_keywords,
+)
 
 
 def _check_bool(owner: str, name: str, value: Any) -> None:
@@ -243,19 +251,60 @@ class Handlers:
         return out
 
 
-_FSDP_KEYS = {"fsdp_version": "version", "sharding_strategy": "sharding_strategy",
-              "reshard_after_forward": "reshard_after_forward", "auto_wrap_policy": "auto_wrap_policy",
-              "transformer_cls_names_to_wrap": "transformer_layer_cls_to_wrap", "min_num_params": "min_num_params",
-              "backward_prefetch": "backward_prefetch", "forward_prefetch": "forward_prefetch",
-              "state_dict_type": "state_dict_type", "use_orig_params": "use_orig_params",
-              "sync_module_states": "sync_module_states", "cpu_ram_efficient_loading": "cpu_ram_efficient_loading",
-              "activation_checkpointing": "activation_checkpointing"}
+def by_hand(default: Any = None, *, before: str | None = None) -> Any:
+    """A plugin field written by hand (not a config field), placed before the generated keyword ``before``
+    (after all of them without one)."""
+    return field(default=default, metadata={"before": before})
 
 
-@dataclass
+def _annotation(meta: Any, enums: bool) -> str:
+    if meta["listed"] or enums and meta["choices"] is not None and meta["kind"] == "str":
+        return "Any"  # a list of names or classes; torch's enums (ShardingStrategy.FULL_SHARD) or their names
+    return f"{meta['kind']} | None"
+
+
+def config_backed(section: type, *, enums: bool = False) -> Callable[[type], type]:
+    """Make a plugin class a dataclass whose keywords are generated from ``section``'s fields (named by
+    :func:`impel.config.plugin_keyword`, default None: "not set here") around the fields the class writes by hand.
+    ``enums``: fields with choices also take torch's enums.
+
+    Each generated field's metadata names its config field (``{"config": "version"}`` for ``fsdp_version``).
+    """
+    def build(cls: type) -> type:
+        own = inspect.get_annotations(cls)
+        generated: dict[str, tuple[str, Any]] = {}
+        for f in fields(section):
+            keyword = plugin_keyword(f)
+            if keyword is None:
+                continue
+            if keyword in own:
+                raise TypeError(f"{cls.__name__}.{keyword} is generated from {section.__name__}.{f.name}; remove "
+                                "it from the class body")
+            generated[keyword] = (_annotation(f.metadata, enums), field(default=None, metadata={"config": f.name}))
+            for name in f.metadata["also"]:
+                if name not in own:
+                    raise TypeError(f"{section.__name__}.{f.name} says {cls.__name__} also takes {name!r}, which the "
+                                    "class does not define")
+        order = list(generated)
+        for name in own:
+            spec = cls.__dict__.get(name, MISSING)
+            before = spec.metadata.get("before") if isinstance(spec, Field) else None
+            if before is not None and before not in generated:
+                raise TypeError(f"{cls.__name__}.{name} is placed before {before!r}, which is not a generated field")
+            order.insert(order.index(before) if before is not None else len(order), name)
+        annotations = {name: own[name] if name in own else generated[name][0] for name in order}
+        for name, (_, spec) in generated.items():
+            setattr(cls, name, spec)
+        cls.__annotations__ = annotations
+        return dataclass(cls)
+    return build
+
+
+@config_backed(FSDPConfig, enums=True)
 class FullyShardedDataParallelPlugin:
     """FSDP settings in code, with Accelerate's field names; a field left at None is not set here (the launched
-    config or the default decides). Enum values of torch's FSDP1 API (``ShardingStrategy.FULL_SHARD``,
+    config or the default decides). The keywords of the ``fsdp_config`` options are generated from
+    :class:`impel.config.FSDPConfig`, so each has the same choices, help and validation as its YAML key. Enum values of torch's FSDP1 API (``ShardingStrategy.FULL_SHARD``,
     ``BackwardPrefetch.BACKWARD_PRE``, ``StateDictType...``) and their names as strings are both accepted.
 
     ``cpu_offload`` (Accelerate) and ``offload_params`` (the YAML key) are the same switch: a bool, FSDP1's
@@ -270,21 +319,8 @@ class FullyShardedDataParallelPlugin:
         acc = Accelerator(fsdp_plugin=plugin)
     """
 
-    fsdp_version: int | None = None
-    sharding_strategy: Any = None
-    reshard_after_forward: bool | None = None
-    cpu_offload: Any = None
-    offload_params: bool | None = None
-    auto_wrap_policy: Any = None
-    transformer_cls_names_to_wrap: Any = None
-    min_num_params: int | None = None
-    backward_prefetch: Any = None
-    forward_prefetch: bool | None = None
-    state_dict_type: Any = None
-    use_orig_params: bool | None = None
-    sync_module_states: bool | None = None
-    cpu_ram_efficient_loading: bool | None = None
-    activation_checkpointing: bool | None = None
+    # one keyword per FSDPConfig field is generated (config_backed); written by hand:
+    cpu_offload: Any = by_hand(before="offload_params")
     mixed_precision_policy: Any = None
 
     def __post_init__(self) -> None:
@@ -293,28 +329,26 @@ class FullyShardedDataParallelPlugin:
 
     def to_config_section(self) -> dict[str, Any]:
         """The explicitly given fields as an ``fsdp_config`` section (``fsdp_*`` keys), validated and normalised."""
-        from .config import FSDPConfig
-
         raw = self._raw_section()
-        checked = FSDPConfig(**{k[len(FSDPConfig.PREFIX):]: v for k, v in raw.items()}).validate()
-        return {k: getattr(checked, k[len(FSDPConfig.PREFIX):]) for k in raw}
+        checked = FSDPConfig(**raw).validate()
+        return {FSDPConfig.PREFIX + name: getattr(checked, name) for name in raw}
 
     def _raw_section(self) -> dict[str, Any]:
+        """Config field -> the value given here (torch's enums and classes as names)."""
         out: dict[str, Any] = {}
-        for attr, key in _FSDP_KEYS.items():
+        for attr, name in _FSDP_KEYS.items():
             value = getattr(self, attr)
+            if attr == "offload_params":  # cpu_offload is the same switch
+                value = _offload_flag(self.cpu_offload, value)
             if value is None:
                 continue
             if attr == "auto_wrap_policy" and callable(value):
                 raise ConfigError(f"FullyShardedDataParallelPlugin(auto_wrap_policy={value!r}): impel takes a policy "
                                   "name; use 'TRANSFORMER_BASED_WRAP' with transformer_cls_names_to_wrap=[...], "
                                   "'SIZE_BASED_WRAP' with min_num_params=N, or 'NO_WRAP'")
-            if attr == "transformer_cls_names_to_wrap":
+            if _LISTED[name]:
                 value = _class_names(value)
-            out["fsdp_" + key] = _enum_name(value)
-        offload = _offload_flag(self.cpu_offload, self.offload_params)
-        if offload is not None:
-            out["fsdp_offload_params"] = offload
+            out[name] = _enum_name(value)
         return out
 
     def code_arguments(self, mixed_precision: str | None) -> dict[str, Any]:
@@ -391,12 +425,7 @@ def _mixed_precision_mode(policy: Any) -> str | None:
     return mode
 
 
-_DEEPSPEED_KEYS = ("zero_stage", "gradient_clipping", "offload_optimizer_device", "offload_param_device",
-                   "offload_optimizer_nvme_path", "offload_param_nvme_path", "zero3_init_flag",
-                   "zero3_save_16bit_model")
-
-
-@dataclass
+@config_backed(DeepSpeedConfig)
 class DeepSpeedPlugin:
     """DeepSpeed ZeRO settings in code, with Accelerate's field names; a field left at None is not set here (the
     launched config, the DeepSpeed JSON or the default decides, and a contradiction with the JSON raises).
@@ -411,17 +440,11 @@ class DeepSpeedPlugin:
         acc = Accelerator(deepspeed_plugin=plugin, mixed_precision="bf16")
     """
 
-    hf_ds_config: Any = None
-    gradient_accumulation_steps: int | None = None
-    gradient_clipping: float | None = None
-    zero_stage: int | None = None
-    is_train_batch_min: bool = True
-    offload_optimizer_device: str | None = None
-    offload_param_device: str | None = None
-    offload_optimizer_nvme_path: str | None = None
-    offload_param_nvme_path: str | None = None
-    zero3_init_flag: bool | None = None
-    zero3_save_16bit_model: bool | None = None
+    # one keyword per DeepSpeedConfig field that has one is generated (config_backed); written by hand, placed in
+    # Accelerate's order:
+    hf_ds_config: Any = by_hand(before="gradient_clipping")  # deepspeed_config_file, or a dict
+    gradient_accumulation_steps: int | None = by_hand(before="gradient_clipping")  # the top-level key
+    is_train_batch_min: bool = by_hand(True, before="offload_optimizer_device")
 
     def __post_init__(self) -> None:
         source = self.hf_ds_config
@@ -435,9 +458,7 @@ class DeepSpeedPlugin:
 
     def to_config_section(self) -> dict[str, Any]:
         """The explicitly given fields as a ``deepspeed_config`` section, validated (a dict JSON is not in it)."""
-        from .config import DeepSpeedConfig
-
-        raw = {key: getattr(self, key) for key in _DEEPSPEED_KEYS if getattr(self, key) is not None}
+        raw = {name: getattr(self, attr) for attr, name in _DEEPSPEED_KEYS.items() if getattr(self, attr) is not None}
         if isinstance(self.hf_ds_config, (str, os.PathLike)):
             raw["deepspeed_config_file"] = os.path.abspath(os.fspath(self.hf_ds_config))
         checked = DeepSpeedConfig(**raw).validate()
@@ -451,3 +472,10 @@ class DeepSpeedPlugin:
                               f"DeepSpeedPlugin(gradient_accumulation_steps={steps}); set only one of them")
         return {"distributed_type": "DEEPSPEED", "deepspeed_config": self.to_config_section(),
                 "gradient_accumulation_steps": steps if steps is not None else gradient_accumulation_steps}
+
+
+# plugin keyword -> config field, computed from the sections (FSDPConfig.version is FullyShardedDataParallelPlugin's
+# fsdp_version); FSDPConfig's listed fields take lists of names or classes
+_FSDP_KEYS = plugin_keywords(FSDPConfig)
+_DEEPSPEED_KEYS = plugin_keywords(DeepSpeedConfig)
+_LISTED = {f.name: f.metadata["listed"] for f in fields(FSDPConfig)}

@@ -36,7 +36,9 @@ def _any_rank(flag: bool, device: torch.device) -> bool:
     import torch
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    from .collectives import is_distributed
+
+    if not is_distributed():
         return flag
     t = torch.tensor([1.0 if flag else 0.0], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)

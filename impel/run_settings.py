@@ -187,7 +187,7 @@ class RunSettings:
         section = self.config.deepspeed
         return DeepSpeedPlugin(hf_ds_config=section.deepspeed_config_file,
                                gradient_accumulation_steps=self.config.gradient_accumulation_steps,
-                               **{key: getattr(section, key) for key in _DEEPSPEED_KEYS})
+                               **{attr: getattr(section, name) for attr, name in _DEEPSPEED_KEYS.items()})
 
     @functools.cached_property
     def fsdp_plugin(self) -> FullyShardedDataParallelPlugin | None:
@@ -198,7 +198,7 @@ class RunSettings:
 
         section = self.config.fsdp
         return FullyShardedDataParallelPlugin(
-            offload_params=section.offload_params, mixed_precision_policy=self.config.mixed_precision,
+            mixed_precision_policy=self.config.mixed_precision,
             **{attr: getattr(section, name) for attr, name in _FSDP_KEYS.items()})
 
     @staticmethod

@@ -82,9 +82,11 @@ def synchronize_rng_state(rng_type: str | RNGType, generator: torch.Generator | 
     """
     import torch.distributed as dist
 
+    from .collectives import is_distributed
+
     get_state, set_state = _rng_accessors(RNGType(rng_type), generator)
     state = get_state()
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+    if not is_distributed():
         return
     if dist.get_backend() == "nccl":  # nccl only moves CUDA tensors
         state = state.to(torch.device("cuda", torch.cuda.current_device()))

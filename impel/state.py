@@ -157,7 +157,7 @@ class ProcessState:
 
     @property
     def use_distributed(self) -> bool:
-        return self.topology.world_size > 1
+        return self.topology.distributed
 
     def wait_for_everyone(self) -> None:
         if self.use_distributed:

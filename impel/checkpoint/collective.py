@@ -14,18 +14,15 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
+from ..collectives import is_distributed
 from .layout import CheckpointError
 
 T = TypeVar("T")
 
 
-def distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
 def arrive(op: str, timeout: timedelta) -> None:
     """Wait until every rank has entered ``op`` (e.g. ``"save_state"``); raise after ``timeout`` naming the absent."""
-    if not distributed():
+    if not is_distributed():
         return
     store = dist.distributed_c10d._get_default_store()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -48,7 +45,7 @@ def arrive(op: str, timeout: timedelta) -> None:
 
 def broadcast(value: T, src: int = 0) -> T:
     """Rank ``src``'s picklable ``value`` on every rank (the value itself on one process)."""
-    if not distributed():
+    if not is_distributed():
         return value
     box = [value]
     dist.broadcast_object_list(box, src=src)
@@ -57,7 +54,7 @@ def broadcast(value: T, src: int = 0) -> T:
 
 def agree(value: str, what: str) -> None:
     """Raise on every rank when ranks passed different values (for example different output directories)."""
-    if not distributed():
+    if not is_distributed():
         return
     values: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(values, value)
@@ -74,7 +71,7 @@ def run_shared(fn: Callable[[], T], what: str) -> T:
         result = fn()
     except Exception as exc:  # noqa: BLE001 - re-raised below on this rank, reported on the others
         error = exc
-    if distributed():
+    if is_distributed():
         messages: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(messages, None if error is None else f"{type(error).__name__}: {error}")
         failed = {r: m for r, m in enumerate(messages) if m is not None}
@@ -92,5 +89,5 @@ def on_leader(fn: Callable[[], T], what: str, leader: bool) -> T | None:
 
 
 def barrier() -> None:
-    if distributed():
+    if is_distributed():
         dist.barrier()

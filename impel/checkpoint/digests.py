@@ -23,8 +23,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ..collectives import is_distributed
 from . import hashing
-from .collective import distributed
 from .layout import (
     MARKER_FILE,
     METADATA_FILE,
@@ -193,7 +193,7 @@ def share_digests(root: Path, known: dict[str, Entry], shared_dir: bool) -> dict
     rank's entries are returned; the committer hashes the rest itself). Should the ranks list the directory
     differently, a file left out here is hashed by the committer (``layout.build_manifest``).
     """
-    if not (distributed() and shared_dir):
+    if not (is_distributed() and shared_dir):
         return dict(known)
     world, rank = dist.get_world_size(), dist.get_rank()
     everyone: list[Any] = [None] * world

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 
-from .collective import distributed
+from ..collectives import is_distributed
 from .digests import appending
 from .files import crc32_off
 from .full import optimizer_state, pair_optimizers, suffix
@@ -121,7 +121,7 @@ def save_sharded(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.O
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    no_dist = not distributed()
+    no_dist = not is_distributed()
     with crc32_off():
         for i, model in enumerate(models):
             if i not in skip_models:
@@ -151,7 +151,7 @@ def load_sharded(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.O
     if metadata.get("format") != FORMAT:
         raise CheckpointError(f"{directory} holds a {metadata.get('format')!r} checkpoint, not a sharded one; "
                               "load it with the full-state path (load_full)")
-    no_dist = not distributed()
+    no_dist = not is_distributed()
     for i, model in enumerate(models):
         if i in skip_models:
             continue

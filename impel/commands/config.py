@@ -12,6 +12,7 @@ from typing import Any
 from .. import env
 from ..config import ConfigError, RunConfig
 from ..config_file import dump_yaml, file_document, read_config_file, write_config_file
+from .flags import add_field_flag
 
 
 def register(subparsers: Any) -> None:
@@ -24,7 +25,7 @@ def register(subparsers: Any) -> None:
     sub = p.add_subparsers(dest="config_command", metavar="{default,show,validate,convert}")
     d = sub.add_parser("default", help="write a config for the hardware this machine has, asking nothing")
     d.add_argument("--config_file", default=argparse.SUPPRESS, metavar="FILE")
-    d.add_argument("--mixed_precision", default=None, choices=("no", "fp16", "bf16"))
+    add_field_flag(d, "mixed_precision", default=None)
     d.add_argument("--overwrite", action="store_true", help="replace an existing file")
     d.set_defaults(handler=write_default)
     s = sub.add_parser("show", help="print the config file and the resolved config")

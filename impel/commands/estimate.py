@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 from ..config import ConfigError
+from .flags import add_field_flag
 
 
 def register(subparsers: Any) -> None:
@@ -14,16 +15,16 @@ def register(subparsers: Any) -> None:
                                           "bytes for parameters, gradients, optimizer states and activations.")
     p.add_argument("model", metavar="MODEL", help="a transformers model/config directory, a config class such as "
                    "'GPT2Config(n_layer=12)', or package.module:callable")
-    p.add_argument("--num_processes", type=int, default=1, help="ranks in total")
-    p.add_argument("--num_machines", type=int, default=1)
-    p.add_argument("--mixed_precision", choices=("no", "fp16", "bf16"), default="no")
+    add_field_flag(p, "num_processes", default=1)
+    add_field_flag(p, "num_machines", default=1)
+    add_field_flag(p, "mixed_precision", default="no")
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="the dtype the model is "
                    "loaded in (from_pretrained(torch_dtype=...))")
     p.add_argument("--optimizer", choices=("adamw", "adam", "sgd", "sgd_momentum", "adagrad", "rmsprop"),
                    default="adamw")
     p.add_argument("--batch_size", type=int, default=None, help="per-rank batch for the activation estimate")
     p.add_argument("--seq_len", type=int, default=None, help="sequence length for the activation estimate")
-    p.add_argument("--device_memory", default=None, help="memory per device, e.g. 80GB or 24GiB")
+    add_field_flag(p, "device_memory", default=None, help="memory per device, e.g. 80GB or 24GiB")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(handler=main)
 

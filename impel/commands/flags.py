@@ -12,11 +12,11 @@ from collections.abc import Iterator
 from dataclasses import fields
 from typing import Any
 
-from ..config import _FALSE, _TRUE, SECTIONS, ConfigError, RunConfig, coerce
+from ..config import FALSE_WORDS, SECTIONS, TRUE_WORDS, ConfigError, RunConfig, coerce
 
 _SHORTCUTS = {"multi_gpu": "MULTI_GPU", "use_fsdp": "FSDP", "use_deepspeed": "DEEPSPEED", "use_auto": "AUTO"}
-_DEST = "cfg__"
-_BOOL_WORDS = set(_TRUE) | set(_FALSE)  # namespace attribute prefix: cfg__<section>__<key>
+_DEST = "cfg__"  # namespace attribute prefix: cfg__<section>__<key>
+_BOOL_WORDS = set(TRUE_WORDS) | set(FALSE_WORDS)
 
 
 def config_fields() -> Iterator[tuple[str | None, str, str, Any]]:
@@ -54,6 +54,16 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
         # a bool flag alone means true; `--flag false` is joined into `--flag=false` by bool_values_joined
         groups[section].add_argument(f"--{flag}", dest=f"{_DEST}{section or ''}__{key}", default=argparse.SUPPRESS,
                                      metavar=_metavar(meta), help=meta["help"])
+
+
+def add_field_flag(parser: argparse.ArgumentParser, name: str, **overrides: Any) -> None:
+    """One top-level config field as a plain flag of another command (``impel config default --mixed_precision``),
+    with the field's flag name, choices and help; ``overrides`` are argparse's (``default=...``)."""
+    meta = next(f.metadata for f in fields(RunConfig) if f.name == name)
+    options: dict[str, Any] = {"choices": meta["choices"], "help": meta["help"], "dest": name}
+    if meta["kind"] in ("int", "float"):
+        options["type"] = int if meta["kind"] == "int" else float
+    parser.add_argument(f"--{meta['flag'] or name}", **{**options, **overrides})
 
 
 def bool_values_joined(argv: list[str]) -> list[str]:

@@ -1,4 +1,5 @@
-"""The ``impel config`` questionnaire. Prompts, choices and defaults come from the config dataclasses' metadata.
+"""The ``impel config`` questionnaire. Prompts, choices and defaults come from the config dataclasses' metadata;
+the FSDP questions are every ``FSDPConfig`` field with a ``question``.
 
 Answers are read line by line from stdin, so ``printf 'FSDP\\n2\\n...' | impel config`` drives it from scripts.
 An empty answer takes the default shown in brackets. A wrong answer is asked again at a terminal and is an
@@ -105,8 +106,9 @@ def _fail(message: str) -> None:
 def _section_asker(prompter: Prompter, cls: type, out: dict[str, Any]) -> Callable[..., Any]:
     metas = _metas(cls)
 
-    def ask(name: str, default: Any, **kw: Any) -> Any:
-        value = prompter.ask(cls.PREFIX + name, metas[name], default, **kw)
+    def ask(name: str, **kw: Any) -> Any:
+        meta = metas[name]
+        value = prompter.ask(cls.PREFIX + name, meta, meta["suggest"], **kw)
         if value is not _LEAVE and value is not None:
             out[cls.PREFIX + name] = value
         return value
@@ -114,36 +116,30 @@ def _section_asker(prompter: Prompter, cls: type, out: dict[str, Any]) -> Callab
 
 
 def _fsdp_questions(prompter: Prompter) -> dict[str, Any]:
+    """Every FSDPConfig field with a question, in field order; ``ask_if`` fields only after that answer."""
     out: dict[str, Any] = {}
     ask = _section_asker(prompter, FSDPConfig, out)
-    ask("sharding_strategy", "FULL_SHARD")
-    ask("offload_params", False)
-    policy = ask("auto_wrap_policy", "TRANSFORMER_BASED_WRAP")
-    if policy == "TRANSFORMER_BASED_WRAP":
-        ask("transformer_layer_cls_to_wrap", None)
-    elif policy == "SIZE_BASED_WRAP":
-        ask("min_num_params", 100_000_000)
-    ask("backward_prefetch", "BACKWARD_PRE")
-    ask("forward_prefetch", False)
-    ask("state_dict_type", "SHARDED_STATE_DICT")
-    ask("cpu_ram_efficient_loading", False)
-    ask("activation_checkpointing", False)
+    answers: dict[str, Any] = {}
+    for f in fields(FSDPConfig):
+        condition = f.metadata["ask_if"]
+        if f.metadata["question"] and (condition is None or answers.get(condition[0]) == condition[1]):
+            answers[f.name] = ask(f.name)
     return out
 
 
 def _deepspeed_questions(prompter: Prompter) -> dict[str, Any]:
     out: dict[str, Any] = {}
     ask = _section_asker(prompter, DeepSpeedConfig, out)
-    if ask("deepspeed_config_file", None) is not None:
-        ask("zero3_init_flag", False)
+    if ask("deepspeed_config_file") is not None:
+        ask("zero3_init_flag")
         return out
-    stage = ask("zero_stage", 2)
-    if ask("offload_optimizer_device", "none") == "nvme":
-        ask("offload_optimizer_nvme_path", None, check=lambda p: p or _fail("an NVMe path is needed"))
+    stage = ask("zero_stage")
+    if ask("offload_optimizer_device") == "nvme":
+        ask("offload_optimizer_nvme_path", check=lambda p: p or _fail("an NVMe path is needed"))
     if stage == 3:
-        if ask("offload_param_device", "none") == "nvme":
-            ask("offload_param_nvme_path", None, check=lambda p: p or _fail("an NVMe path is needed"))
-        ask("zero3_init_flag", False)
-        ask("zero3_save_16bit_model", False)
-    ask("gradient_clipping", None)
+        if ask("offload_param_device") == "nvme":
+            ask("offload_param_nvme_path", check=lambda p: p or _fail("an NVMe path is needed"))
+        ask("zero3_init_flag")
+        ask("zero3_save_16bit_model")
+    ask("gradient_clipping")
     return out

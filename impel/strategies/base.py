@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import importlib.util
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, AbstractSet, Any

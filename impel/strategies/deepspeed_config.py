@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..config import ConfigError
+from ..config import DEFAULT_ZERO_STAGE, ConfigError, check_zero_stage
 from ..config_file import read_json_object
 
 if TYPE_CHECKING:
@@ -27,7 +27,6 @@ if TYPE_CHECKING:
 
 AUTO = "auto"
 _ABSENT = object()
-DEFAULT_STAGE = 2  # Accelerate's DeepSpeedPlugin default, used when no JSON is given
 SAVE_16BIT_KEYS = ("stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save")
 
 
@@ -192,10 +191,9 @@ def resolve_static(ds: dict[str, Any], source: str, config: RunConfig,
     explicit = config.explicit
     key = "zero_optimization.stage"
     stage = settle(ds, key, section.zero_stage, "zero_stage", source,
-                   default=DEFAULT_STAGE if not json_given or get(ds, key) == AUTO else None)
+                   default=DEFAULT_ZERO_STAGE if not json_given or get(ds, key) == AUTO else None)
     stage = 0 if stage is None else stage
-    if stage not in (0, 1, 2, 3):
-        raise ConfigError(f"zero_optimization.stage={stage!r} in {source} is not a ZeRO stage; use 0, 1, 2 or 3")
+    check_zero_stage(stage, f"zero_optimization.stage={stage!r} in {source}")
     for what in ("optimizer", "param"):
         _settle_offload(ds, what, section, source)
     clipping = settle(ds, "gradient_clipping", section.gradient_clipping, "gradient_clipping", source, default=0.0)

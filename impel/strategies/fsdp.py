@@ -28,7 +28,7 @@ from torch import nn
 
 from .. import env
 from ..compile import Compiler
-from ..config import ConfigError
+from ..config import ConfigError, reshards_after_forward
 from ..precision_report import (
     PrecisionReport,
     dtype_of,
@@ -52,10 +52,6 @@ if TYPE_CHECKING:
     from ..state import ProcessState
 
 logger = logging.getLogger("impel")
-
-_RESHARD = {"FULL_SHARD": True, "SHARD_GRAD_OP": False, "NO_SHARD": False, "HYBRID_SHARD": True,
-            "HYBRID_SHARD_ZERO2": False}
-
 
 def mesh_layout(strategy: str, world: int, local_world: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
     """The DeviceMesh shape and dim names for a sharding strategy."""
@@ -155,7 +151,7 @@ class FSDPStrategy(Strategy):
         if self.fsdp.activation_checkpointing:
             units = checkpoint_units(model, units)
         self.compiler.before_shard(model)  # torch.compile per block, before sharding (as torchtitan)
-        options = {"mesh": self.mesh, "reshard_after_forward": _RESHARD[self.sharding_strategy],
+        options = {"mesh": self.mesh, "reshard_after_forward": reshards_after_forward(self.sharding_strategy),
                    "mp_policy": self.mp_policy, "offload_policy": self.offload_policy}
         for unit in units:
             fully_shard(unit, **options)

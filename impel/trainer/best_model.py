@@ -106,7 +106,7 @@ def _delete(state: Any, accelerator: Any, save_on_each_node: bool, choose: Any, 
     ``save_on_each_node``) delete them."""
     root = Path(next_checkpoint_path(accelerator)).parent
     decided = [choose([str(p) for _, p in layout.list_complete(root)]) if accelerator.is_main_process else None]
-    if accelerator.num_processes > 1:
+    if accelerator.use_distributed:
         from ..collectives import broadcast_object_list
 
         broadcast_object_list(decided, from_process=0)

@@ -15,36 +15,54 @@ from __future__ import annotations
 
 import copy
 import os
+from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
-from ..config import ConfigError, did_you_mean
+from ..config import (
+    SHARDING_STRATEGIES,
+    ConfigError,
+    FSDPConfig,
+    bool_word,
+    did_you_mean,
+    plugin_keyword,
+    reshards_after_forward,
+)
 from ..config_file import read_json_object
 
 if TYPE_CHECKING:
     from ..plugins import FullyShardedDataParallelPlugin
     from .arguments import TrainingArguments
 
-SHARDING_OPTIONS = {"full_shard": "FULL_SHARD", "shard_grad_op": "SHARD_GRAD_OP", "no_shard": "NO_SHARD",
-                    "hybrid_shard": "HYBRID_SHARD", "hybrid_shard_zero2": "HYBRID_SHARD_ZERO2"}
+SHARDING_OPTIONS = {name.lower(): name for name in SHARDING_STRATEGIES}  # "full_shard" -> "FULL_SHARD"
 FSDP_OPTIONS = tuple(SHARDING_OPTIONS) + ("offload", "auto_wrap")
 
-# transformers' fsdp_config key -> (FullyShardedDataParallelPlugin field, kind)
-_FSDP_KEYS: dict[str, tuple[str, str]] = {
-    "version": ("fsdp_version", "int"), "sharding_strategy": ("sharding_strategy", "upper"),
-    "reshard_after_forward": ("reshard_after_forward", "bool"), "cpu_offload": ("cpu_offload", "bool"),
-    "offload_params": ("offload_params", "bool"), "auto_wrap_policy": ("auto_wrap_policy", "upper"),
-    "transformer_layer_cls_to_wrap": ("transformer_cls_names_to_wrap", "names"),
-    "transformer_cls_names_to_wrap": ("transformer_cls_names_to_wrap", "names"),
-    "min_num_params": ("min_num_params", "int"), "backward_prefetch": ("backward_prefetch", "upper"),
-    "forward_prefetch": ("forward_prefetch", "bool"), "state_dict_type": ("state_dict_type", "upper"),
-    "use_orig_params": ("use_orig_params", "bool"), "sync_module_states": ("sync_module_states", "bool"),
-    "cpu_ram_efficient_loading": ("cpu_ram_efficient_loading", "bool"),
-    "activation_checkpointing": ("activation_checkpointing", "bool"),
-}
+
+def _value_kind(meta: Any) -> str:
+    if meta["listed"]:
+        return "names"
+    if meta["kind"] == "str" and meta["choices"] is not None:
+        return "upper"
+    return meta["kind"]
+
+
+def _fsdp_keys() -> dict[str, tuple[str, str]]:
+    """transformers' ``fsdp_config`` key (without ``fsdp_``) -> (FullyShardedDataParallelPlugin keyword, value kind),
+    from FSDPConfig: each field is taken by its name, its plugin keyword and the keywords in its ``also`` metadata;
+    a key that is itself a plugin keyword goes to that keyword (``cpu_offload``), the others to the field's."""
+    out: dict[str, tuple[str, str]] = {}
+    for f in fields(FSDPConfig):
+        keyword = plugin_keyword(f)
+        if keyword is None:
+            continue
+        for key in (f.name, keyword, *f.metadata["also"]):
+            out[key.removeprefix(FSDPConfig.PREFIX)] = (keyword if key == f.name else key, _value_kind(f.metadata))
+    return out
+
+
+_FSDP_KEYS = _fsdp_keys()
 # keys transformers accepts that only mean something when "on"; impel runs them "off" and raises otherwise
 _INERT_FSDP_KEYS = {"xla": "impel does not drive XLA", "xla_fsdp_v2": "impel does not drive XLA",
                     "xla_fsdp_grad_ckpt": "impel does not drive XLA", "xla_fsdp_settings": "impel does not drive XLA"}
-_TRUE, _FALSE = ("true", "yes", "1", "on", "y", "t"), ("false", "no", "0", "off", "n", "f")
 
 
 # --- fsdp -------------------------------------------------------------------------------------------------------
@@ -84,8 +102,8 @@ def load_json_knob(name: str, value: Any) -> dict[str, Any]:
 
 def _convert(key: str, raw: Any, kind: str) -> Any:
     if kind == "bool":
-        if isinstance(raw, str) and raw.lower() in _TRUE + _FALSE:
-            return raw.lower() in _TRUE
+        if isinstance(raw, str) and bool_word(raw) is not None:
+            return bool_word(raw)
         if not isinstance(raw, bool):
             raise ConfigError(f"fsdp_config {key}={raw!r} must be true or false")
         return raw
@@ -142,7 +160,7 @@ def fsdp_plugin_fields(fsdp: Any, fsdp_config: Any) -> dict[str, Any] | None:
     if out.get("cpu_offload") is not None and out.get("offload_params") is not None:
         _put(out, "cpu_offload", out.pop("offload_params"), "fsdp_config offload_params")
     if out.get("sharding_strategy") is not None and out.get("reshard_after_forward") is not None:
-        implied = out["sharding_strategy"] in ("FULL_SHARD", "HYBRID_SHARD")
+        implied = reshards_after_forward(out["sharding_strategy"])
         if implied != out["reshard_after_forward"]:
             raise ConfigError(f"fsdp_config reshard_after_forward={out['reshard_after_forward']} contradicts the "
                               f"sharding strategy {out['sharding_strategy']}; set only one of them")
@@ -223,13 +241,9 @@ def deepspeed_plugin(args: TrainingArguments) -> Any:
     config = deepspeed_config(args)
     if config is None:
         return None
-    from .. import plugins
+    from ..plugins import DeepSpeedPlugin
 
-    plugin_cls = getattr(plugins, "DeepSpeedPlugin", None)
-    if plugin_cls is None:  # the DeepSpeed strategy is being added; until then say so instead of ignoring the knob
-        raise ConfigError("TrainingArguments(deepspeed=...) needs impel.DeepSpeedPlugin, which this build of impel "
-                          "does not have yet; use fsdp=... or update impel")
-    return plugin_cls(hf_ds_config=config)
+    return DeepSpeedPlugin(hf_ds_config=config)
 
 
 # --- everything ---------------------------------------------------------------------------------------------------
