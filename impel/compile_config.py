@@ -4,7 +4,7 @@ Keys and flags are Accelerate's: ``dynamo_config: {dynamo_backend: INDUCTOR, dyn
 dynamo_use_fullgraph: false, dynamo_use_dynamic: false, dynamo_use_regional_compilation: false}`` in a config file,
 ``--dynamo_backend inductor --dynamo_use_regional_compilation`` on ``impel launch``. :mod:`impel.config` holds it as
 ``RunConfig.dynamo_config``; :mod:`impel.compile` does the compiling. Like ``impel.config`` this module never imports
-torch, and it imports nothing from impel at import time but :mod:`impel.schema` (``impel.config`` imports it while it
+torch, and it imports nothing from impel but :mod:`impel.schema` (``impel.config`` imports it while it
 is being built).
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
-from .schema import option
+from .schema import option, validate_fields
 
 
 class _ValuesContained(enum.EnumMeta):
@@ -80,9 +80,7 @@ class DynamoConfig:
                                             "instead of the whole model: a shorter cold start")
 
     def validate(self) -> DynamoConfig:
-        from .config import _validate_fields
-
-        _validate_fields(self)
+        validate_fields(self)
         return self
 
     @property

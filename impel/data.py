@@ -44,55 +44,18 @@ class SeedableRandomSampler(RandomSampler):
         yield from super().__iter__()
 
 
-def _shard_groups(items: Iterable[Any], owner: Any, per_rank: int, size: Callable[[list[Any]], int]
-                  ) -> Iterator[list[Any]]:
-    """This rank's chunk of every global group of ``per_rank * world`` consecutive items (Accelerate's layout).
+class _ShardLayout:
+    """Accelerate's layout of one epoch over the ranks, shared by the three shard kinds below.
 
-    ``owner`` carries world, rank, drop_last, even_batches and skip (groups to pass over, read once), and
-    receives ``last_real``: ``size`` of the real items in the latest group. A short last group is dropped with
-    ``drop_last``; otherwise, on several ranks with ``even_batches``, it is completed by cycling through the
-    epoch's first items, so the real items come first and every rank gets a full chunk.
+    One loop (:meth:`_groups`) cuts every global group of ``per_rank * world`` consecutive items (sample indices,
+    whole index batches, or samples of an iterable dataset) and yields this rank's chunk. A short last group is
+    dropped with ``drop_last``; otherwise, on several ranks with ``even_batches``, it is completed by cycling
+    through the epoch's first items, so the real items come first and every rank gets a full chunk. The one
+    notion of the remainder is ``last_real``: the real samples in the latest global group (``gather_for_metrics``
+    drops what the completion added). ``skip`` groups are passed over at the next pass (resume).
     """
-    world, rank = owner.world, owner.rank
-    g = per_rank * world
-    mine = slice(rank * per_rank, (rank + 1) * per_rank)
-    skip, owner.skip = owner.skip, 0
-    buf: list[Any] = []
-    initial: list[Any] = []
-    produced = 0
-    for item in items:
-        if len(initial) < g:
-            initial.append(item)
-        buf.append(item)
-        if len(buf) == g:
-            owner.last_real = size(buf)
-            if produced >= skip:
-                yield buf[mine]
-            produced += 1
-            buf = []
-    if buf and not owner.drop_last and produced >= skip:
-        owner.last_real = size(buf)
-        if owner.even_batches and world > 1:
-            buf.extend(initial[i % len(initial)] for i in range(g - len(buf)))
-        if buf[mine]:
-            yield buf[mine]
 
-
-def _shard_len(total: int, owner: Any, per_rank: int) -> int:
-    """Chunks ``_shard_groups`` yields to ``owner.rank`` for ``total`` items."""
-    full, rest = divmod(total, per_rank * owner.world)
-    if rest == 0 or owner.drop_last:
-        return full
-    return full + (1 if (owner.even_batches and owner.world > 1) or owner.rank * per_rank < rest else 0)
-
-
-class ShardSampler(Sampler[list[int]]):
-    """Batches of sample indices for one rank (map-style datasets): the r-th slice of each global batch."""
-
-    def __init__(self, sampler: Sampler[int], per_rank_batch: int, world: int, rank: int, drop_last: bool,
-                 even_batches: bool) -> None:
-        self.sampler = sampler
-        self.per_rank_batch = per_rank_batch
+    def __init__(self, world: int, rank: int, drop_last: bool, even_batches: bool) -> None:
         self.world = world
         self.rank = rank
         self.drop_last = drop_last
@@ -100,20 +63,78 @@ class ShardSampler(Sampler[list[int]]):
         self.skip = 0
         self.last_real = -1
 
-    def __len__(self) -> int:
-        return _shard_len(len(self.sampler), self, self.per_rank_batch)  # type: ignore[arg-type]
+    def _groups(self, items: Iterable[Any], per_rank: int, size: Callable[[list[Any]], int]) -> Iterator[list[Any]]:
+        world, rank = self.world, self.rank
+        g = per_rank * world
+        mine = slice(rank * per_rank, (rank + 1) * per_rank)
+        skip, self.skip = self.skip, 0
+        buf: list[Any] = []
+        initial: list[Any] = []
+        produced = 0
+        for item in items:
+            if len(initial) < g:
+                initial.append(item)
+            buf.append(item)
+            if len(buf) == g:
+                self.last_real = size(buf)
+                if produced >= skip:
+                    yield buf[mine]
+                produced += 1
+                buf = []
+        if buf and not self.drop_last and produced >= skip:
+            self.last_real = size(buf)
+            if self.even_batches and world > 1:
+                buf.extend(initial[i % len(initial)] for i in range(g - len(buf)))
+            if buf[mine]:
+                yield buf[mine]
+
+    def _chunks(self, total: int, per_rank: int) -> int:
+        """Chunks :meth:`_groups` yields to this rank for ``total`` items."""
+        full, rest = divmod(total, per_rank * self.world)
+        if rest == 0 or self.drop_last:
+            return full
+        return full + (1 if (self.even_batches and self.world > 1) or self.rank * per_rank < rest else 0)
 
     def last_batch_size(self) -> int:
-        """Real samples in the epoch's last global batch."""
+        """Real samples in the epoch's last global batch (known once the pass reached it)."""
+        return self.last_real
+
+    def set_epoch(self, epoch: int) -> None:
+        """Pass the epoch on to whatever orders the items (a seedable sampler, a batch sampler, the dataset)."""
+        for target in self._epoch_targets():
+            if target is not None and hasattr(target, "set_epoch"):
+                target.set_epoch(epoch)
+
+    def _epoch_targets(self) -> tuple[Any, ...]:
+        return ()
+
+
+class ShardSampler(_ShardLayout, Sampler[list[int]]):
+    """Batches of sample indices for one rank (map-style datasets): the r-th slice of each global batch."""
+
+    def __init__(self, sampler: Sampler[int], per_rank_batch: int, world: int, rank: int, drop_last: bool,
+                 even_batches: bool) -> None:
+        _ShardLayout.__init__(self, world, rank, drop_last, even_batches)
+        self.sampler = sampler
+        self.per_rank_batch = per_rank_batch
+
+    def __len__(self) -> int:
+        return self._chunks(len(self.sampler), self.per_rank_batch)  # type: ignore[arg-type]
+
+    def last_batch_size(self) -> int:
+        """Real samples in the epoch's last global batch, known from the length before the pass reaches it."""
         g = self.per_rank_batch * self.world
         rest = len(self.sampler) % g  # type: ignore[arg-type]
         return g if rest == 0 or self.drop_last else rest
 
+    def _epoch_targets(self) -> tuple[Any, ...]:
+        return (self.sampler,)
+
     def __iter__(self) -> Iterator[list[int]]:
-        return _shard_groups(self.sampler, self, self.per_rank_batch, len)
+        return self._groups(self.sampler, self.per_rank_batch, len)
 
 
-class BatchShardSampler(Sampler[list[int]]):
+class BatchShardSampler(_ShardLayout, Sampler[list[int]]):
     """A user's own batch sampler, sharded as Accelerate does.
 
     With a ``batch_size`` attribute (torch's BatchSampler and most custom ones) the indices are laid out like
@@ -121,53 +142,41 @@ class BatchShardSampler(Sampler[list[int]]):
     """
 
     def __init__(self, batch_sampler: Any, world: int, rank: int, even_batches: bool) -> None:
+        _ShardLayout.__init__(self, world, rank, bool(getattr(batch_sampler, "drop_last", False)), even_batches)
         self.batch_sampler = batch_sampler
-        self.world = world
-        self.rank = rank
-        self.even_batches = even_batches
-        self.drop_last = bool(getattr(batch_sampler, "drop_last", False))
         size = getattr(batch_sampler, "batch_size", None)
         self.batch_size = size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None
-        self.skip = 0
-        self.last_real = -1
 
     @property
     def sampler(self) -> Any:
         return getattr(self.batch_sampler, "sampler", None)
 
     def __len__(self) -> int:
-        return _shard_len(len(self.batch_sampler), self, 1)
+        return self._chunks(len(self.batch_sampler), 1)
 
-    def last_batch_size(self) -> int:
-        return self.last_real
+    def _epoch_targets(self) -> tuple[Any, ...]:
+        return (self.sampler, self.batch_sampler)
 
     def __iter__(self) -> Iterator[list[int]]:
         if self.batch_size is not None:
             indices = (i for batch in self.batch_sampler for i in batch)
-            yield from _shard_groups(indices, self, self.batch_size, len)
+            yield from self._groups(indices, self.batch_size, len)
             return
-        for chunk in _shard_groups((list(b) for b in self.batch_sampler), self, 1,
-                                   lambda group: sum(len(b) for b in group)):
+        for chunk in self._groups((list(b) for b in self.batch_sampler), 1, lambda group: sum(len(b) for b in group)):
             yield chunk[0]
 
 
-class IterableShard(IterableDataset):
+class IterableShard(_ShardLayout, IterableDataset):
     """Samples of an iterable dataset for one rank, in the same global-batch layout as ``ShardSampler``."""
 
     def __init__(self, dataset: Any, per_rank_batch: int, world: int, rank: int, drop_last: bool,
                  even_batches: bool) -> None:
+        _ShardLayout.__init__(self, world, rank, drop_last, even_batches)
         self.dataset = dataset
         self.per_rank_batch = per_rank_batch
-        self.world = world
-        self.rank = rank
-        self.drop_last = drop_last
-        self.even_batches = even_batches
-        self.skip = 0
-        self.last_real = -1
 
-    def set_epoch(self, epoch: int) -> None:
-        if hasattr(self.dataset, "set_epoch"):
-            self.dataset.set_epoch(epoch)
+    def _epoch_targets(self) -> tuple[Any, ...]:
+        return (self.dataset,)
 
     def __len__(self) -> int:
         """Samples this rank yields per epoch; a TypeError when the dataset has no length (as in a DataLoader)."""
@@ -179,7 +188,7 @@ class IterableShard(IterableDataset):
         return mine
 
     def __iter__(self) -> Iterator[Any]:
-        for chunk in _shard_groups(self.dataset, self, self.per_rank_batch, len):
+        for chunk in self._groups(self.dataset, self.per_rank_batch, len):
             yield from chunk
 
 
@@ -237,9 +246,7 @@ class DataLoaderShard:
         return getattr(self.shard, "sampler", None)
 
     def __len__(self) -> int:
-        if isinstance(self.shard, IterableShard):
-            return len(self.base_dataloader)  # raises TypeError for unsized iterables, like DataLoader
-        return len(self.shard)
+        return len(self.base_dataloader)  # batches of this rank's shard; a TypeError for unsized iterables
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -247,8 +254,6 @@ class DataLoaderShard:
 
     @property
     def remainder(self) -> int:
-        if isinstance(self.shard, IterableShard):
-            return self.shard.last_real
         return self.shard.last_batch_size()
 
     def remaining_batches(self) -> int | None:
@@ -265,11 +270,7 @@ class DataLoaderShard:
         self._skip_next = num_batches
 
     def _start_epoch(self) -> None:
-        for target in (self.sampler, getattr(self.shard, "batch_sampler", None)):
-            if target is not None and hasattr(target, "set_epoch"):
-                target.set_epoch(self.epoch)
-        if isinstance(self.shard, IterableShard):
-            self.shard.set_epoch(self.epoch)
+        self.shard.set_epoch(self.epoch)
         self.shard.skip = self._skip_next
         self.position = self._skip_next
         self._skip_next = 0
