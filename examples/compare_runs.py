@@ -2,17 +2,17 @@
 
 Runs ``examples/train_genre_classifier.py`` twice through ``impel launch``, changing nothing but the number of
 processes and one TrainingArguments knob (``--fsdp "full_shard auto_wrap"``): same per-device batch, steps and
-learning rate, so the FSDP run trains on twice the effective batch. Then it reads both runs' ``metrics.jsonl``,
-prints how far the train-loss curves are apart at the logged steps (mean and largest absolute difference, and the
-mean relative to the single-process loss), the final eval numbers of both, and draws both curves in one PNG.
+learning rate, so the FSDP run trains on twice the effective batch. Then ``impel compare`` reads both runs'
+``metrics.jsonl``, aligns them on samples seen, prints how far the train and eval curves are apart (mean and
+largest relative difference), the final eval numbers and throughput of both, and draws both curves in one PNG.
 
 Run it::
 
     python examples/compare_runs.py                         # 40 steps each, results under runs/compare
     python examples/compare_runs.py --max_steps 80 --tolerance 0.05 -- --lines_per_passage 8
 
-Arguments after ``--`` go to the training script. Exit code 0 when the mean relative deviation is within
-``--tolerance``, 1 otherwise.
+Arguments after ``--`` go to the training script. Exit code 0 when the mean relative differences are within
+``--tolerance``, 1 otherwise (``impel compare``'s).
 """
 from __future__ import annotations
 
@@ -47,29 +47,6 @@ def launch(name: str, processes: int, out: Path, recipe: list[str], knobs: list[
     return run_dir / "metrics.jsonl"
 
 
-def deviation(a: list[dict], b: list[dict]) -> dict[str, float]:
-    """Train-loss differences at the steps both runs logged."""
-    from impel.trainer.plot import series
-
-    first, second = dict(zip(*series(a, "loss"))), dict(zip(*series(b, "loss")))
-    steps = sorted(set(first) & set(second))
-    if not steps:
-        raise SystemExit("the two runs logged no common steps; use the same --logging_steps")
-    diffs = [abs(first[s] - second[s]) for s in steps]
-    mean_loss = sum(first[s] for s in steps) / len(steps)
-    return {"steps": len(steps), "mean_abs": sum(diffs) / len(diffs), "max_abs": max(diffs),
-            "mean_relative": sum(diffs) / len(diffs) / mean_loss}
-
-
-def last_eval(history: list[dict]) -> str:
-    rows = [r for r in history if "eval_loss" in r]
-    if not rows:
-        return "no evaluation"
-    row = rows[-1]
-    return f"eval_loss={row['eval_loss']:.4f}" + (f" eval_accuracy={row['eval_accuracy']:.4f}"
-                                                  if "eval_accuracy" in row else "")
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
@@ -89,20 +66,13 @@ def main(argv: list[str] | None = None) -> int:
     single = launch("single", 1, out, recipe, [], cpu=not args.gpu)
     fsdp = launch("fsdp", 2, out, recipe, ["--fsdp", args.fsdp], cpu=not args.gpu)
 
-    from impel.trainer.plot import plot_runs, read_history
+    # the comparison itself is `impel compare` (impel/commands/compare.py): aligned on samples seen, because the
+    # FSDP run's global batch is twice the single process's
+    from impel.commands.main import main as impel
 
-    a, b = read_history(single), read_history(fsdp)
-    dev = deviation(a, b)
-    picture = plot_runs({f"1 process, batch {args.batch_size}": a,
-                         f"2-process FSDP, batch {2 * args.batch_size}": b}, out / "compare.png",
-                        title="same recipe: 1 process vs 2-process FSDP (effective batch doubled)")
-    verdict = "similar" if dev["mean_relative"] <= args.tolerance else "NOT similar"
-    print(f"train-loss deviation over {dev['steps']} logged steps: mean |diff| {dev['mean_abs']:.4f}, "
-          f"max |diff| {dev['max_abs']:.4f}, mean relative {dev['mean_relative']:.1%} "
-          f"(tolerance {args.tolerance:.0%}): {verdict}")
-    print(f"single: {last_eval(a)} | fsdp: {last_eval(b)}")
-    print(f"picture: {picture}")
-    return 0 if verdict == "similar" else 1
+    return impel(["compare", str(single), str(fsdp), "--name", f"1 process, batch {args.batch_size}",
+                  "--name", f"2-process FSDP, batch {2 * args.batch_size}", "--align", "samples",
+                  "--tolerance", str(args.tolerance), "--plot", str(out / "compare.png")])
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The ``impel`` command: config, launch, env, test.
+"""The ``impel`` command: config, launch, env, test, estimate-memory, merge-weights, compare.
 
 Bad input (a ConfigError) prints one paragraph naming the problem and the fix and exits with code 2, without a
 Python traceback and before any process starts. ``impel --help`` and ``impel config show`` never import torch.
@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import config, env, estimate, launch, merge, test
+from . import compare, config, env, estimate, launch, merge, test
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -17,8 +17,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="impel", description="Run one PyTorch training loop anywhere: one CPU, "
                                      "one GPU, many GPUs or many machines, with DDP, FSDP2 or DeepSpeed.")
     parser.add_argument("--version", action="version", version=f"impel {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{config,launch,env,test,estimate-memory,merge-weights}")
-    for module in (config, launch, env, test, estimate, merge):
+    sub = parser.add_subparsers(dest="command",
+                                metavar="{config,launch,env,test,estimate-memory,merge-weights,compare}")
+    for module in (config, launch, env, test, estimate, merge, compare):
         module.register(sub)
     return parser
 
