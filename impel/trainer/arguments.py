@@ -57,11 +57,14 @@ class TrainingArguments:
     bf16: bool = False
     fp16: bool = False
     use_cpu: bool = False
+    logging_strategy: str = "steps"
     logging_steps: float = 500
     logging_first_step: bool = False
     logging_dir: str | None = None
     eval_strategy: str = "no"
     eval_steps: float | None = None
+    eval_delay: float = 0
+    eval_on_start: bool = False
     save_strategy: str = "steps"
     save_steps: float = 500
     save_total_limit: int | None = None
@@ -71,6 +74,7 @@ class TrainingArguments:
     greater_is_better: bool | None = None
     restore_callback_states_from_checkpoint: bool = False
     seed: int = 42
+    data_seed: int | None = None
     dataloader_num_workers: int = 0
     dataloader_drop_last: bool = False
     remove_unused_columns: bool = True
@@ -113,6 +117,8 @@ class TrainingArguments:
         if self.max_steps < 0:
             _number("num_train_epochs", self.num_train_epochs, low=0.0, open_low=True)
         _integer("seed", self.seed, minimum=0)
+        if self.data_seed is not None:
+            _integer("data_seed", self.data_seed, minimum=0, fix="or None (the shuffle follows seed)")
         _integer("dataloader_num_workers", self.dataloader_num_workers, minimum=0)
         if self.save_total_limit is not None:
             _integer("save_total_limit", self.save_total_limit, minimum=1, fix="or None (keep every checkpoint)")
@@ -144,7 +150,9 @@ class TrainingArguments:
                               "set; set only one of them")
 
     def _check_intervals(self) -> None:
+        self.logging_strategy = _choice("logging_strategy", self.logging_strategy, INTERVALS)
         self.eval_strategy = _choice("eval_strategy", self.eval_strategy, INTERVALS)
+        _number("eval_delay", self.eval_delay, low=0.0, fix="(epochs with eval_strategy='epoch', else steps)")
         self.save_strategy = _choice("save_strategy", self.save_strategy, SAVE_STRATEGIES)
         _steps("logging_steps", self.logging_steps)
         _steps("save_steps", self.save_steps)
@@ -153,7 +161,8 @@ class TrainingArguments:
 
     def _check_switches(self) -> None:
         for name in ("bf16", "fp16", "use_cpu", "dataloader_drop_last", "remove_unused_columns", "logging_first_step",
-                     "save_on_each_node", "load_best_model_at_end", "restore_callback_states_from_checkpoint"):
+                     "save_on_each_node", "load_best_model_at_end", "restore_callback_states_from_checkpoint",
+                     "eval_on_start"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be True or False")
         for name in ("disable_tqdm", "plot_loss"):

@@ -272,7 +272,7 @@ def accelerator_kwargs(args: TrainingArguments) -> dict[str, Any]:
                               "step_scheduler_per_process": False,
                               # epoch e's order from seed + e, as transformers' Trainer asks of Accelerate
                               "dataloader_config": DataLoaderConfiguration(use_seedable_sampler=True,
-                                                                           data_seed=args.seed)}
+                                                                           data_seed=_data_seed(args))}
     plugin = fsdp_plugin(args)
     if plugin is not None:
         kwargs["fsdp_plugin"] = plugin
@@ -280,3 +280,8 @@ def accelerator_kwargs(args: TrainingArguments) -> dict[str, Any]:
     if ds is not None:
         kwargs["deepspeed_plugin"] = ds
     return kwargs
+
+
+def _data_seed(args: TrainingArguments) -> int:
+    """transformers' rule: the sampler follows ``data_seed`` when set, else ``seed``."""
+    return args.seed if args.data_seed is None else args.data_seed

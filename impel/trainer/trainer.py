@@ -260,6 +260,10 @@ class Trainer:
         self._empty_passes = 0
         started, start_step, start_samples = time.perf_counter(), state.global_step, state.samples_seen
         self._event("on_train_begin")
+        if self.args.eval_on_start:  # transformers' sanity check: one evaluation before the first step
+            if self.eval_dataloader is None:
+                raise ConfigError("eval_on_start=True needs an eval_dataset; pass one to the Trainer")
+            self.evaluate()
         self.model.train()
         while state.global_step < state.max_steps and not self.control.should_training_stop:
             self._train_epoch()
@@ -317,7 +321,9 @@ class Trainer:
                               "dataloader_drop_last=True with fewer samples than one global batch)")
         state.epoch = self._epoch_progress(loader)
         control = self.control
-        control.should_evaluate = control.should_evaluate or self.args.eval_strategy == "epoch"
+        control.should_log = control.should_log or self.args.logging_strategy == "epoch"
+        control.should_evaluate = control.should_evaluate or (self.args.eval_strategy == "epoch"
+                                                              and self.args.eval_delay <= state.epoch)
         control.should_save = control.should_save or self.args.save_strategy == "epoch"
         self._event("on_epoch_end")
         self._act()
@@ -332,9 +338,10 @@ class Trainer:
         """transformers' DefaultFlowCallback (it runs first, so later callbacks see its flags), then act."""
         args, state, control = self.args, self.state, self.control
         step, last = state.global_step, state.global_step >= state.max_steps
-        if step % state.logging_steps == 0 or (args.logging_first_step and step == 1) or last:
+        if (args.logging_strategy == "steps" and (step % state.logging_steps == 0 or last)) or (
+                args.logging_first_step and step == 1):
             control.should_log = True
-        if args.eval_strategy == "steps" and (step % state.eval_steps == 0 or last):
+        if args.eval_strategy == "steps" and (step % state.eval_steps == 0 or last) and args.eval_delay <= step:
             control.should_evaluate = True
         if args.save_strategy == "steps" and (step % state.save_steps == 0 or last):
             control.should_save = True
@@ -379,6 +386,9 @@ class Trainer:
 
     def _final_metrics(self, runtime: float, steps: int, samples: int) -> dict[str, float]:
         losses = [row["loss"] for row in self.state.log_history if "loss" in row]
+        if not losses:  # logging_strategy="no": the mean over every micro-step, from the never-logged window
+            window = self.accelerator.reduce(self._window, "sum")
+            losses = [float(window[0] / window[1])] if window[1] > 0 else []
         metrics = {"train_runtime": round(runtime, 3),
                    "train_samples_per_second": round(samples / runtime, 3) if runtime > 0 else 0.0,
                    "train_steps_per_second": round(steps / runtime, 3) if runtime > 0 else 0.0,
