@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from . import collectives, env
+from . import env
 from .accumulation import GradientState, MicroStep
 from .checkpoint.checkpointer import Checkpointer, resolve_project_configuration
 from .checkpoint.options import load_options, save_options
@@ -63,7 +63,8 @@ try:
 except ImportError:  # pragma: no cover - torch < 2.0
     from torch.optim.lr_scheduler import _LRScheduler  # type: ignore[attr-defined,no-redef]
 
-_PREPARABLE = "torch.nn.Module, torch.optim.Optimizer, torch.utils.data.DataLoader, torch.optim.lr_scheduler.LRScheduler"
+_PREPARABLE = ("torch.nn.Module, torch.optim.Optimizer, torch.utils.data.DataLoader, "
+               "torch.optim.lr_scheduler.LRScheduler")
 
 
 class Accelerator(ProcessUtilities, RunSettings):

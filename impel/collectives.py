@@ -4,7 +4,8 @@ Every function is a no-op copy on one process, so a loop calls them unconditiona
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist

@@ -9,11 +9,11 @@ epoch; the real samples always come first, so ``gather_for_metrics`` drops the d
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
-from torch.utils.data import (DataLoader, IterableDataset, RandomSampler, Sampler,
-                              SequentialSampler)
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler
 
 from . import collectives

@@ -40,7 +40,8 @@ def _int(environ: Mapping[str, str], name: str, default: int) -> int:
     try:
         return int(raw)
     except ValueError:
-        raise ValueError(f"environment variable {name}={raw!r} is not an integer; unset it or fix the launcher") from None
+        raise ValueError(f"environment variable {name}={raw!r} is not an integer; unset it or fix the "
+                         "launcher") from None
 
 
 def read_topology(environ: Mapping[str, str] | None = None) -> Topology:
@@ -56,7 +57,8 @@ def read_topology(environ: Mapping[str, str] | None = None) -> Topology:
                     int(restarts) if restarts not in (None, "") else None,
                     env.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
     if world < 1 or not 0 <= rank < world:
-        raise ValueError(f"RANK={rank} WORLD_SIZE={world} is not a valid placement; launch with torchrun or impel launch")
+        raise ValueError(f"RANK={rank} WORLD_SIZE={world} is not a valid placement; launch with torchrun or "
+                         "impel launch")
     return topo
 
 

@@ -8,7 +8,9 @@ a prepared model rebinds to the copy, and ``unwrap_model(..., keep_fp32_wrapper=
 from __future__ import annotations
 
 import types
-from typing import Any, Callable, ContextManager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 from torch import nn
@@ -29,7 +31,8 @@ class ForwardContext:
     """What a prepared forward needs; shared, never copied with the model."""
 
     def __init__(self, strategy: Any, gradient_state: GradientState,
-                 autocast: Callable[[], ContextManager[Any]] | None, track: bool, cast_outputs: bool = False) -> None:
+                 autocast: Callable[[], AbstractContextManager[Any]] | None, track: bool,
+                 cast_outputs: bool = False) -> None:
         self.strategy = strategy
         self.gradient_state = gradient_state
         self.autocast = autocast
@@ -46,7 +49,7 @@ class ForwardContext:
             self.strategy.set_grad_sync(model, sync)
             self.sync_state = sync
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> "ForwardContext":
+    def __deepcopy__(self, memo: dict[int, Any]) -> ForwardContext:
         return self
 
 

@@ -173,7 +173,8 @@ def _report(model: nn.Module, missing: list[str], unexpected: list[str], strict:
     if not missing and not unexpected:
         return
     message = (f"loading weights into {type(model).__name__}: missing {missing[:10]}"
-               f"{' ...' if len(missing) > 10 else ''}, unexpected {unexpected[:10]}{' ...' if len(unexpected) > 10 else ''}")
+               f"{' ...' if len(missing) > 10 else ''}, unexpected {unexpected[:10]}"
+               f"{' ...' if len(unexpected) > 10 else ''}")
     if strict:
         raise RuntimeError(message + "; fix the checkpoint or pass strict=False")
     logger.warning(message)

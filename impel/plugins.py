@@ -87,7 +87,8 @@ class InitProcessGroupKwargs(KwargsHandler):
 
     def __post_init__(self) -> None:
         if self.backend is not None and self.backend not in ("nccl", "gloo", "mpi", "cpu:gloo,cuda:nccl"):
-            raise ConfigError(f"InitProcessGroupKwargs(backend={self.backend!r}) is unknown; use 'nccl', 'gloo' or None")
+            raise ConfigError(f"InitProcessGroupKwargs(backend={self.backend!r}) is unknown; use 'nccl', 'gloo' or "
+                              "None")
         if self.timeout is not None and (not isinstance(self.timeout, timedelta) or self.timeout.total_seconds() <= 0):
             raise ConfigError(f"InitProcessGroupKwargs(timeout={self.timeout!r}) must be a positive datetime.timedelta")
 
@@ -146,7 +147,8 @@ class GradientAccumulationPlugin:
 
     num_steps: micro-steps per optimizer step. adjust_scheduler: kept for Accelerate's signature; as in Accelerate
     1.15 the prepared scheduler never steps mid-group either way (False warns; ``Accelerator(
-    step_scheduler_with_optimizer=False)`` steps it on every call). sync_with_dataloader: the end of a prepared dataloader ends the group.
+    step_scheduler_with_optimizer=False)`` steps it on every call). sync_with_dataloader: the end of a prepared
+    dataloader ends the group.
     sync_each_batch: all-reduce gradients on every micro-step (less memory, more communication).
     """
 
@@ -226,7 +228,7 @@ class Handlers:
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def collect(cls, handlers: Any) -> "Handlers":
+    def collect(cls, handlers: Any) -> Handlers:
         from .profiling import ProfileKwargs  # here: profiling imports this module
 
         out = cls()

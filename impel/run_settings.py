@@ -15,14 +15,23 @@ if TYPE_CHECKING:
 
     from .accumulation import GradientState
     from .config import RunConfig
-    from .plugins import (AutocastKwargs, DataLoaderConfiguration, DeepSpeedPlugin, DistributedDataParallelKwargs,
-                          FullyShardedDataParallelPlugin, GradScalerKwargs, Handlers, InitProcessGroupKwargs)
+    from .plugins import (
+        AutocastKwargs,
+        DataLoaderConfiguration,
+        DeepSpeedPlugin,
+        DistributedDataParallelKwargs,
+        FullyShardedDataParallelPlugin,
+        GradScalerKwargs,
+        Handlers,
+        InitProcessGroupKwargs,
+    )
     from .profiling import ProfileKwargs
 
 
 class RunSettings:
-    """device, num_processes, process_index and the other process facts; gradient_accumulation_steps / sync_gradients / even_batches (with setters), deepspeed_plugin, fsdp_plugin,
-    multi_device, is_fsdp2, the dataloader switches, verify_device_map."""
+    """device, num_processes, process_index and the other process facts; gradient_accumulation_steps /
+    sync_gradients / even_batches (with setters), deepspeed_plugin, fsdp_plugin, multi_device, is_fsdp2, the
+    dataloader switches, verify_device_map."""
 
     config: RunConfig
     gradient_state: GradientState
@@ -193,7 +202,8 @@ class RunSettings:
 
             section = self.config.deepspeed
             self.handlers.extra["deepspeed_plugin_from_config"] = DeepSpeedPlugin(
-                hf_ds_config=section.deepspeed_config_file, gradient_accumulation_steps=self.gradient_accumulation_steps,
+                hf_ds_config=section.deepspeed_config_file,
+                gradient_accumulation_steps=self.gradient_accumulation_steps,
                 **{key: getattr(section, key) for key in _DEEPSPEED_KEYS})
         return self.handlers.extra["deepspeed_plugin_from_config"]
 

@@ -1,7 +1,8 @@
 """split_between_processes: each rank's contiguous share of a list, tuple, dict of sequences or tensor."""
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 

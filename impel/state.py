@@ -27,8 +27,8 @@ def pick_device(local_rank: int, cpu: bool) -> torch.device:
     """cuda:LOCAL_RANK, else mps, else cpu; ``cpu=True`` forces the CPU."""
     if not cpu and torch.cuda.is_available():
         if local_rank >= torch.cuda.device_count():
-            raise RuntimeError(f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} CUDA devices are visible; "
-                               "launch fewer processes per node or fix CUDA_VISIBLE_DEVICES")
+            raise RuntimeError(f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} CUDA devices are "
+                               "visible; launch fewer processes per node or fix CUDA_VISIBLE_DEVICES")
         return torch.device("cuda", local_rank)
     mps = getattr(torch.backends, "mps", None)
     if not cpu and mps is not None and mps.is_available():

@@ -33,9 +33,9 @@ from ..memory import trim_host_heap
 from ..plugins import ProjectConfiguration
 from . import accelerate_format, collective, layout
 from .digests import sealing, share_digests
-from .options import LoadOptions, SaveOptions
 from .files import read_torch, write_torch
 from .full import suffix
+from .options import DEFAULT_LOAD, DEFAULT_SAVE, LoadOptions, SaveOptions
 from .state import (
     check_registrable,
     collect_rng_state,
@@ -53,7 +53,8 @@ logger = logging.getLogger("impel")
 TRAINING_STATE_FILE = "training_state.pt"
 
 
-def resolve_project_configuration(project_dir: Any, project_config: ProjectConfiguration | None) -> ProjectConfiguration:
+def resolve_project_configuration(project_dir: Any,
+                                  project_config: ProjectConfiguration | None) -> ProjectConfiguration:
     """``Accelerator(project_dir=..., project_config=...)``: one config, the directory given once."""
     config = project_config if project_config is not None else ProjectConfiguration()
     if not isinstance(config, ProjectConfiguration):
@@ -112,7 +113,7 @@ class Checkpointer:
 
     # --- save -------------------------------------------------------------------------------------------------
     def save(self, acc: Accelerator, output_dir: Any = None, safe_serialization: bool = True,
-             options: SaveOptions = SaveOptions()) -> str:
+             options: SaveOptions = DEFAULT_SAVE) -> str:
         collective.arrive("save_state", acc.state.timeout)
         final = self._save_target(output_dir)
         collective.agree(str(final), "the save_state output directory")
@@ -214,7 +215,7 @@ class Checkpointer:
                 "dataloaders": len(acc._dataloaders), "registered objects": len(self.registered)}
 
     # --- load -------------------------------------------------------------------------------------------------
-    def load(self, acc: Accelerator, input_dir: Any = None, options: LoadOptions = LoadOptions()) -> str:
+    def load(self, acc: Accelerator, input_dir: Any = None, options: LoadOptions = DEFAULT_LOAD) -> str:
         collective.arrive("load_state", acc.state.timeout)
         if input_dir is not None:
             collective.agree(os.fspath(input_dir), "the load_state input directory")

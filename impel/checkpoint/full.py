@@ -129,7 +129,8 @@ def load_full(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Opti
         except (RuntimeError, KeyError, ValueError) as exc:
             why = first_mismatch(model, state) or str(exc)
             raise CheckpointError(f"{directory / metadata['models'][i]} does not fit prepared model {i} "
-                                  f"({type(model).__name__}): {why}; load it into the model it was saved from") from None
+                                  f"({type(model).__name__}): {why}; load it into the model it was saved "
+                                  "from") from None
         if result is not None and (result.missing_keys or result.unexpected_keys):  # load_state(strict=False)
             logger.warning("%s loaded into model %d with strict=False: missing %s, unexpected %s",
                            directory / metadata["models"][i], i, list(result.missing_keys),

@@ -85,7 +85,8 @@ def describe(obj: Any) -> str:
 
 
 def check_registrable(objects: Sequence[Any]) -> None:
-    """Every object needs callable ``state_dict`` and ``load_state_dict``; a TypeError naming the first that lacks them."""
+    """Every object needs callable ``state_dict`` and ``load_state_dict``; a TypeError naming the first that lacks
+    them."""
     for index, obj in enumerate(objects):
         missing = [m for m in ("state_dict", "load_state_dict") if not callable(getattr(obj, m, None))]
         if missing:

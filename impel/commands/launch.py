@@ -31,7 +31,8 @@ def add_script_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def register(subparsers: Any) -> None:
-    p = subparsers.add_parser("launch", allow_abbrev=False, help="run a training script on every rank of the configured job",
+    p = subparsers.add_parser("launch", allow_abbrev=False,
+                              help="run a training script on every rank of the configured job",
                               description="Run a script under the config file, with flags overriding it.")
     add_config_flags(p)
     add_launcher_flags(p)

@@ -101,7 +101,8 @@ class FSDPStrategy(Strategy):
 
         dtype = self.precision.dtype
         mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype else MixedPrecisionPolicy()
-        offload = CPUOffloadPolicy(pin_memory=self.device.type == "cuda") if self.fsdp.offload_params else OffloadPolicy()
+        offload = (CPUOffloadPolicy(pin_memory=self.device.type == "cuda") if self.fsdp.offload_params
+                   else OffloadPolicy())
         return mp, offload
 
     @property
