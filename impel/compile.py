@@ -24,7 +24,6 @@ from __future__ import annotations
 import enum
 import importlib.util
 import logging
-import os
 import shutil
 import sys
 from dataclasses import dataclass
@@ -193,7 +192,7 @@ def check_backend(backend: DynamoBackend, device: torch.device) -> None:
 
 
 def _cpp_compiler() -> bool:
-    return bool(os.environ.get("CXX")) or any(shutil.which(c) for c in ("g++", "clang++", "c++"))
+    return bool(env.cxx_compiler()) or any(shutil.which(c) for c in ("g++", "clang++", "c++"))
 
 
 class _CompiledForward(ForwardContext):

@@ -197,6 +197,24 @@ def accelerate_log_level() -> str | None:
     return os.environ.get("IMPEL_LOG_LEVEL") or os.environ.get("ACCELERATE_LOG_LEVEL") or None
 
 
+def mlflow_overrides() -> dict[str, str]:
+    """Accelerate's MLflow variables that win over ``MLflowTracker``'s arguments, keyed by argument name
+    (``experiment_name``, ``run_id``, ``tags``, ``nested_run``): only the variables that are set."""
+    names = {"experiment_name": "MLFLOW_EXPERIMENT_NAME", "run_id": "MLFLOW_RUN_ID", "tags": "MLFLOW_TAGS",
+             "nested_run": "MLFLOW_NESTED_RUN"}
+    return {arg: os.environ[var] for arg, var in names.items() if var in os.environ}
+
+
+def wandb_project(default: str) -> str:
+    """The W&B project the Trainer's ``report_to="wandb"`` logs to: ``$WANDB_PROJECT``, else ``default``."""
+    return os.environ.get("WANDB_PROJECT", default)
+
+
+def cxx_compiler() -> str | None:
+    """``$CXX``, the C++ compiler the user chose (torch's inductor compiles with it), or None when unset."""
+    return os.environ.get("CXX")
+
+
 def read_flag(name: str, default: bool = False) -> bool:
     """A yes/no variable (``1/true/yes/on`` vs ``0/false/no/off``); ``default`` when unset or empty."""
     raw = os.environ.get(name, "").strip().lower()
