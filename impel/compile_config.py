@@ -4,13 +4,15 @@ Keys and flags are Accelerate's: ``dynamo_config: {dynamo_backend: INDUCTOR, dyn
 dynamo_use_fullgraph: false, dynamo_use_dynamic: false, dynamo_use_regional_compilation: false}`` in a config file,
 ``--dynamo_backend inductor --dynamo_use_regional_compilation`` on ``impel launch``. :mod:`impel.config` holds it as
 ``RunConfig.dynamo_config``; :mod:`impel.compile` does the compiling. Like ``impel.config`` this module never imports
-torch, and it imports nothing from impel at import time (``impel.config`` imports it while it is being built).
+torch; its fields are declared and checked with :mod:`impel.config_schema`, as the run config's are.
 """
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
+
+from .config_schema import option, validate_fields
 
 
 class _ValuesContained(enum.EnumMeta):
@@ -61,14 +63,6 @@ BACKENDS = tuple(DynamoBackend.list())
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # torch.compile's modes
 
 
-def _option(default: Any, kind: str, help: str, choices: tuple | None = None,
-            aliases: dict[Any, Any] | None = None) -> Any:
-    # the schema impel.config.option() writes (not imported: impel.config imports this module while it is built)
-    meta = {"kind": kind, "help": help, "choices": choices, "min": None, "question": None, "flag": None,
-            "aliases": dict(aliases or {})}
-    return field(default=default, metadata=meta)
-
-
 @dataclass
 class DynamoConfig:
     """The ``dynamo_config`` section. YAML keys and flags carry a ``dynamo_`` prefix (``dynamo_backend``)."""
@@ -76,18 +70,16 @@ class DynamoConfig:
     PREFIX = "dynamo_"
 
     # YAML 1.1 reads an unquoted NO as false; a lower-case name (inductor) is matched to its member
-    backend: str = _option("NO", "str", "torch.compile backend for prepared models (NO: do not compile)",
+    backend: str = option("NO", "str", "torch.compile backend for prepared models (NO: do not compile)",
                            choices=BACKENDS, aliases={False: "NO"})
-    mode: str = _option("default", "str", "torch.compile mode (inductor)", choices=MODES)
-    use_fullgraph: bool = _option(False, "bool", "compile each model as one graph (a graph break is an error)")
-    use_dynamic: bool | None = _option(None, "bool", "trace with dynamic shapes (empty: torch decides)")
-    use_regional_compilation: bool = _option(False, "bool", "compile each repeated block (transformer layers) "
+    mode: str = option("default", "str", "torch.compile mode (inductor)", choices=MODES)
+    use_fullgraph: bool = option(False, "bool", "compile each model as one graph (a graph break is an error)")
+    use_dynamic: bool | None = option(None, "bool", "trace with dynamic shapes (empty: torch decides)")
+    use_regional_compilation: bool = option(False, "bool", "compile each repeated block (transformer layers) "
                                              "instead of the whole model: a shorter cold start")
 
     def validate(self) -> DynamoConfig:
-        from .config import _validate_fields
-
-        _validate_fields(self)
+        validate_fields(self)
         return self
 
     @property

@@ -7,14 +7,14 @@ minimum, help, prompt, flag name): the CLI flags, the questionnaire and validati
 """
 from __future__ import annotations
 
-import difflib
 import enum
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 from .compile_config import DynamoConfig
+from .config_schema import ConfigError, did_you_mean, option, validate_fields
 
 logger = logging.getLogger("impel")
 
@@ -82,97 +82,6 @@ SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 
 
-class ConfigError(ValueError):
-    """A config value is wrong; the message names the value and the fix."""
-
-
-def did_you_mean(key: str, known: Iterable[str]) -> str:
-    close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
-    return f"; did you mean {close[0]!r}?" if close else ""
-
-
-def option(default: Any, kind: str, help: str, *, choices: tuple | None = None, minimum: float | None = None,
-           question: str | None = None, flag: str | None = None, aliases: Mapping[Any, Any] | None = None) -> Any:
-    """A config field with its schema. ``kind`` is one of str, int, float, bool."""
-    meta = {"kind": kind, "help": help, "choices": choices, "min": minimum, "question": question, "flag": flag,
-            "aliases": dict(aliases or {})}
-    return field(default=default, metadata=meta)
-
-
-_TRUE = ("true", "yes", "1", "on", "y")
-_FALSE = ("false", "no", "0", "off", "n", "none")
-
-
-def coerce(name: str, value: Any, meta: Mapping[str, Any], from_text: bool = False) -> Any:
-    """Check (and, for text from flags or prompts, convert) one value against its field schema."""
-    if value is None:
-        return None
-    if isinstance(value, enum.Enum):  # PrecisionType.BF16, DistributedType.FSDP: their plain values
-        value = value.value
-    value = meta["aliases"].get(value, value) if _hashable(value) else value
-    kind, choices = meta["kind"], meta["choices"]
-    if from_text and isinstance(value, str):
-        value = _parse_text(name, value, kind, choices)
-    if choices is not None:
-        if value is False and ("no" in choices or "none" in choices):  # YAML 1.1 reads an unquoted `no` as false
-            value = "no" if "no" in choices else "none"
-        if isinstance(value, str):
-            value = next((c for c in choices if isinstance(c, str) and c.lower() == value.lower()), value)
-        if value not in choices or isinstance(value, bool) != any(isinstance(c, bool) for c in choices):
-            allowed = ", ".join(repr(c) for c in choices)
-            raise ConfigError(f"{name}={value!r} is not allowed; use one of {allowed}")
-        return value
-    if kind == "bool":
-        if not isinstance(value, bool):
-            raise ConfigError(f"{name}={value!r} must be true or false")
-    elif kind == "int":
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{name}={value!r} must be an integer" + _min_text(meta))
-    elif kind == "float":
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{name}={value!r} must be a number" + _min_text(meta))
-        value = float(value)
-    elif kind == "str" and not isinstance(value, str):
-        raise ConfigError(f"{name}={value!r} must be a string")
-    if meta["min"] is not None and value < meta["min"]:
-        what = {"int": "an integer", "float": "a number"}.get(kind, "a value")
-        raise ConfigError(f"{name}={value!r} must be {what}{_min_text(meta)}")
-    return value
-
-
-def _hashable(value: Any) -> bool:
-    try:
-        hash(value)
-    except TypeError:
-        return False
-    return True
-
-
-def _min_text(meta: Mapping[str, Any]) -> str:
-    return f" >= {meta['min']:g}" if meta["min"] is not None else ""
-
-
-def _parse_text(name: str, raw: str, kind: str, choices: tuple | None) -> Any:
-    text = raw.strip()
-    if choices is not None and any(isinstance(c, int) and not isinstance(c, bool) for c in choices):
-        kind = "int"
-    try:
-        if kind == "bool":
-            if text.lower() in _TRUE:
-                return True
-            if text.lower() in _FALSE:
-                return False
-            raise ValueError
-        if kind == "int":
-            return int(text)
-        if kind == "float":
-            return float(text)
-    except ValueError:
-        expected = {"bool": "true or false", "int": "an integer", "float": "a number"}[kind]
-        raise ConfigError(f"{name}={raw!r} must be {expected}") from None
-    return text
-
-
 # --- sections ------------------------------------------------------------------------------------------------
 # FSDP1's ShardingStrategy numbers, as Accelerate accepts them (YAML 1 or "1", flag --fsdp_sharding_strategy 1)
 _FSDP1_STRATEGY_NUMBERS: dict[Any, str] = {
@@ -223,7 +132,7 @@ class FSDPConfig:
                                             question="Activation checkpointing")
 
     def validate(self) -> FSDPConfig:
-        _validate_fields(self)
+        validate_fields(self)
         if not self.use_orig_params:
             raise ConfigError("fsdp_use_orig_params=false has no FSDP2 equivalent (FSDP2 always trains the original "
                               "parameters); set it to true or remove it")
@@ -273,7 +182,7 @@ class DeepSpeedConfig:
     def validate(self) -> DeepSpeedConfig:
         if self.zero_stage is not None and self.zero_stage not in (0, 1, 2, 3):
             raise ConfigError(f"zero_stage={self.zero_stage!r} is not a DeepSpeed ZeRO stage; use 0, 1, 2 or 3")
-        _validate_fields(self)
+        validate_fields(self)
         for what in ("optimizer", "param"):
             path_needed = not getattr(self, f"offload_{what}_nvme_path") and not self.deepspeed_config_file
             if getattr(self, f"offload_{what}_device") == "nvme" and path_needed:  # (a JSON may hold the path)
@@ -287,13 +196,6 @@ class DeepSpeedConfig:
 
 SECTIONS: dict[str, type] = {"fsdp_config": FSDPConfig, "deepspeed_config": DeepSpeedConfig,
                               "dynamo_config": DynamoConfig}
-
-
-def _validate_fields(obj: Any) -> None:
-    prefix = getattr(obj, "PREFIX", "")
-    for f in fields(obj):
-        if "kind" in f.metadata:
-            setattr(obj, f.name, coerce(prefix + f.name, getattr(obj, f.name), f.metadata))
 
 
 NOT_YET = {"fsdp_ignored_modules": "is not supported yet: impel does not exclude modules from FSDP2 sharding; "
@@ -369,7 +271,7 @@ class RunConfig:
 
     def validate(self) -> RunConfig:
         check_distributed_type(self.distributed_type)
-        _validate_fields(self)
+        validate_fields(self)
         for name in SECTIONS:
             section = getattr(self, name)
             if section is not None:

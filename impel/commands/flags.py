@@ -12,7 +12,8 @@ from collections.abc import Iterator
 from dataclasses import fields
 from typing import Any
 
-from ..config import _FALSE, _TRUE, SECTIONS, ConfigError, RunConfig, coerce
+from ..config import SECTIONS, ConfigError, RunConfig
+from ..config_schema import _FALSE, _TRUE, coerce
 
 _SHORTCUTS = {"multi_gpu": "MULTI_GPU", "use_fsdp": "FSDP", "use_deepspeed": "DEEPSPEED", "use_auto": "AUTO"}
 _DEST = "cfg__"

@@ -11,7 +11,8 @@ from collections.abc import Callable
 from dataclasses import fields
 from typing import Any, TextIO
 
-from ..config import ConfigError, DeepSpeedConfig, FSDPConfig, RunConfig, coerce
+from ..config import ConfigError, DeepSpeedConfig, FSDPConfig, RunConfig
+from ..config_schema import coerce
 
 _LEAVE = object()  # "leave it to the script": the key is not written
 
