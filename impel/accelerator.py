@@ -49,7 +49,7 @@ from .process_utilities import ProcessUtilities
 from .resilience import Resilience
 from .run_settings import RunSettings
 from .seeding import check_rng_types
-from .shared_state import AcceleratorState
+from .state import AcceleratorState
 from .strategies.base import Strategy, load_strategy
 from .tracking import AcceleratorTrackers
 

@@ -6,25 +6,18 @@ from __future__ import annotations
 
 import os
 import warnings
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
 from .config import ConfigError
+from .kwargs_handler import KwargsHandler
+from .profiling import ProfileKwargs
 
 
 def _check_bool(owner: str, name: str, value: Any) -> None:
     if not isinstance(value, bool):
         raise ConfigError(f"{owner}({name}={value!r}) must be True or False")
-
-
-class KwargsHandler:
-    """Base of the ``kwargs_handlers`` objects: ``to_kwargs()`` returns only the fields changed from defaults."""
-
-    def to_kwargs(self) -> dict[str, Any]:
-        default = self.__class__()
-        return {f.name: getattr(self, f.name) for f in fields(self)  # type: ignore[arg-type]
-                if getattr(self, f.name) != getattr(default, f.name)}
 
 
 @dataclass
@@ -224,13 +217,11 @@ class Handlers:
     scaler: GradScalerKwargs | None = None
     init: InitProcessGroupKwargs | None = None
     autocast: AutocastKwargs | None = None
-    profile: Any = None  # impel.profiling.ProfileKwargs
+    profile: ProfileKwargs | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def collect(cls, handlers: Any) -> Handlers:
-        from .profiling import ProfileKwargs  # here: profiling imports this module
-
         out = cls()
         slots = {DistributedDataParallelKwargs: "ddp", GradScalerKwargs: "scaler",
                  InitProcessGroupKwargs: "init", AutocastKwargs: "autocast", ProfileKwargs: "profile"}

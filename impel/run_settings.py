@@ -38,7 +38,7 @@ class RunSettings:
     dataloader_config: DataLoaderConfiguration
     handlers: Handlers
     distributed_type: DistributedType
-    state: Any  # impel.shared_state.AcceleratorState
+    state: Any  # impel.state.AcceleratorState
     _tracking: Any  # impel.tracking.AcceleratorTrackers
 
     # --- this process (read from the state) -------------------------------------------------------------------

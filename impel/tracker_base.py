@@ -63,7 +63,7 @@ class LoggerType(str, enum.Enum, metaclass=_ValueContains):
 
 
 def _is_main_process() -> bool:
-    from .shared_state import current_topology  # the live state's rank, else torchrun's; initialises nothing
+    from .state import current_topology  # the live state's rank, else torchrun's; initialises nothing
 
     return current_topology().rank == 0
 
