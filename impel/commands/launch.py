@@ -20,7 +20,7 @@ from .. import env
 from ..config import ConfigError, RunConfig
 from ..config_file import read_config_file
 from ..resilience import PREEMPTED_EXIT_CODE
-from .flags import add_config_flags, explicit_from_flags, merge_file_and_flags
+from .flags import add_config_flags, explicit_from_flags, explicit_from_flags_list, merge_file_and_flags
 
 
 def add_script_arguments(parser: argparse.ArgumentParser) -> None:
@@ -182,7 +182,7 @@ def _device_memory(config: RunConfig, per_machine: int) -> str:
 def _choose_strategy(config: RunConfig, explicit: dict[str, Any],
                      notes: list[str]) -> tuple[RunConfig, dict[str, Any]]:
     """distributed_type AUTO: estimate every strategy for --auto_model and keep the cheapest that fits."""
-    from ..planning.estimate import config_for
+    from ..planning.estimate import LAUNCH_FLAGS
     from .estimate import plan
 
     world = config.num_processes or config.num_machines * _count_devices(config)
@@ -192,7 +192,7 @@ def _choose_strategy(config: RunConfig, explicit: dict[str, Any],
     if result["recommended"] is None:
         raise ConfigError(f"--strategy auto: {result['why']}")
     chosen = {k: v for k, v in explicit.items() if k not in ("distributed_type", "auto_model", "device_memory")}
-    chosen.update(config_for(result["recommended"]))
+    chosen.update(explicit_from_flags_list(LAUNCH_FLAGS[result["recommended"]]))  # the keys selecting it
     notes.append(f"--strategy auto chose {result['recommended']} for {result['model']} on {world} rank(s): "
                  f"{result['why']}")
     config = RunConfig.from_dict(chosen)

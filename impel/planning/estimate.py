@@ -178,10 +178,3 @@ LAUNCH_FLAGS = {
     "FSDP HYBRID_SHARD": ["--use_fsdp", "--fsdp_sharding_strategy", "HYBRID_SHARD"],
     "FSDP FULL_SHARD + offload": ["--use_fsdp", "--fsdp_sharding_strategy", "FULL_SHARD", "--fsdp_offload_params"],
 }
-
-
-def config_for(strategy: str) -> dict[str, Any]:
-    """The explicit config keys that select ``strategy`` (what ``--strategy auto`` merges in)."""
-    from ..commands.flags import explicit_from_flags_list
-
-    return explicit_from_flags_list(LAUNCH_FLAGS[strategy])
