@@ -61,7 +61,7 @@ logger = logging.getLogger("impel")
 try:
     from torch.optim.lr_scheduler import LRScheduler as _LRScheduler
 except ImportError:  # pragma: no cover - torch < 2.0
-    from torch.optim.lr_scheduler import _LRScheduler  # type: ignore[attr-defined,no-redef]
+    from torch.optim.lr_scheduler import _LRScheduler
 
 _PREPARABLE = ("torch.nn.Module, torch.optim.Optimizer, torch.utils.data.DataLoader, "
                "torch.optim.lr_scheduler.LRScheduler")

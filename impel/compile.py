@@ -27,7 +27,7 @@ import logging
 import shutil
 import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeGuard, cast
 
 import torch
 from torch import nn
@@ -200,7 +200,7 @@ class _CompiledForward(ForwardContext):
     on the model under it (the DDP wrapper)."""
 
     def before_forward(self, model: nn.Module) -> None:
-        super().before_forward(model._orig_mod)
+        super().before_forward(_orig_mod(model))
 
 
 class Compiler:
@@ -259,7 +259,7 @@ class Compiler:
             patch_forward(model, ForwardContext(top.strategy, top.gradient_state, top.autocast, track=False))
         else:  # the DDP wrapper runs its own forward: dynamo runs it eagerly and compiles the module under it
             unpatch_forward(model)
-        compiled = torch.compile(model, **self.plugin.to_kwargs())
+        compiled = _compile(model, self.plugin.to_kwargs())
         patch_forward(compiled, _CompiledForward(top.strategy, top.gradient_state, None, track=True,
                                                  cast_outputs=top.cast_outputs))
         compiled.__dict__["_impel_compile_kwargs"] = self.plugin.to_kwargs()
@@ -290,7 +290,17 @@ def compile_before_shard(model: nn.Module, handlers: Handlers) -> None:
 
 
 # --- regions, unwrapping -----------------------------------------------------------------------------------------
-def _repeated(module: nn.Module) -> bool:
+def _compile(module: nn.Module, kwargs: dict[str, Any]) -> nn.Module:
+    """``torch.compile(module)``: an ``OptimizedModule`` (torch types the result as a plain callable)."""
+    return cast(nn.Module, torch.compile(module, **kwargs))
+
+
+def _orig_mod(compiled: nn.Module) -> nn.Module:
+    """The module under an ``OptimizedModule`` (a submodule: torch types ``Module.__getattr__`` as Tensor | Module)."""
+    return cast(nn.Module, compiled._orig_mod)
+
+
+def _repeated(module: nn.Module) -> TypeGuard[nn.ModuleList]:
     return (isinstance(module, nn.ModuleList) and len(module) > 0
             and all(isinstance(m, type(module[0])) for m in module))
 
@@ -320,7 +330,7 @@ def has_compiled_regions(module: nn.Module) -> bool:
 
 def uncompiled(model: nn.Module) -> nn.Module:
     """The model under a ``torch.compile`` wrapper (the model itself when it is not one)."""
-    return model._orig_mod if is_compiled_module(model) else model
+    return _orig_mod(model) if is_compiled_module(model) else model
 
 
 def unwrap(strategy: Strategy, model: nn.Module, keep_fp32_wrapper: bool, keep_torch_compile: bool) -> nn.Module:
@@ -338,4 +348,4 @@ def unwrap(strategy: Strategy, model: nn.Module, keep_fp32_wrapper: bool, keep_t
         return inner
     if inner is base:
         return compiled
-    return torch.compile(inner, **compiled.__dict__.get("_impel_compile_kwargs", {}))
+    return _compile(inner, compiled.__dict__.get("_impel_compile_kwargs", {}))

@@ -10,7 +10,19 @@ import difflib
 import enum
 from collections.abc import Iterable, Mapping
 from dataclasses import field, fields
-from typing import Any
+from typing import Any, ClassVar, Protocol
+
+
+class Section(Protocol):
+    """A config section (``fsdp_config``, ``deepspeed_config``, ``dynamo_config``): a dataclass of :func:`option`
+    fields whose YAML keys and flags are ``PREFIX`` + the field name."""
+
+    PREFIX: str
+    __dataclass_fields__: ClassVar[dict[str, Any]]
+
+    def __init__(self, **values: Any) -> None: ...
+
+    def validate(self) -> Any: ...
 
 
 class ConfigError(ValueError):

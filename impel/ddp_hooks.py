@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import enum
 import inspect
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .config import ConfigError, did_you_mean
@@ -166,6 +166,7 @@ def register_comm_hook(model: DistributedDataParallel, kwargs: HookSettings | No
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
     state = None
+    hook: Callable[..., Any]  # (state, bucket) -> Future; the state is a PowerSGDState or None
     if hook_type in _POWER_SGD:
         hook = (powerSGD_hook.powerSGD_hook if hook_type is DDPCommunicationHookType.POWER_SGD
                 else powerSGD_hook.batched_powerSGD_hook)

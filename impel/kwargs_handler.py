@@ -6,13 +6,15 @@ Its own module, under :mod:`impel.plugins` (which defines most handlers and re-e
 from __future__ import annotations
 
 from dataclasses import fields
-from typing import Any
+from typing import Any, ClassVar
 
 
 class KwargsHandler:
     """Base of the ``kwargs_handlers`` objects: ``to_kwargs()`` returns only the fields changed from defaults."""
 
+    __dataclass_fields__: ClassVar[dict[str, Any]]  # declared only: every handler is a dataclass
+
     def to_kwargs(self) -> dict[str, Any]:
         default = self.__class__()
-        return {f.name: getattr(self, f.name) for f in fields(self)  # type: ignore[arg-type]
+        return {f.name: getattr(self, f.name) for f in fields(self)
                 if getattr(self, f.name) != getattr(default, f.name)}

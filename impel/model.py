@@ -55,13 +55,14 @@ class ForwardContext:
 
 def _prepared_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     ctx: ForwardContext = self.__dict__["_impel_ctx"]
+    original: Callable[..., Any] = self.__dict__["_impel_original_forward"]  # where patch_forward put both
     if ctx.track:
         ctx.before_forward(self)
     if ctx.autocast is None:
-        outputs = self._impel_original_forward(*args, **kwargs)
+        outputs = original(*args, **kwargs)
     else:
         with ctx.autocast():
-            outputs = self._impel_original_forward(*args, **kwargs)
+            outputs = original(*args, **kwargs)
     return outputs_to_fp32(outputs) if ctx.cast_outputs else outputs
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .config import ConfigError
 
@@ -17,13 +17,20 @@ from .config import ConfigError
 class ProcessControl:
     """main_process_first, on_*_process decorators, print, split_between_processes."""
 
-    is_main_process: bool
-    is_local_main_process: bool
-    is_last_process: bool
-    process_index: int
-    local_process_index: int
-    num_processes: int
-    wait_for_everyone: Callable[[], None]
+    if TYPE_CHECKING:  # what the class this is mixed into provides (read-only properties in both users)
+        @property
+        def is_main_process(self) -> bool: ...
+        @property
+        def is_local_main_process(self) -> bool: ...
+        @property
+        def is_last_process(self) -> bool: ...
+        @property
+        def process_index(self) -> int: ...
+        @property
+        def local_process_index(self) -> int: ...
+        @property
+        def num_processes(self) -> int: ...
+        def wait_for_everyone(self) -> None: ...
 
     # --- process control --------------------------------------------------------------------------------------
     @contextlib.contextmanager

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     import torch
 
     from .accumulation import GradientState
+    from .config import DistributedType
     from .plugins import Handlers, ProjectConfiguration
     from .profiling import ProfileKwargs
     from .state import ProcessState
@@ -30,7 +31,7 @@ class ProcessUtilities(ProcessControl):
     state: ProcessState
     gradient_state: GradientState
     device: torch.device
-    distributed_type: str
+    distributed_type: DistributedType
     handlers: Handlers
     project_configuration: ProjectConfiguration
     dataloader_config: Any

@@ -56,6 +56,8 @@ class ProcessState:
     """
 
     _shared: dict[str, Any] = {}
+    topology: env.Topology
+    device: torch.device
 
     def __init__(self, cpu: bool = False, backend: str | None = None, timeout: timedelta | None = None,
                  init_method: str | None = None) -> None:

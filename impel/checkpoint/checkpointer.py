@@ -118,7 +118,9 @@ class Checkpointer:
         final = self._save_target(output_dir)
         collective.agree(str(final), "the save_state output directory")
         leader = self._leader(acc, self.config.save_on_each_node)
-        temp = Path(collective.on_leader(lambda: self._prepare(final), "preparing the checkpoint directory", leader))
+        prepared = collective.on_leader(lambda: self._prepare(final), "preparing the checkpoint directory", leader)
+        assert prepared is not None  # rank 0 always leads, and every rank gets rank 0's result
+        temp = Path(prepared)
         if leader:
             temp.mkdir(parents=True, exist_ok=True)
         collective.barrier()
@@ -221,7 +223,8 @@ class Checkpointer:
             collective.agree(os.fspath(input_dir), "the load_state input directory")
         leader = self._leader(acc, self.config.save_on_each_node)
         found = collective.on_leader(lambda: self._locate(input_dir), "checking the checkpoint", leader)
-        path, metadata, next_free = found  # type: ignore[misc]
+        assert found is not None  # rank 0 always leads, and every rank gets rank 0's result
+        path, metadata, next_free = found
         directory = Path(path)
         if metadata.get("format") == accelerate_format.FORMAT:  # written by Accelerate's save_state
             read = lambda: accelerate_format.load(acc, self.registered, directory, metadata,  # noqa: E731

@@ -22,7 +22,10 @@ def collect_rng_state(device: torch.device) -> dict[str, Any]:
     try:
         import numpy as np
 
-        _, key, pos, has_gauss, gauss = np.random.get_state()
+        # legacy=True is the default, but numpy's stubs type the call without it as the dict form
+        legacy = np.random.get_state(legacy=True)
+        assert isinstance(legacy, tuple)  # (name, key, pos, has_gauss, gauss): the global RandomState is MT19937
+        _, key, pos, has_gauss, gauss = legacy
         state["numpy"] = {"key": torch.from_numpy(key.astype("int64")), "pos": int(pos),
                           "has_gauss": int(has_gauss), "gauss": float(gauss)}
     except ImportError:

@@ -185,6 +185,7 @@ def _choose_strategy(config: RunConfig, explicit: dict[str, Any],
     from ..planning.estimate import LAUNCH_FLAGS
     from .estimate import plan
 
+    assert config.auto_model is not None  # RunConfig.validate() refuses AUTO without it
     world = config.num_processes or config.num_machines * _count_devices(config)
     result = plan(config.auto_model, {"world": world, "machines": config.num_machines,
                                       "mixed_precision": config.mixed_precision},

@@ -205,12 +205,13 @@ class DeepSpeedStrategy(Strategy):
                               f"got {len(optimizers)} optimizer(s) after {len(self.engines)} engine(s) were built")
         from ..optimizer import optimizer_owners
 
-        owners = optimizer_owners(models, optimizers)
-        for opt, owner in zip(optimizers, owners):
+        owners: list[int] = []
+        for opt, owner in zip(optimizers, optimizer_owners(models, optimizers)):
             if owner is None:
                 raise ConfigError(f"the optimizer {type(opt).__name__} passed to prepare() updates parameters that "
                                   "no model in the same call owns; pass the model and its optimizer together")
-        return owners  # type: ignore[return-value]
+            owners.append(owner)
+        return owners
 
     def _build_engine(self, model: nn.Module, optimizer: Any, place: bool) -> Any:
         from ..precision_report import dtype_of

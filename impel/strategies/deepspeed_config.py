@@ -15,7 +15,7 @@ import math
 import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
@@ -53,7 +53,7 @@ class DummyOptim(torch.optim.Optimizer):
         copies = [dict(g) if isinstance(g, Mapping) else g for g in self.params]
         super().__init__(copies, {"lr": lr, "weight_decay": weight_decay})
 
-    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+    def step(self, closure: Any = None) -> NoReturn:
         raise RuntimeError("DummyOptim is a placeholder for the optimizer of a DeepSpeed JSON; pass it to "
                            "Accelerator.prepare() under DeepSpeed and step what prepare returns")
 
