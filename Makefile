@@ -1,4 +1,5 @@
-# make venv: build .venv (CPU torch pinned for the dev env); make test: venv + the test suite;
+# make venv: build .venv (CPU torch pinned for the dev env); make test: venv + lint + the test suite;
+# make lint: ruff over the repository and mypy over impel/;
 # make demo: venv + the seed exercise (Trainer, genre classifier, 2 CPU ranks);
 # make bench: venv + benchmarks (not part of make test).
 PYTHON ?= python3
@@ -13,7 +14,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 # XDG_CACHE_HOME would each build their own copy
 export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 
-.PHONY: venv test demo bench clean deepspeed-ops
+.PHONY: venv test lint demo bench clean deepspeed-ops
 
 venv: $(STAMP)
 
@@ -36,7 +37,12 @@ deepspeed-ops: venv
 		op = acc().create_op_builder; aio = op('AsyncIOBuilder').is_compatible(verbose=False); \
 		[op(n).load(verbose=False) for n in ['ShareMemCommBuilder'] + aio * ['AsyncIOBuilder', 'PinMemoryBuilder']]"
 
-test: venv deepspeed-ops
+# ruff -q prints nothing when clean; mypy checks impel/ only, its cache in the venv (a cold run: ~20 s of CPU)
+lint: venv
+	$(BIN)/ruff check -q .
+	$(BIN)/mypy --cache-dir $(VENV)/.mypy_cache impel
+
+test: venv deepspeed-ops lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
 
 demo: venv

@@ -1,8 +1,8 @@
 """Helpers shared by the benchmark modules and ``run.py`` (modules starting with ``_`` are not benchmarks).
 
 A benchmark module in this folder defines ``NAME`` (used for ``results/<NAME>.json``), ``DESCRIPTION`` and
-``run(quick: bool = False) -> dict``. The dict is written to JSON (floats rounded); its ``rows`` entry (a list of flat dicts
-with the same keys) is what ``run.py`` prints as a table.
+``run(quick: bool = False) -> dict``. The dict is written to JSON (floats rounded); its ``rows`` entry (a list of
+flat dicts with the same keys) is what ``run.py`` prints as a table.
 """
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ os.environ["MKL_NUM_THREADS"] = "1"
 
 import json  # noqa: E402
 import platform  # noqa: E402
+from collections.abc import Sequence  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Any, Sequence  # noqa: E402
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"

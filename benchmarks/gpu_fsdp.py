@@ -23,6 +23,14 @@ def peak_flops(name: str) -> float | None:
     return next((v * 1e12 for k, v in PEAK_TFLOPS.items() if k in name), None)
 
 
+def _step(acc: Any, model: Any, opt: Any, x: Any) -> None:
+    # a function of its own, not a closure: `del model, opt` below then frees them (a closure's cells would be
+    # emptied while the closure still names them)
+    acc.backward(model(input_ids=x, labels=x).loss)
+    opt.step()
+    opt.zero_grad()
+
+
 def measure(compile_model: bool, steps: int, seq: int, batch: int) -> dict[str, Any]:
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -41,17 +49,12 @@ def measure(compile_model: bool, steps: int, seq: int, batch: int) -> dict[str, 
     if compile_model:
         model = torch.compile(model)
     x = torch.randint(0, cfg.vocab_size, (batch, seq), device=acc.device)
-
-    def step() -> None:
-        acc.backward(model(input_ids=x, labels=x).loss)
-        opt.step()
-        opt.zero_grad()
     for _ in range(3):
-        step()
+        _step(acc, model, opt, x)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(steps):
-        step()
+        _step(acc, model, opt, x)
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
     tokens = steps * batch * seq

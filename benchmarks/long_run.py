@@ -80,14 +80,16 @@ def _one(strategy: str, steps: int, every: int, root: Path) -> list[dict[str, An
            str(where / "job.py"), str(steps), str(every), str(where / "project")]
     res = subprocess.run(cmd, cwd=where, capture_output=True, text=True, timeout=3600, check=False)
     if res.returncode != 0:
-        raise RuntimeError(f"{strategy} long run failed (exit {res.returncode}):\n{res.stdout[-3000:]}{res.stderr[-3000:]}")
+        raise RuntimeError(f"{strategy} long run failed (exit {res.returncode}):\n"
+                           f"{res.stdout[-3000:]}{res.stderr[-3000:]}")
     rows = []
     for line in res.stdout.splitlines():
         if line.startswith("LONGRUN "):
             r = json.loads(line[len("LONGRUN "):])
             s, m, e = r["start"], r["middle"], r["end"]
             t = r["samples"][min(2, len(r["samples"]) - 1)]
-            rows.append({"strategy": strategy, "rank": r["rank"], "steps": r["steps"], "saves_kept": len(r["checkpoints"]),
+            rows.append({"strategy": strategy, "rank": r["rank"], "steps": r["steps"],
+                         "saves_kept": len(r["checkpoints"]),
                          "rss_start_mb": s["rss_kb"] / 1024, "rss_end_mb": e["rss_kb"] / 1024,
                          "rss_growth_pct": 100.0 * (e["rss_kb"] - s["rss_kb"]) / s["rss_kb"],
                          "after_3rd_save_pct": 100.0 * (e["rss_kb"] - t["rss_kb"]) / t["rss_kb"],

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import _common  # noqa: F401  (first: pins OMP_NUM_THREADS before torch is imported)
 
+# isort: split
+
 import argparse
 import gc
 import importlib.util
@@ -36,8 +38,9 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import _common  # noqa: F401  (first: pins OMP_NUM_THREADS for this process and the children)
 
+# isort: split
+
 import argparse
 import datetime
 import importlib

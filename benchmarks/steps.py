@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import _common  # noqa: F401  (first: pins OMP_NUM_THREADS before torch is imported)
 
+# isort: split
+
 import contextlib
 import importlib.util
 import statistics
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F

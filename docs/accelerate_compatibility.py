@@ -2,10 +2,17 @@
 
 Run in the dev venv (accelerate is installed there): ``.venv/bin/python docs/accelerate_compatibility.py``.
 """
-import inspect, os, sys, types
+import importlib
+import inspect
+import os
+import sys
+import types
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-import accelerate, accelerate.utils as au
-import impel, impel.utils as iu
+import accelerate
+
+import impel
+import impel.utils as iu
 from impel.accelerator import Accelerator as IAcc
 
 # --- reasons for names impel does not have, or has with limits ------------------------------------------------
@@ -22,13 +29,15 @@ MISSING = {
     # utils
     "FP8RecipeKwargs": "impel has no fp8 mode", "AORecipeKwargs": "impel has no fp8 mode",
     "TERecipeKwargs": "impel has no fp8 mode", "MSAMPRecipeKwargs": "impel has no fp8 mode",
-    "MegatronLMPlugin": "impel does not drive Megatron-LM", "MegatronLMDummyScheduler": "impel does not drive Megatron-LM",
+    "MegatronLMPlugin": "impel does not drive Megatron-LM",
+    "MegatronLMDummyScheduler": "impel does not drive Megatron-LM",
     "MegatronLMDummyDataLoader": "impel does not drive Megatron-LM",
     "TorchTensorParallelPlugin": "tensor parallelism is part of the N-D parallelism task",
     "TorchTensorParallelConfig": "tensor parallelism is part of the N-D parallelism task",
     "TorchContextParallelConfig": "context parallelism is part of the N-D parallelism task",
     "DeepSpeedSequenceParallelConfig": "sequence parallelism is not supported",
-    "BnbQuantizationConfig": "quantised loading is not in impel's scope", "load_and_quantize_model": "quantised loading is not in impel's scope",
+    "BnbQuantizationConfig": "quantised loading is not in impel's scope",
+    "load_and_quantize_model": "quantised loading is not in impel's scope",
     "HfDeepSpeedConfig": "impel resolves the DeepSpeed JSON itself; pass it as DeepSpeedPlugin(hf_ds_config=...)",
     "ProjectConfiguration": None,
     "extract_model_from_parallel": "use accelerator.unwrap_model(model)",
@@ -55,46 +64,115 @@ MISSING = {
     "arg:dispatch_batches": "removed from Accelerate's signature long ago; DataLoaderConfiguration holds it",
 }
 LIMITS = {
-    "DistributedType": "all members exist; selecting XLA, MULTI_NPU/MLU/SDAA/MUSA/XPU/HPU/NEURON or MEGATRON_LM as distributed_type raises naming what impel runs (NO, MULTI_CPU, MULTI_GPU, FSDP, DEEPSPEED)",
-    "DistributedDataParallelKwargs": "comm_hook (fp16, bf16, power_sgd, batched_power_sgd), comm_wrapper (fp16 / bf16 around a PowerSGD hook) and comm_state_option (PowerSGDState's arguments) are registered on the DDP model with torch's hooks, as Accelerate does; plain strings work too (Accelerate registers only enum members and silently ignores strings). Raise instead of doing nothing: a wrapper or comm_state_option without a PowerSGD hook, unknown PowerSGDState arguments, a hook under FSDP / DeepSpeed, bf16 where torch's DDP refuses it (CPU builds), batched_power_sgd where torch's hook fails at its first compressed iteration (torch 2.13)",
-    "DDPCommunicationHookType": "same members and values; a str enum, so plain strings are equivalent (see DistributedDataParallelKwargs)",
-    "accelerate.local_sgd": "LocalSGD: same constructor, context manager, step() and numbers on DDP (MULTI_CPU / MULTI_GPU); a no-op on one process; FSDP / DeepSpeed raise NotImplementedError; leaving the block by an exception skips the final (collective) average",
+    "DistributedType": "all members exist; selecting XLA, MULTI_NPU/MLU/SDAA/MUSA/XPU/HPU/NEURON or MEGATRON_LM as "
+                       "distributed_type raises naming what impel runs (NO, MULTI_CPU, MULTI_GPU, FSDP, DEEPSPEED)",
+    "DistributedDataParallelKwargs": "comm_hook (fp16, bf16, power_sgd, batched_power_sgd), comm_wrapper (fp16 / bf16 "
+                                     "around a PowerSGD hook) and comm_state_option (PowerSGDState's arguments) are "
+                                     "registered on the DDP model with torch's hooks, as Accelerate does; plain "
+                                     "strings work too (Accelerate registers only enum members and silently ignores "
+                                     "strings). Raise instead of doing nothing: a wrapper or comm_state_option "
+                                     "without a PowerSGD hook, unknown PowerSGDState arguments, a hook under FSDP / "
+                                     "DeepSpeed, bf16 where torch's DDP refuses it (CPU builds), batched_power_sgd "
+                                     "where torch's hook fails at its first compressed iteration (torch 2.13)",
+    "DDPCommunicationHookType": "same members and values; a str enum, so plain strings are equivalent (see "
+                                "DistributedDataParallelKwargs)",
+    "accelerate.local_sgd": "LocalSGD: same constructor, context manager, step() and numbers on DDP (MULTI_CPU / "
+                            "MULTI_GPU); a no-op on one process; FSDP / DeepSpeed raise NotImplementedError; leaving "
+                            "the block by an exception skips the final (collective) average",
     "PrecisionType": "FP8 exists as a name; mixed_precision='fp8' raises",
-    "LoggerType": "all members, and `'wandb' in LoggerType` / `LoggerType.list()` as Accelerate's (a str enum, so plain strings are equivalent); impel builds tensorboard, wandb, mlflow, trackio and all (plus its own 'jsonl'); aim, comet_ml, clearml, dvclive and swanlab raise when asked for, naming the ones it builds",
-    "accelerate.tracking": "GeneralTracker (same contract, same error for a class missing name / requires_logging_directory / tracker), on_main_process, register_tracker_class, get_available_trackers, LOGGER_TYPE_TO_CLASS and the TensorBoard / W&B / MLflow / trackio trackers, constructed as Accelerate's (JSONLTracker is impel's own). Not provided: the Aim, Comet, ClearML, DVCLive and SwanLab trackers, filter_trackers, and the built-in trackers' log_images / log_table / log_figure / log_artifact(s) (use get_tracker(name, unwrap=True))",
-    "notebook_launcher": "single machine or several (same call on each) through torch's elastic agent; use_port=0 picks a free port",
+    "LoggerType": "all members, and `'wandb' in LoggerType` / `LoggerType.list()` as Accelerate's (a str enum, so "
+                  "plain strings are equivalent); impel builds tensorboard, wandb, mlflow, trackio and all (plus its "
+                  "own 'jsonl'); aim, comet_ml, clearml, dvclive and swanlab raise when asked for, naming the ones it "
+                  "builds",
+    "accelerate.tracking": "GeneralTracker (same contract, same error for a class missing name / "
+                           "requires_logging_directory / tracker), on_main_process, register_tracker_class, "
+                           "get_available_trackers, LOGGER_TYPE_TO_CLASS and the TensorBoard / W&B / MLflow / trackio "
+                           "trackers, constructed as Accelerate's (JSONLTracker is impel's own). Not provided: the "
+                           "Aim, Comet, ClearML, DVCLive and SwanLab trackers, filter_trackers, and the built-in "
+                           "trackers' log_images / log_table / log_figure / log_artifact(s) (use get_tracker(name, "
+                           "unwrap=True))",
+    "notebook_launcher": "single machine or several (same call on each) through torch's elastic agent; use_port=0 "
+                         "picks a free port",
     "debug_launcher": "CPU ranks over gloo through torch's elastic agent",
-    "load_checkpoint_in_model": "offload_folder / offload_state_dict / offload_buffers / offload_8bit_bnb / broadcast_from_rank0 / full_state_dict=False and device_map 'disk' raise: no offloading or quantisation. `dtype` applies also without a device_map (Accelerate ignores it there)",
+    "load_checkpoint_in_model": "offload_folder / offload_state_dict / offload_buffers / offload_8bit_bnb / "
+                                "broadcast_from_rank0 / full_state_dict=False and device_map 'disk' raise: no "
+                                "offloading or quantisation. `dtype` applies also without a device_map (Accelerate "
+                                "ignores it there)",
     "synchronize_rng_state": "torch, cuda, generator; other device kinds raise",
     "synchronize_rng_states": "torch, cuda, generator; other device kinds raise",
-    "find_executable_batch_size": "as Accelerate 1.15: the batch size is multiplied by 0.9 after each out-of-memory error",
-    "merge_fsdp_weights": "from an impel checkpoint directory or a bare DCP directory (Accelerate's pytorch_model_fsdp_0)",
+    "find_executable_batch_size": "as Accelerate 1.15: the batch size is multiplied by 0.9 after each out-of-memory "
+                                  "error",
+    "merge_fsdp_weights": "from an impel checkpoint directory or a bare DCP directory (Accelerate's "
+                          "pytorch_model_fsdp_0)",
     "is_fp8_available": "always False: impel has no fp8 mode",
-    "join_uneven_inputs": "DDP (MULTI_CPU and MULTI_GPU, where Accelerate only honours MULTI_GPU); FSDP / DeepSpeed raise (torch has no Join for them)",
-    "load_state": "also loads a directory written by Accelerate's `save_state` (README, \"Semantics\"); `strict=False` lets model keys differ (named in a warning); `map_location` None / 'cpu' / 'on_device' and load_kwargs={'map_location': ...} are accepted (impel copies into the prepared objects wherever they live); other keywords go to DeepSpeed's engine.load_checkpoint under DeepSpeed and raise elsewhere; load_kwargs weights_only=False raises",
-    "save_state": "extra keywords go to DeepSpeed's engine.save_checkpoint (as in Accelerate); elsewhere they raise instead of being ignored",
+    "join_uneven_inputs": "DDP (MULTI_CPU and MULTI_GPU, where Accelerate only honours MULTI_GPU); FSDP / DeepSpeed "
+                          "raise (torch has no Join for them)",
+    "load_state": "also loads a directory written by Accelerate's `save_state` (README, \"Semantics\"); "
+                  "`strict=False` lets model keys differ (named in a warning); `map_location` None / 'cpu' / "
+                  "'on_device' and load_kwargs={'map_location': ...} are accepted (impel copies into the prepared "
+                  "objects wherever they live); other keywords go to DeepSpeed's engine.load_checkpoint under "
+                  "DeepSpeed and raise elsewhere; load_kwargs weights_only=False raises",
+    "save_state": "extra keywords go to DeepSpeed's engine.save_checkpoint (as in Accelerate); elsewhere they raise "
+                  "instead of being ignored",
     "gradient_accumulation_steps": "settable; raises under DeepSpeed (its engine fixes it) or mid-group",
     "save": "main process only (each node's with save_on_each_node); safetensors for a dict of tensors",
-    "dispatch_batches": "always False: impel never dispatches batches from rank 0 (DataLoaderConfiguration(dispatch_batches=True) raises)",
-    "rng_types": "default ['generator'] as in Accelerate: the sampler's generator is rank 0's (agreed at prepare); 'torch' / 'cuda' are shared from rank 0 at each pass; other kinds raise",
-    "DataLoaderConfiguration": "all of Accelerate's fields and defaults, and the same batches per rank and global RNG draws (tests/unit/test_data_order_matches_accelerate.py); dispatch_batches=True raises; data_seed without use_seedable_sampler raises; use_stateful_dataloader holds either way (prepared loaders always save and restore their position)",
-    "TorchDynamoPlugin": "same fields and defaults (None fields take the launched dynamo_config / --dynamo_* values, as Accelerate's take its environment); prepare compiles after the DDP wrapper and returns the OptimizedModule; use_regional_compilation compiles the repeated blocks in place (names unchanged) on every strategy; under FSDP2 each block is compiled before sharding (torchtitan's recipe) whether regional or not; under DeepSpeed a backend raises (not supported yet); an unknown backend, or one whose package / hardware is missing or that torch removed (aot_ts_nvfuser, nvprims_nvfuser, ofi), raises when the Accelerator is built, naming it and the fix",
-    "DynamoBackend": "same members and values (a str enum; `'INDUCTOR' in DynamoBackend` works); see TorchDynamoPlugin for which can run",
+    "dispatch_batches": "always False: impel never dispatches batches from rank 0 "
+                        "(DataLoaderConfiguration(dispatch_batches=True) raises)",
+    "rng_types": "default ['generator'] as in Accelerate: the sampler's generator is rank 0's (agreed at prepare); "
+                 "'torch' / 'cuda' are shared from rank 0 at each pass; other kinds raise",
+    "DataLoaderConfiguration": "all of Accelerate's fields and defaults, and the same batches per rank and global RNG "
+                               "draws (tests/unit/test_data_order_matches_accelerate.py); dispatch_batches=True "
+                               "raises; data_seed without use_seedable_sampler raises; use_stateful_dataloader holds "
+                               "either way (prepared loaders always save and restore their position)",
+    "TorchDynamoPlugin": "same fields and defaults (None fields take the launched dynamo_config / --dynamo_* values, "
+                         "as Accelerate's take its environment); prepare compiles after the DDP wrapper and returns "
+                         "the OptimizedModule; use_regional_compilation compiles the repeated blocks in place (names "
+                         "unchanged) on every strategy; under FSDP2 each block is compiled before sharding "
+                         "(torchtitan's recipe) whether regional or not; under DeepSpeed a backend raises (not "
+                         "supported yet); an unknown backend, or one whose package / hardware is missing or that "
+                         "torch removed (aot_ts_nvfuser, nvprims_nvfuser, ofi), raises when the Accelerator is built, "
+                         "naming it and the fix",
+    "DynamoBackend": "same members and values (a str enum; `'INDUCTOR' in DynamoBackend` works); see "
+                     "TorchDynamoPlugin for which can run",
     "is_compiled_module": "as Accelerate's (an OptimizedModule)",
-    "has_compiled_regions": "also true for blocks compiled in place (impel's regional compilation), which Accelerate's misses",
+    "has_compiled_regions": "also true for blocks compiled in place (impel's regional compilation), which "
+                            "Accelerate's misses",
     "arg:dynamo_backend": "a name or DynamoBackend member; see TorchDynamoPlugin",
     "arg:dynamo_plugin": "see TorchDynamoPlugin; passing it with dynamo_backend raises, as in Accelerate",
-    "unwrap_model": "keep_fp32_wrapper and keep_torch_compile as Accelerate's; a compiled DDP model unwraps to a new OptimizedModule around the unwrapped module (Accelerate re-points the prepared one); regionally compiled blocks stay compiled with keep_torch_compile=False (compiled in place)",
-    "get_state_dict": "original parameter names for compiled models too (no `_orig_mod.`), as save_state and save_model",
-    "init_trackers": "as Accelerate: each tracker named in log_with is built with init_kwargs[name] (SummaryWriter's, wandb.init's, MLflow's experiment / run arguments, trackio.init's), GeneralTracker instances are used as given, then start() and store_init_configuration(config); runs land where Accelerate's do (TensorBoard in logging_dir/project_name, W&B project and trackio project project_name, MLflow experiment project_name under MLflow's tracking URI). Differences: a tracker with main_process_only=False runs on every process (Accelerate calls trackers on the main process only); a second call raises; TensorBoard with neither project_dir nor logging_dir writes under '.' (Accelerate raises when the Accelerator is built); TensorBoard takes any config (values other than numbers, strings and bools become text in the hparams; Accelerate raises)",
-    "log": "as Accelerate: log_kwargs[name] reach each tracker's log (add_scalar / add_text / add_scalars, wandb's run.log, mlflow.log_metrics, trackio's run.log) and step=None reaches them as None (impel's JSONL rows carry accelerator.step). Tensors become numbers (Accelerate's MLflow drops them, trackio skips them); a value a tracker cannot store (a list for TensorBoard; a string, dict or list for MLflow) is dropped with one warning naming the key (Accelerate: silently for TensorBoard)",
-    "get_tracker": "the tracker, or with unwrap=True its SummaryWriter / wandb run / MLflow run / trackio run; a blank no-op GeneralTracker where the tracker does not run (another process), as Accelerate",
-    "log_with": "the names, LoggerType values (as strings) and GeneralTracker instances asked for, 'all' expanded to the installed trackers",
-    "arg:log_with": "names, LoggerType members, names registered with register_tracker_class and GeneralTracker instances, as Accelerate; a named tracker whose package is missing raises with the pip install (Accelerate drops it with a debug message)",
-    "trackers": "the trackers running on this process (the main process's; on every process those with main_process_only=False)",
+    "unwrap_model": "keep_fp32_wrapper and keep_torch_compile as Accelerate's; a compiled DDP model unwraps to a new "
+                    "OptimizedModule around the unwrapped module (Accelerate re-points the prepared one); regionally "
+                    "compiled blocks stay compiled with keep_torch_compile=False (compiled in place)",
+    "get_state_dict": "original parameter names for compiled models too (no `_orig_mod.`), as save_state and "
+                      "save_model",
+    "init_trackers": "as Accelerate: each tracker named in log_with is built with init_kwargs[name] (SummaryWriter's, "
+                     "wandb.init's, MLflow's experiment / run arguments, trackio.init's), GeneralTracker instances "
+                     "are used as given, then start() and store_init_configuration(config); runs land where "
+                     "Accelerate's do (TensorBoard in logging_dir/project_name, W&B project and trackio project "
+                     "project_name, MLflow experiment project_name under MLflow's tracking URI). Differences: a "
+                     "tracker with main_process_only=False runs on every process (Accelerate calls trackers on the "
+                     "main process only); a second call raises; TensorBoard with neither project_dir nor logging_dir "
+                     "writes under '.' (Accelerate raises when the Accelerator is built); TensorBoard takes any "
+                     "config (values other than numbers, strings and bools become text in the hparams; Accelerate "
+                     "raises)",
+    "log": "as Accelerate: log_kwargs[name] reach each tracker's log (add_scalar / add_text / add_scalars, wandb's "
+           "run.log, mlflow.log_metrics, trackio's run.log) and step=None reaches them as None (impel's JSONL rows "
+           "carry accelerator.step). Tensors become numbers (Accelerate's MLflow drops them, trackio skips them); a "
+           "value a tracker cannot store (a list for TensorBoard; a string, dict or list for MLflow) is dropped with "
+           "one warning naming the key (Accelerate: silently for TensorBoard)",
+    "get_tracker": "the tracker, or with unwrap=True its SummaryWriter / wandb run / MLflow run / trackio run; a "
+                   "blank no-op GeneralTracker where the tracker does not run (another process), as Accelerate",
+    "log_with": "the names, LoggerType values (as strings) and GeneralTracker instances asked for, 'all' expanded to "
+                "the installed trackers",
+    "arg:log_with": "names, LoggerType members, names registered with register_tracker_class and GeneralTracker "
+                    "instances, as Accelerate; a named tracker whose package is missing raises with the pip install "
+                    "(Accelerate drops it with a debug message)",
+    "trackers": "the trackers running on this process (the main process's; on every process those with "
+                "main_process_only=False)",
     "state": "an AcceleratorState (PartialState plus distributed_type, mixed_precision, deepspeed_plugin, fsdp_plugin)",
-    "deepspeed_plugin": "the plugin passed in code, else one built from the launched config; DeepSpeedPlugin.deepspeed_config (the resolved JSON) is not exposed",
-    "GradientState": "impel keeps one per Accelerator: GradientState() without a plugin raises, naming accelerator.gradient_state",
+    "deepspeed_plugin": "the plugin passed in code, else one built from the launched config; "
+                        "DeepSpeedPlugin.deepspeed_config (the resolved JSON) is not exposed",
+    "GradientState": "impel keeps one per Accelerator: GradientState() without a plugin raises, naming "
+                     "accelerator.gradient_state",
 }
 
 # accelerate.utils names that scripts (accelerate's examples, transformers / diffusers / trl scripts) import
@@ -128,7 +206,8 @@ def section(title, names, present):
     return out + ["", f"{n_ok} of {len(names)} present.", ""]
 
 
-top = sorted(n for n in dir(accelerate) if not n.startswith("_") and not isinstance(getattr(accelerate, n), types.ModuleType))
+top = sorted(n for n in dir(accelerate)
+             if not n.startswith("_") and not isinstance(getattr(accelerate, n), types.ModuleType))
 acc_a = accelerate.Accelerator(cpu=True)
 cls_members = {n for n in dir(accelerate.Accelerator) if not n.startswith("_")}
 members = sorted(cls_members | {n for n in vars(acc_a) if not n.startswith("_")})
@@ -143,7 +222,7 @@ paths = [("accelerate.accelerator", "impel.accelerator", ["Accelerator"]),
          ("accelerate.tracking", "impel.tracking", ["GeneralTracker", "on_main_process", "register_tracker_class",
                                                     "get_available_trackers", "TensorBoardTracker", "WandBTracker",
                                                     "MLflowTracker", "TrackioTracker"])]
-import importlib
+
 lines = ["# Accelerate compatibility", "",
          "Accelerate 1.15's public surface, listed from its own `__init__`, `accelerate.utils` (the names scripts",
          "import) and `dir(Accelerator)` plus an Accelerator instance's attributes, each checked against impel by",
@@ -171,6 +250,7 @@ for p in a_params:
     else:
         lines.append(f"| `{p}` | missing (TypeError) | {MISSING.get('arg:' + p, 'a separate task in issue 14')} |")
 lines += ["", f"{sum(p in i_params for p in a_params)} of {len(a_params)} present.", ""]
-out = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(os.path.abspath(__file__)), "accelerate-compatibility.md")
+out = (sys.argv[1] if len(sys.argv) > 1
+       else os.path.join(os.path.dirname(os.path.abspath(__file__)), "accelerate-compatibility.md"))
 open(out, "w").write("\n".join(lines))
 print(out, "written")

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from . import collectives, env
+from . import env
 from .accumulation import GradientState, MicroStep
 from .checkpoint.checkpointer import Checkpointer, resolve_project_configuration
 from .checkpoint.options import load_options, save_options
@@ -37,21 +37,20 @@ from .data import DataLoaderShard, shard_dataloader, skip_first_batches
 from .ddp_hooks import refuse_hook_without_ddp
 from .model import ForwardContext, is_prepared, patch_forward
 from .optimizer import AcceleratedOptimizer, AcceleratedScheduler
-from .prepared import Prepared, TrainingRun
 from .plugins import (
     DataLoaderConfiguration,
     DeepSpeedPlugin,
     FullyShardedDataParallelPlugin,
     GradientAccumulationPlugin,
-    Handlers,
     ProjectConfiguration,
 )
+from .prepared import Prepared, TrainingRun
 from .process_utilities import ProcessUtilities
 from .resilience import Resilience
+from .resolve import RunArguments, resolve
 from .run_settings import RunSettings
 from .seeding import check_rng_types
-from .resolve import RunArguments, resolve
-from .shared_state import AcceleratorState, current_topology
+from .state import AcceleratorState, current_topology
 from .strategies.base import Strategy, load_strategy
 from .tracking import AcceleratorTrackers
 
@@ -63,9 +62,10 @@ logger = logging.getLogger("impel")
 try:
     from torch.optim.lr_scheduler import LRScheduler as _LRScheduler
 except ImportError:  # pragma: no cover - torch < 2.0
-    from torch.optim.lr_scheduler import _LRScheduler  # type: ignore[attr-defined,no-redef]
+    from torch.optim.lr_scheduler import _LRScheduler
 
-_PREPARABLE = "torch.nn.Module, torch.optim.Optimizer, torch.utils.data.DataLoader, torch.optim.lr_scheduler.LRScheduler"
+_PREPARABLE = ("torch.nn.Module, torch.optim.Optimizer, torch.utils.data.DataLoader, "
+               "torch.optim.lr_scheduler.LRScheduler")
 
 
 class Accelerator(ProcessUtilities, RunSettings):

@@ -13,7 +13,6 @@ from typing import Any
 
 from .plugins import GradientAccumulationPlugin
 
-
 logger = logging.getLogger("impel")
 
 

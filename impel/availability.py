@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+from collections.abc import Callable
 from typing import Any
 
 
@@ -218,10 +219,15 @@ def compare_versions(library_or_version: str, operation: str, requirement_versio
     """``compare_versions("torch", ">=", "2.4")`` or with a version string as the first argument."""
     import operator
 
+    parse: Callable[[str], Any]
     try:
-        from packaging.version import parse
+        from packaging.version import parse as packaging_parse
+
+        parse = packaging_parse
     except ImportError:  # torch's own comparable version string
-        from torch.torch_version import TorchVersion as parse  # type: ignore[assignment]
+        from torch.torch_version import TorchVersion
+
+        parse = TorchVersion
 
     ops = {">": operator.gt, ">=": operator.ge, "==": operator.eq, "!=": operator.ne, "<=": operator.le,
            "<": operator.lt}

@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from . import env
 from .config import ConfigError
 from .tracker_base import DropWarnings, GeneralTracker, is_number, logger, on_main_process, plain
 
@@ -197,12 +198,13 @@ class MLflowTracker(GeneralTracker):
                  run_id: str | None = None, tags: dict[str, Any] | str | None = None, nested_run: bool = False,
                  run_name: str | None = None, description: str | None = None) -> None:
         super().__init__()
-        self.experiment_name = os.environ.get("MLFLOW_EXPERIMENT_NAME", experiment_name)
+        overrides = env.mlflow_overrides()
+        self.experiment_name = overrides.get("experiment_name", experiment_name)
         self.logging_dir = None if logging_dir is None else str(logging_dir)
-        self.run_id = os.environ.get("MLFLOW_RUN_ID", run_id)
-        tags = os.environ.get("MLFLOW_TAGS", tags)
+        self.run_id = overrides.get("run_id", run_id)
+        tags = overrides.get("tags", tags)
         self.tags = json.loads(tags) if isinstance(tags, str) else tags
-        nested = os.environ.get("MLFLOW_NESTED_RUN", nested_run)
+        nested = overrides.get("nested_run", nested_run)
         self.nested_run = nested.strip().lower() in ("1", "true", "yes", "y", "on") if isinstance(nested, str) \
             else bool(nested)
         self.run_name, self.description = run_name, description

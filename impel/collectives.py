@@ -4,7 +4,8 @@ Every function is a no-op copy on one process, so a loop calls them unconditiona
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,8 +26,9 @@ def recursively_apply(fn: Callable[[torch.Tensor], Any], data: Any, error_on_oth
         return type(data)(*items) if hasattr(data, "_fields") else type(data)(items)
     if isinstance(data, Mapping):
         out = {k: recursively_apply(fn, v, error_on_other_type) for k, v in data.items()}
+        rebuild: Callable[..., Any] = type(data)  # the concrete mapping class (dict, BatchEncoding, ...)
         try:
-            return type(data)(out)
+            return rebuild(out)
         except TypeError:
             return out
     if not error_on_other_type:
@@ -156,8 +158,9 @@ def send_to_device(obj: Any, device: torch.device, non_blocking: bool = False) -
         return type(obj)(*moved) if hasattr(obj, "_fields") else type(obj)(moved)
     if isinstance(obj, Mapping):
         moved_map = {k: send_to_device(v, device, non_blocking) for k, v in obj.items()}
+        rebuild: Callable[..., Any] = type(obj)  # the concrete mapping class (dict, BatchEncoding, ...)
         try:
-            return type(obj)(moved_map)
+            return rebuild(moved_map)
         except TypeError:
             return moved_map
     to = getattr(obj, "to", None)

@@ -24,11 +24,10 @@ from __future__ import annotations
 import enum
 import importlib.util
 import logging
-import os
 import shutil
 import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeGuard, cast
 
 import torch
 from torch import nn
@@ -197,7 +196,7 @@ def check_backend(backend: DynamoBackend, device: torch.device) -> None:
 
 
 def _cpp_compiler() -> bool:
-    return bool(os.environ.get("CXX")) or any(shutil.which(c) for c in ("g++", "clang++", "c++"))
+    return bool(env.cxx_compiler()) or any(shutil.which(c) for c in ("g++", "clang++", "c++"))
 
 
 class _CompiledForward(ForwardContext):
@@ -205,7 +204,7 @@ class _CompiledForward(ForwardContext):
     on the model under it (the DDP wrapper)."""
 
     def before_forward(self, model: nn.Module) -> None:
-        super().before_forward(model._orig_mod)
+        super().before_forward(_orig_mod(model))
 
 
 def settle_dynamo(config: RunConfig, given: TorchDynamoPlugin | None, device: torch.device,
@@ -265,7 +264,7 @@ class Compiler:
             patch_forward(model, ForwardContext(top.strategy, top.gradient_state, top.autocast, track=False))
         else:  # the DDP wrapper runs its own forward: dynamo runs it eagerly and compiles the module under it
             unpatch_forward(model)
-        compiled = torch.compile(model, **self.plugin.to_kwargs())
+        compiled = _compile(model, self.plugin.to_kwargs())
         patch_forward(compiled, _CompiledForward(top.strategy, top.gradient_state, None, track=True,
                                                  cast_outputs=top.cast_outputs))
         compiled.__dict__["_impel_compile_kwargs"] = self.plugin.to_kwargs()
@@ -289,7 +288,17 @@ class Compiler:
 
 
 # --- regions, unwrapping -----------------------------------------------------------------------------------------
-def _repeated(module: nn.Module) -> bool:
+def _compile(module: nn.Module, kwargs: dict[str, Any]) -> nn.Module:
+    """``torch.compile(module)``: an ``OptimizedModule`` (torch types the result as a plain callable)."""
+    return cast(nn.Module, torch.compile(module, **kwargs))
+
+
+def _orig_mod(compiled: nn.Module) -> nn.Module:
+    """The module under an ``OptimizedModule`` (a submodule: torch types ``Module.__getattr__`` as Tensor | Module)."""
+    return cast(nn.Module, compiled._orig_mod)
+
+
+def _repeated(module: nn.Module) -> TypeGuard[nn.ModuleList]:
     return (isinstance(module, nn.ModuleList) and len(module) > 0
             and all(isinstance(m, type(module[0])) for m in module))
 
@@ -319,7 +328,7 @@ def has_compiled_regions(module: nn.Module) -> bool:
 
 def uncompiled(model: nn.Module) -> nn.Module:
     """The model under a ``torch.compile`` wrapper (the model itself when it is not one)."""
-    return model._orig_mod if is_compiled_module(model) else model
+    return _orig_mod(model) if is_compiled_module(model) else model
 
 
 def unwrap(strategy: Unwrapping, model: nn.Module, keep_fp32_wrapper: bool, keep_torch_compile: bool) -> nn.Module:
@@ -337,4 +346,4 @@ def unwrap(strategy: Unwrapping, model: nn.Module, keep_fp32_wrapper: bool, keep
         return inner
     if inner is base:
         return compiled
-    return torch.compile(inner, **compiled.__dict__.get("_impel_compile_kwargs", {}))
+    return _compile(inner, compiled.__dict__.get("_impel_compile_kwargs", {}))

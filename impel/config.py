@@ -20,6 +20,7 @@ from .schema import (  # noqa: F401 - re-exported: impel.config is where the res
     TRUE_WORDS,
     ConfigError,
     Freezable,
+    Section,
     bool_word,
     coerce,
     did_you_mean,
@@ -239,20 +240,20 @@ class DeepSpeedConfig(Freezable):
         return self
 
 
-SECTIONS: dict[str, type] = {"fsdp_config": FSDPConfig, "deepspeed_config": DeepSpeedConfig,
-                              "dynamo_config": DynamoConfig}
+SECTIONS: dict[str, type[Section]] = {"fsdp_config": FSDPConfig, "deepspeed_config": DeepSpeedConfig,
+                                      "dynamo_config": DynamoConfig}
 
 
 NOT_YET = {"fsdp_ignored_modules": "is not supported yet: impel does not exclude modules from FSDP2 sharding; "
                                    "remove it (the modules are then sharded like the rest)"}  # named, never ignored
 
 
-def section_keys(cls: type) -> dict[str, str]:
+def section_keys(cls: type[Section]) -> dict[str, str]:
     """YAML key -> field name for one section."""
     return {cls.PREFIX + f.name: f.name for f in fields(cls)}
 
 
-def _section_from_dict(name: str, cls: type, data: Any) -> Any:
+def _section_from_dict(name: str, cls: type[Section], data: Any) -> Any:
     if data is None:
         return None
     if not isinstance(data, Mapping):
@@ -386,7 +387,8 @@ class RunConfig(Freezable):
                 raise ConfigError(f"unknown config key {key!r}{did_you_mean(key, known)}")
         values = {k: v for k, v in data.items() if k not in SECTIONS}
         # Accelerate writes empty sections (`fsdp_config: {}`) for every distributed type: empty means absent
-        sections = {k: _section_from_dict(k, SECTIONS[k], v) if v else None for k, v in data.items() if k in SECTIONS}
+        sections: dict[str, Any] = {k: _section_from_dict(k, SECTIONS[k], v) if v else None
+                                    for k, v in data.items() if k in SECTIONS}
         cfg = cls(**values, **sections)
         cfg.explicit = {k: v for k, v in data.items() if not (k in SECTIONS and not v)}
         cfg.validate()

@@ -9,11 +9,11 @@ epoch; the real samples always come first, so ``gather_for_metrics`` drops the d
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
-from torch.utils.data import (DataLoader, IterableDataset, RandomSampler, Sampler,
-                              SequentialSampler)
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler
 
 from . import collectives
@@ -40,7 +40,7 @@ class SeedableRandomSampler(RandomSampler):
         self.epoch = epoch
 
     def __iter__(self) -> Iterator[int]:
-        self.generator.manual_seed(self.seed + self.epoch)  # type: ignore[union-attr]
+        self.generator.manual_seed(self.seed + self.epoch)
         yield from super().__iter__()
 
 
@@ -124,7 +124,7 @@ class ShardSampler(_ShardLayout, Sampler[list[int]]):
     def last_batch_size(self) -> int:
         """Real samples in the epoch's last global batch, known from the length before the pass reaches it."""
         g = self.per_rank_batch * self.world
-        rest = len(self.sampler) % g  # type: ignore[arg-type]
+        rest = len(self.sampler) % g  # type: ignore[arg-type]  # a sized sampler, as in __len__
         return g if rest == 0 or self.drop_last else rest
 
     def _epoch_targets(self) -> tuple[Any, ...]:
@@ -451,9 +451,10 @@ def shard_dataloader(loader: DataLoader, *, world: int, rank: int, device: torch
     elif loader.batch_size is None:  # the user's own batch_sampler
         if config.split_batches:
             raise ConfigError("split_batches=True needs a DataLoader with batch_size, not a custom batch_sampler")
-        inner = getattr(loader.batch_sampler, "sampler", None)
+        batch_sampler: Any = loader.batch_sampler  # any iterable of index lists; may hold a ``sampler``
+        inner = getattr(batch_sampler, "sampler", None)
         if inner is not None:
-            loader.batch_sampler.sampler = _order_sampler(inner, world, config, "generator" in rng_types)
+            batch_sampler.sampler = _order_sampler(inner, world, config, "generator" in rng_types)
         shard = BatchShardSampler(loader.batch_sampler, world, rank, config.even_batches)
         new = DataLoader(loader.dataset, batch_sampler=shard, **extra)
     else:

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import enum
 import inspect
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .config import ConfigError, did_you_mean
 
@@ -30,10 +30,17 @@ if TYPE_CHECKING:
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
-    from .plugins import DistributedDataParallelKwargs
-
 # The handler's fields that configure the hook; they are not DistributedDataParallel's own arguments.
 HOOK_FIELDS = ("comm_hook", "comm_wrapper", "comm_state_option")
+
+
+class HookSettings(Protocol):
+    """What this module reads of a ``DistributedDataParallelKwargs`` (:mod:`impel.plugins`, which validates its
+    fields here: this module does not import it)."""
+
+    comm_hook: Any
+    comm_wrapper: Any
+    comm_state_option: dict[str, Any]
 
 
 class DDPCommunicationHookType(str, enum.Enum):
@@ -134,7 +141,7 @@ def _check_power_sgd_options(options: Mapping[str, Any]) -> None:
                           f"torch's PowerSGDState: {exc}") from None
 
 
-def refuse_hook_without_ddp(kwargs: DistributedDataParallelKwargs | None, distributed_type: str) -> None:
+def refuse_hook_without_ddp(kwargs: HookSettings | None, distributed_type: str) -> None:
     """A comm hook changes DDP's all-reduce; FSDP and DeepSpeed reduce gradients their own way, so it cannot apply.
 
     One process (``NO``) has nothing to reduce: the handler is then merely unused, as all DDP arguments are.
@@ -149,7 +156,7 @@ def refuse_hook_without_ddp(kwargs: DistributedDataParallelKwargs | None, distri
                           "train with DDP (MULTI_GPU / MULTI_CPU)")
 
 
-def register_comm_hook(model: DistributedDataParallel, kwargs: DistributedDataParallelKwargs | None) -> None:
+def register_comm_hook(model: DistributedDataParallel, kwargs: HookSettings | None) -> None:
     """Register the handler's hook on a freshly wrapped DDP model (before its first backward), as Accelerate does."""
     if kwargs is None:
         return
@@ -159,6 +166,7 @@ def register_comm_hook(model: DistributedDataParallel, kwargs: DistributedDataPa
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
     state = None
+    hook: Callable[..., Any]  # (state, bucket) -> Future; the state is a PowerSGDState or None
     if hook_type in _POWER_SGD:
         hook = (powerSGD_hook.powerSGD_hook if hook_type is DDPCommunicationHookType.POWER_SGD
                 else powerSGD_hook.batched_powerSGD_hook)
@@ -181,7 +189,7 @@ def register_comm_hook(model: DistributedDataParallel, kwargs: DistributedDataPa
                           f"use {field}='fp16', or a CUDA build of torch with NCCL 2.10+") from None
 
 
-def reduction_dtype(kwargs: DistributedDataParallelKwargs | None) -> torch.dtype | None:
+def reduction_dtype(kwargs: HookSettings | None) -> torch.dtype | None:
     """The dtype the hook all-reduces gradients in (None: the gradients' own dtype)."""
     import torch
 

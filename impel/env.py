@@ -40,7 +40,8 @@ def _int(environ: Mapping[str, str], name: str, default: int) -> int:
     try:
         return int(raw)
     except ValueError:
-        raise ValueError(f"environment variable {name}={raw!r} is not an integer; unset it or fix the launcher") from None
+        raise ValueError(f"environment variable {name}={raw!r} is not an integer; unset it or fix the "
+                         "launcher") from None
 
 
 def read_topology(environ: Mapping[str, str] | None = None) -> Topology:
@@ -56,7 +57,8 @@ def read_topology(environ: Mapping[str, str] | None = None) -> Topology:
                     int(restarts) if restarts not in (None, "") else None,
                     env.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
     if world < 1 or not 0 <= rank < world:
-        raise ValueError(f"RANK={rank} WORLD_SIZE={world} is not a valid placement; launch with torchrun or impel launch")
+        raise ValueError(f"RANK={rank} WORLD_SIZE={world} is not a valid placement; launch with torchrun or "
+                         "impel launch")
     return topo
 
 
@@ -193,6 +195,24 @@ def accelerate_log_level() -> str | None:
     """The level ``get_logger`` applies when none is given: ``$IMPEL_LOG_LEVEL``, else Accelerate's
     ``$ACCELERATE_LOG_LEVEL``, else None."""
     return os.environ.get("IMPEL_LOG_LEVEL") or os.environ.get("ACCELERATE_LOG_LEVEL") or None
+
+
+def mlflow_overrides() -> dict[str, str]:
+    """Accelerate's MLflow variables that win over ``MLflowTracker``'s arguments, keyed by argument name
+    (``experiment_name``, ``run_id``, ``tags``, ``nested_run``): only the variables that are set."""
+    names = {"experiment_name": "MLFLOW_EXPERIMENT_NAME", "run_id": "MLFLOW_RUN_ID", "tags": "MLFLOW_TAGS",
+             "nested_run": "MLFLOW_NESTED_RUN"}
+    return {arg: os.environ[var] for arg, var in names.items() if var in os.environ}
+
+
+def wandb_project(default: str) -> str:
+    """The W&B project the Trainer's ``report_to="wandb"`` logs to: ``$WANDB_PROJECT``, else ``default``."""
+    return os.environ.get("WANDB_PROJECT", default)
+
+
+def cxx_compiler() -> str | None:
+    """``$CXX``, the C++ compiler the user chose (torch's inductor compiles with it), or None when unset."""
+    return os.environ.get("CXX")
 
 
 def read_flag(name: str, default: bool = False) -> bool:

@@ -8,7 +8,9 @@ a prepared model rebinds to the copy, and ``unwrap_model(..., keep_fp32_wrapper=
 from __future__ import annotations
 
 import types
-from typing import Any, Callable, ContextManager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 from torch import nn
@@ -29,7 +31,8 @@ class ForwardContext:
     """What a prepared forward needs; shared, never copied with the model."""
 
     def __init__(self, strategy: Any, gradient_state: GradientState,
-                 autocast: Callable[[], ContextManager[Any]] | None, track: bool, cast_outputs: bool = False) -> None:
+                 autocast: Callable[[], AbstractContextManager[Any]] | None, track: bool,
+                 cast_outputs: bool = False) -> None:
         self.strategy = strategy
         self.gradient_state = gradient_state
         self.autocast = autocast
@@ -46,19 +49,20 @@ class ForwardContext:
             self.strategy.set_grad_sync(model, sync)
             self.sync_state = sync
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> "ForwardContext":
+    def __deepcopy__(self, memo: dict[int, Any]) -> ForwardContext:
         return self
 
 
 def _prepared_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     ctx: ForwardContext = self.__dict__["_impel_ctx"]
+    original: Callable[..., Any] = self.__dict__["_impel_original_forward"]  # where patch_forward put both
     if ctx.track:
         ctx.before_forward(self)
     if ctx.autocast is None:
-        outputs = self._impel_original_forward(*args, **kwargs)
+        outputs = original(*args, **kwargs)
     else:
         with ctx.autocast():
-            outputs = self._impel_original_forward(*args, **kwargs)
+            outputs = original(*args, **kwargs)
     return outputs_to_fp32(outputs) if ctx.cast_outputs else outputs
 
 

@@ -37,12 +37,13 @@ def init_on_device(device: torch.device | str, include_buffers: bool | None = No
         return
     original = nn.Module.register_parameter
 
-    def register_parameter(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        original(module, name, param)
-        made = module._parameters[name] if param is not None else None
+    def register_parameter(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        original(self, name, param)
+        made = self._parameters[name] if param is not None else None
         if made is not None and made.device != device:  # one already there (a re-assigned, tied one) stays itself
-            module._parameters[name] = _moved(made, device)
+            self._parameters[name] = _moved(made, device)
 
+    # patched on the class for the block, as Accelerate's init_on_device does: mypy refuses any assignment to a method
     nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
     try:
         yield
@@ -164,7 +165,8 @@ def load_checkpoint_in_model(model: nn.Module, checkpoint: str | os.PathLike[str
             new = nn.Parameter(value, requires_grad=current.requires_grad) if is_param else value
             for alias in tied[name]:  # tied names share one tensor, as before loading
                 alias_module, alias_attr, _ = slots[alias]
-                (alias_module._parameters if is_param else alias_module._buffers)[alias_attr] = new
+                store: dict[str, Any] = alias_module._parameters if is_param else alias_module._buffers
+                store[alias_attr] = new
                 loaded.add(alias)
     _report(model, sorted(expected - loaded), unexpected, strict)
 
@@ -173,7 +175,8 @@ def _report(model: nn.Module, missing: list[str], unexpected: list[str], strict:
     if not missing and not unexpected:
         return
     message = (f"loading weights into {type(model).__name__}: missing {missing[:10]}"
-               f"{' ...' if len(missing) > 10 else ''}, unexpected {unexpected[:10]}{' ...' if len(unexpected) > 10 else ''}")
+               f"{' ...' if len(missing) > 10 else ''}, unexpected {unexpected[:10]}"
+               f"{' ...' if len(unexpected) > 10 else ''}")
     if strict:
         raise RuntimeError(message + "; fix the checkpoint or pass strict=False")
     logger.warning(message)

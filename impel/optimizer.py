@@ -41,7 +41,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
 
     # torch.optim.Optimizer fields, read through
     @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+    def param_groups(self) -> list[dict[str, Any]]:
         return self.optimizer.param_groups
 
     @param_groups.setter
@@ -49,7 +49,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         self.optimizer.param_groups = value
 
     @property
-    def state(self) -> Any:  # type: ignore[override]
+    def state(self) -> Any:
         return self.optimizer.state
 
     @state.setter
@@ -57,7 +57,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         self.optimizer.state = value
 
     @property
-    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+    def defaults(self) -> dict[str, Any]:
         return self.optimizer.defaults
 
     @defaults.setter
@@ -77,6 +77,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         if self.gradient_state.sync_gradients:
             self.strategy.zero_grad(self.optimizer, set_to_none=set_to_none)
 
+    # None even with a closure, as Accelerate's AcceleratedOptimizer.step (torch's returns the closure's loss)
     def step(self, closure: Callable[[], Any] | None = None) -> None:  # type: ignore[override]
         gs = self.gradient_state
         if gs.num_steps > 1:

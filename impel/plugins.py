@@ -10,7 +10,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import MISSING, Field, dataclass, field, fields
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .config import (
     ConfigError,
@@ -19,20 +19,13 @@ from .config import (
     plugin_keyword,
     plugin_keywords,
 )
+from .kwargs_handler import KwargsHandler
+from .profiling import ProfileKwargs
 
 
 def _check_bool(owner: str, name: str, value: Any) -> None:
     if not isinstance(value, bool):
         raise ConfigError(f"{owner}({name}={value!r}) must be True or False")
-
-
-class KwargsHandler:
-    """Base of the ``kwargs_handlers`` objects: ``to_kwargs()`` returns only the fields changed from defaults."""
-
-    def to_kwargs(self) -> dict[str, Any]:
-        default = self.__class__()
-        return {f.name: getattr(self, f.name) for f in fields(self)  # type: ignore[arg-type]
-                if getattr(self, f.name) != getattr(default, f.name)}
 
 
 @dataclass
@@ -95,7 +88,8 @@ class InitProcessGroupKwargs(KwargsHandler):
 
     def __post_init__(self) -> None:
         if self.backend is not None and self.backend not in ("nccl", "gloo", "mpi", "cpu:gloo,cuda:nccl"):
-            raise ConfigError(f"InitProcessGroupKwargs(backend={self.backend!r}) is unknown; use 'nccl', 'gloo' or None")
+            raise ConfigError(f"InitProcessGroupKwargs(backend={self.backend!r}) is unknown; use 'nccl', 'gloo' or "
+                              "None")
         if self.timeout is not None and (not isinstance(self.timeout, timedelta) or self.timeout.total_seconds() <= 0):
             raise ConfigError(f"InitProcessGroupKwargs(timeout={self.timeout!r}) must be a positive datetime.timedelta")
 
@@ -154,7 +148,8 @@ class GradientAccumulationPlugin:
 
     num_steps: micro-steps per optimizer step. adjust_scheduler: kept for Accelerate's signature; as in Accelerate
     1.15 the prepared scheduler never steps mid-group either way (False warns; ``Accelerator(
-    step_scheduler_with_optimizer=False)`` steps it on every call). sync_with_dataloader: the end of a prepared dataloader ends the group.
+    step_scheduler_with_optimizer=False)`` steps it on every call). sync_with_dataloader: the end of a prepared
+    dataloader ends the group.
     sync_each_batch: all-reduce gradients on every micro-step (less memory, more communication).
     """
 
@@ -230,13 +225,11 @@ class Handlers:
     scaler: GradScalerKwargs | None = None
     init: InitProcessGroupKwargs | None = None
     autocast: AutocastKwargs | None = None
-    profile: Any = None  # impel.profiling.ProfileKwargs
+    profile: ProfileKwargs | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def collect(cls, handlers: Any) -> "Handlers":
-        from .profiling import ProfileKwargs  # here: profiling imports this module
-
+    def collect(cls, handlers: Any) -> Handlers:
         out = cls()
         slots = {DistributedDataParallelKwargs: "ddp", GradScalerKwargs: "scaler",
                  InitProcessGroupKwargs: "init", AutocastKwargs: "autocast", ProfileKwargs: "profile"}
@@ -304,8 +297,9 @@ def config_backed(section: type, *, enums: bool = False) -> Callable[[type], typ
 class FullyShardedDataParallelPlugin:
     """FSDP settings in code, with Accelerate's field names; a field left at None is not set here (the launched
     config or the default decides). The keywords of the ``fsdp_config`` options are generated from
-    :class:`impel.config.FSDPConfig`, so each has the same choices, help and validation as its YAML key. Enum values of torch's FSDP1 API (``ShardingStrategy.FULL_SHARD``,
-    ``BackwardPrefetch.BACKWARD_PRE``, ``StateDictType...``) and their names as strings are both accepted.
+    :class:`impel.config.FSDPConfig`, so each has the same choices, help and validation as its YAML key. Enum values
+    of torch's FSDP1 API (``ShardingStrategy.FULL_SHARD``, ``BackwardPrefetch.BACKWARD_PRE``, ``StateDictType...``)
+    and their names as strings are both accepted.
 
     ``cpu_offload`` (Accelerate) and ``offload_params`` (the YAML key) are the same switch: a bool, FSDP1's
     ``CPUOffload(offload_params=...)`` or FSDP2's ``CPUOffloadPolicy()``. ``mixed_precision_policy`` is
@@ -322,6 +316,9 @@ class FullyShardedDataParallelPlugin:
     # one keyword per FSDPConfig field is generated (config_backed); written by hand:
     cpu_offload: Any = by_hand(before="offload_params")
     mixed_precision_policy: Any = None
+
+    if TYPE_CHECKING:  # the dataclass __init__ config_backed builds, with keywords type checkers cannot see
+        def __init__(self, *args: Any, **kwargs: Any) -> None: ...
 
     def __post_init__(self) -> None:
         self.mixed_precision = _mixed_precision_mode(self.mixed_precision_policy)
@@ -445,6 +442,9 @@ class DeepSpeedPlugin:
     hf_ds_config: Any = by_hand(before="gradient_clipping")  # deepspeed_config_file, or a dict
     gradient_accumulation_steps: int | None = by_hand(before="gradient_clipping")  # the top-level key
     is_train_batch_min: bool = by_hand(True, before="offload_optimizer_device")
+
+    if TYPE_CHECKING:  # the dataclass __init__ config_backed builds, with keywords type checkers cannot see
+        def __init__(self, *args: Any, **kwargs: Any) -> None: ...
 
     def __post_init__(self) -> None:
         source = self.hf_ds_config

@@ -7,7 +7,7 @@ fp32: autocast already computes losses in fp32, and the extra cast costs a measu
 from __future__ import annotations
 
 import contextlib
-from typing import Any, ContextManager
+from typing import Any
 
 import torch
 
@@ -26,7 +26,7 @@ class Precision:
         self.device = device
         self.autocast_kwargs = autocast_kwargs or AutocastKwargs()
 
-    def autocast(self, enabled: bool | None = None) -> ContextManager[Any]:
+    def autocast(self, enabled: bool | None = None) -> contextlib.AbstractContextManager[Any]:
         return contextlib.nullcontext()
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
@@ -56,7 +56,7 @@ class AutocastPrecision(Precision):
     mode = "bf16"
     dtype = torch.bfloat16
 
-    def autocast(self, enabled: bool | None = None) -> ContextManager[Any]:
+    def autocast(self, enabled: bool | None = None) -> contextlib.AbstractContextManager[Any]:
         kw = self.autocast_kwargs
         on = kw.enabled if enabled is None else enabled
         extra = {} if kw.cache_enabled is None else {"cache_enabled": kw.cache_enabled}

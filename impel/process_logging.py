@@ -41,14 +41,14 @@ class MultiProcessAdapter(logging.LoggerAdapter):
         state = _state()
         if not self.isEnabledFor(level):
             return
-        msg, kwargs = self.process(msg, kwargs)
+        msg, log_kwargs = self.process(msg, kwargs)
         if not in_order:
             if not main_process_only or state.is_main_process:
-                self.logger.log(level, msg, *args, **kwargs)
+                self.logger.log(level, msg, *args, **log_kwargs)
             return
         for rank in range(state.num_processes):
             if rank == state.process_index:
-                self.logger.log(level, msg, *args, **kwargs)
+                self.logger.log(level, msg, *args, **log_kwargs)
             state.wait_for_everyone()
 
     @functools.lru_cache(None)  # noqa: B019 - one warning per distinct message for the process's lifetime

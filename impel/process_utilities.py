@@ -1,103 +1,29 @@
 """The Accelerator's collectives and process-control methods (Accelerate's names), split out of the facade.
 
-:class:`ProcessControl` needs only the topology properties and ``wait_for_everyone`` (``PartialState`` uses it
-too); :class:`ProcessUtilities` adds what works over ``self.state`` and ``self.gradient_state`` (the
-Accelerator's): collectives, triggers, ``save``, ``profile``, ``join_uneven_inputs``.
+:class:`~impel.process_control.ProcessControl` needs only the topology properties and ``wait_for_everyone``
+(``PartialState`` uses it too); :class:`ProcessUtilities` adds what works over ``self.state`` and
+``self.gradient_state`` (the Accelerator's): collectives, triggers, ``save``, ``profile``, ``join_uneven_inputs``.
 """
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from . import collectives
 from .config import ConfigError
+from .process_control import ProcessControl
 
 if TYPE_CHECKING:
     import torch
 
     from .accumulation import GradientState
+    from .config import DistributedType
     from .plugins import Handlers, ProjectConfiguration
     from .prepared import Prepared
     from .profiling import ProfileKwargs
     from .state import ProcessState
-
-
-class ProcessControl:
-    """main_process_first, on_*_process decorators, print, split_between_processes."""
-
-    is_main_process: bool
-    is_local_main_process: bool
-    is_last_process: bool
-    process_index: int
-    local_process_index: int
-    num_processes: int
-    wait_for_everyone: Callable[[], None]
-
-    # --- process control --------------------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def main_process_first(self) -> Iterator[None]:
-        with self._first(self.is_main_process):
-            yield
-
-    @contextlib.contextmanager
-    def local_main_process_first(self) -> Iterator[None]:
-        with self._first(self.is_local_main_process):
-            yield
-
-    @contextlib.contextmanager
-    def _first(self, leader: bool) -> Iterator[None]:
-        if not leader:
-            self.wait_for_everyone()
-        yield
-        if leader:
-            self.wait_for_everyone()
-
-    def on_main_process(self, function: Callable[..., Any]) -> Callable[..., Any]:
-        return self._only(function, lambda: self.is_main_process)
-
-    def on_local_main_process(self, function: Callable[..., Any]) -> Callable[..., Any]:
-        return self._only(function, lambda: self.is_local_main_process)
-
-    def on_last_process(self, function: Callable[..., Any]) -> Callable[..., Any]:
-        return self._only(function, lambda: self.is_last_process)
-
-    def on_process(self, function: Callable[..., Any] | None = None, process_index: int | None = None) -> Any:
-        if function is None:
-            return functools.partial(self.on_process, process_index=process_index)
-        if process_index is None:
-            raise ConfigError("on_process needs process_index=N")
-        return self._only(function, lambda: self.process_index == process_index)
-
-    def on_local_process(self, function: Callable[..., Any] | None = None,
-                         local_process_index: int | None = None) -> Any:
-        """Run the decorated function only on the process with this local (per-machine) index."""
-        if function is None:
-            return functools.partial(self.on_local_process, local_process_index=local_process_index)
-        if local_process_index is None:
-            raise ConfigError("on_local_process needs local_process_index=N")
-        return self._only(function, lambda: self.local_process_index == local_process_index)
-
-    @staticmethod
-    def _only(function: Callable[..., Any], predicate: Callable[[], bool]) -> Callable[..., Any]:
-        @functools.wraps(function)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            return function(*args, **kwargs) if predicate() else None
-
-        return wrapper
-
-    def print(self, *args: Any, **kwargs: Any) -> None:
-        if self.is_main_process:
-            print(*args, **kwargs)
-
-    @contextlib.contextmanager
-    def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> Iterator[Any]:
-        """Yield this rank's contiguous share of a list, tuple, dict of sequences or tensor."""
-        from .splitting import split_for_rank
-
-        yield split_for_rank(inputs, self.num_processes, self.process_index, apply_padding)
 
 
 class ProcessUtilities(ProcessControl):
@@ -106,7 +32,7 @@ class ProcessUtilities(ProcessControl):
     state: ProcessState
     gradient_state: GradientState
     device: torch.device
-    distributed_type: str
+    distributed_type: DistributedType
     handlers: Handlers
     project_configuration: ProjectConfiguration
     dataloader_config: Any

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .config import ConfigError
-from .plugins import KwargsHandler
+from .kwargs_handler import KwargsHandler
 
 ACTIVITIES = ("cpu", "cuda", "xpu", "mtia", "hpu")
 SCHEDULE_KEYS = ("wait", "warmup", "active", "repeat", "skip_first", "skip_first_wait")

@@ -16,15 +16,24 @@ if TYPE_CHECKING:
 
     from .accumulation import GradientState
     from .config import RunConfig
-    from .plugins import (AutocastKwargs, DataLoaderConfiguration, DeepSpeedPlugin, DistributedDataParallelKwargs,
-                          FullyShardedDataParallelPlugin, GradScalerKwargs, Handlers, InitProcessGroupKwargs)
+    from .plugins import (
+        AutocastKwargs,
+        DataLoaderConfiguration,
+        DeepSpeedPlugin,
+        DistributedDataParallelKwargs,
+        FullyShardedDataParallelPlugin,
+        GradScalerKwargs,
+        Handlers,
+        InitProcessGroupKwargs,
+    )
     from .profiling import ProfileKwargs
     from .resolve import RunRecord
 
 
 class RunSettings:
-    """device, num_processes, process_index and the other process facts; gradient_accumulation_steps / sync_gradients / even_batches (with setters), deepspeed_plugin, fsdp_plugin,
-    multi_device, is_fsdp2, the dataloader switches, verify_device_map."""
+    """device, num_processes, process_index and the other process facts; gradient_accumulation_steps /
+    sync_gradients / even_batches (with setters), deepspeed_plugin, fsdp_plugin, multi_device, is_fsdp2, the
+    dataloader switches, verify_device_map."""
 
     config: RunConfig
     gradient_state: GradientState
@@ -32,7 +41,7 @@ class RunSettings:
     handlers: Handlers
     record: RunRecord
     distributed_type: DistributedType
-    state: Any  # impel.shared_state.AcceleratorState
+    state: Any  # impel.state.AcceleratorState
 
     # --- this process (read from the state) -------------------------------------------------------------------
     @property

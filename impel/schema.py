@@ -1,6 +1,7 @@
 """The config fields' schema: ``option()`` declares a field with its kind, choices and other names; ``coerce``
 checks (and, for text from flags or prompts, converts) a value against it; ``ConfigError`` is the error every bad
-value raises. Shared by :mod:`impel.config` and :mod:`impel.compile_config`; it imports nothing from impel.
+value raises; ``Section`` is the shape of a config section. Shared by :mod:`impel.config` and
+:mod:`impel.compile_config`; it imports nothing from impel and never imports torch.
 """
 from __future__ import annotations
 
@@ -8,7 +9,19 @@ import difflib
 import enum
 from collections.abc import Iterable, Mapping
 from dataclasses import MISSING, Field, field, fields
-from typing import Any
+from typing import Any, ClassVar, Protocol
+
+
+class Section(Protocol):
+    """A config section (``fsdp_config``, ``deepspeed_config``, ``dynamo_config``): a dataclass of :func:`option`
+    fields whose YAML keys and flags are ``PREFIX`` + the field name."""
+
+    PREFIX: str
+    __dataclass_fields__: ClassVar[dict[str, Any]]
+
+    def __init__(self, **values: Any) -> None: ...
+
+    def validate(self) -> Any: ...
 
 
 def option(default: Any, kind: str, help: str, *, choices: tuple | None = None, minimum: float | None = None,

@@ -1,7 +1,8 @@
 """split_between_processes: each rank's contiguous share of a list, tuple, dict of sequences or tensor."""
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
@@ -22,7 +23,8 @@ def split_for_rank(inputs: Any, world: int, rank: int, apply_padding: bool = Fal
         if len(lengths) > 1:
             raise ConfigError(f"split_between_processes got a dict whose values have different lengths {lengths}; "
                               "give every value the same length")
-        return type(inputs)({k: split_for_rank(v, world, rank, apply_padding) for k, v in inputs.items()})
+        rebuild: Callable[..., Any] = type(inputs)  # the concrete mapping class (dict, BatchEncoding, ...)
+        return rebuild({k: split_for_rank(v, world, rank, apply_padding) for k, v in inputs.items()})
     if not isinstance(inputs, (list, tuple, torch.Tensor)):
         raise ConfigError(f"split_between_processes got {type(inputs).__name__}; pass a list, tuple, dict or tensor")
     n = len(inputs)
@@ -32,9 +34,8 @@ def split_for_rank(inputs: Any, world: int, rank: int, apply_padding: bool = Fal
         want = -(-n // world)
         missing = want - len(part)
         if missing:
-            last = inputs[-1:]
-            if isinstance(part, torch.Tensor):
-                part = torch.cat([part] + [last] * missing)
+            if isinstance(inputs, torch.Tensor):
+                part = torch.cat([inputs[start:end]] + [inputs[-1:]] * missing)
             else:
-                part = type(inputs)(list(part) + list(last) * missing)
+                part = type(inputs)(list(part) + list(inputs[-1:]) * missing)
     return part

@@ -1,13 +1,21 @@
-"""Process topology: ranks, world size, device, and process-group initialisation from torchrun's variables.
+"""Process topology: ranks, world size, device, and process-group initialisation from torchrun's variables; and
+Accelerate's state objects over it (``PartialState``, ``AcceleratorState``, ``GradientState``).
 
 ``python script.py`` without torchrun's variables is one process. With several ranks impel always joins a real
 process group (nccl on CUDA, gloo on CPU): it never trains independent replicas by accident.
+
+Example::
+
+    state = PartialState()
+    with state.split_between_processes(prompts) as mine:
+        outputs = [generate(p) for p in mine]
 """
 from __future__ import annotations
 
 import atexit
 import logging
 import sys
+import weakref
 from datetime import timedelta
 from typing import Any
 
@@ -15,7 +23,9 @@ import torch
 import torch.distributed as dist
 
 from . import env
-from .config import ConfigError
+from .accumulation import GradientState as GradientState  # re-exported: impel.state.GradientState, as Accelerate's
+from .config import ConfigError, DistributedType
+from .process_control import ProcessControl
 from .teardown import release_process_groups
 
 logger = logging.getLogger("impel")
@@ -27,8 +37,8 @@ def pick_device(local_rank: int, cpu: bool) -> torch.device:
     """cuda:LOCAL_RANK, else mps, else cpu; ``cpu=True`` forces the CPU."""
     if not cpu and torch.cuda.is_available():
         if local_rank >= torch.cuda.device_count():
-            raise RuntimeError(f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} CUDA devices are visible; "
-                               "launch fewer processes per node or fix CUDA_VISIBLE_DEVICES")
+            raise RuntimeError(f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} CUDA devices are "
+                               "visible; launch fewer processes per node or fix CUDA_VISIBLE_DEVICES")
         return torch.device("cuda", local_rank)
     mps = getattr(torch.backends, "mps", None)
     if not cpu and mps is not None and mps.is_available():
@@ -58,6 +68,8 @@ class ProcessState:
     """
 
     _shared: dict[str, Any] = {}
+    topology: env.Topology
+    device: torch.device
 
     def __init__(self, cpu: bool = False, backend: str | None = None, timeout: timedelta | None = None,
                  init_method: str | None = None) -> None:
@@ -206,14 +218,74 @@ def _destroy_at_exit() -> None:
         release_process_groups()
 
 
-_ACCELERATE_NAMES = ("PartialState", "AcceleratorState", "GradientState")
+# --- Accelerate's state objects ---------------------------------------------------------------------------------
+# All share ProcessState's one process-wide record, as Accelerate's do: ``PartialState()`` is the process (rank,
+# device, process group) with its process-control helpers and needs no Accelerator; ``AcceleratorState()`` adds
+# what the live Accelerator resolved (``distributed_type``, ``mixed_precision``, ``deepspeed_plugin``,
+# ``fsdp_plugin``, ``dynamo_plugin``). ``GradientState`` is :mod:`impel.accumulation`'s, named here as in
+# Accelerate.
+def current_topology() -> env.Topology:
+    """This process's place in the job: the live state's, else torchrun's variables (nothing is initialised)."""
+    shared = ProcessState._shared
+    if shared.get("initialized"):
+        return shared["topology"]
+    return env.read_topology()
 
 
-def __getattr__(name: str) -> Any:
-    """Accelerate's ``PartialState``, ``AcceleratorState`` and ``GradientState``, defined in
-    :mod:`impel.shared_state` over ProcessState (imported on first use: that module imports this one)."""
-    if name in _ACCELERATE_NAMES:
-        from . import shared_state
+class PartialState(ProcessState, ProcessControl):
+    """The process: ``process_index``, ``device``, ``wait_for_everyone``, ``main_process_first``,
+    ``split_between_processes``, ``on_main_process``, ``print``; joins the process group under torchrun."""
 
-        return getattr(shared_state, name)
-    raise AttributeError(f"module 'impel.state' has no attribute {name!r}")
+    @property
+    def distributed_type(self) -> DistributedType:
+        """NO on one process, else MULTI_GPU on CUDA and MULTI_CPU otherwise (``AcceleratorState`` knows more)."""
+        if not self.use_distributed:
+            return DistributedType.NO
+        return DistributedType.MULTI_GPU if self.device.type == "cuda" else DistributedType.MULTI_CPU
+
+    @property
+    def default_device(self) -> Any:
+        return self.device
+
+
+class AcceleratorState(PartialState):
+    """``PartialState`` plus the settings the live Accelerator resolved; ``accelerator.state`` is one."""
+
+    def attach(self, accelerator: Any, dynamo_plugin: Any) -> None:
+        """Called by the Accelerator: later ``AcceleratorState()`` calls read its settings."""
+        self.__dict__["accelerator_ref"] = weakref.ref(accelerator)
+        self.__dict__["dynamo_plugin_ref"] = dynamo_plugin
+
+    def _accelerator(self, what: str) -> Any:
+        ref = self.__dict__.get("accelerator_ref")
+        accelerator = ref() if ref is not None else None
+        if accelerator is None:
+            raise RuntimeError(f"AcceleratorState().{what} is settled by the Accelerator; create Accelerator(...) "
+                               "before reading it")
+        return accelerator
+
+    @property
+    def distributed_type(self) -> DistributedType:
+        return self._accelerator("distributed_type").distributed_type
+
+    @property
+    def mixed_precision(self) -> str:
+        return self._accelerator("mixed_precision").mixed_precision
+
+    @property
+    def deepspeed_plugin(self) -> Any:
+        return self._accelerator("deepspeed_plugin").deepspeed_plugin
+
+    @property
+    def fsdp_plugin(self) -> Any:
+        return self._accelerator("fsdp_plugin").fsdp_plugin
+
+    @property
+    def dynamo_plugin(self) -> Any:
+        """The resolved ``TorchDynamoPlugin`` (backend ``no`` when nothing is compiled)."""
+        self._accelerator("dynamo_plugin")  # raises before any Accelerator exists
+        return self.__dict__["dynamo_plugin_ref"]
+
+    @property
+    def is_fsdp2(self) -> bool:
+        return self.distributed_type == DistributedType.FSDP

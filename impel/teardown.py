@@ -88,7 +88,7 @@ def _release_one(obj: Any) -> None:
         obj.process_group = None
 
 
-def _ddp_type() -> type:
+def _ddp_type() -> type[Any]:
     module = sys.modules.get("torch.nn.parallel.distributed")
     return getattr(module, "DistributedDataParallel", type(None)) if module else type(None)
 

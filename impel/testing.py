@@ -23,8 +23,9 @@ import socket
 import tempfile
 import time
 import traceback
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 GRACE_AFTER_FAILURE_S = 20.0  # the other ranks' time to fail or finish after one rank failed
 _STACK_SIGNAL = getattr(signal, "SIGUSR1", None)  # POSIX: ask a hung rank for its Python stack

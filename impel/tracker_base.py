@@ -23,7 +23,7 @@ import enum
 import functools
 import logging
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 logger = logging.getLogger("impel.tracking")
 
@@ -63,7 +63,7 @@ class LoggerType(str, enum.Enum, metaclass=_ValueContains):
 
 
 def _is_main_process() -> bool:
-    from .shared_state import current_topology  # the live state's rank, else torchrun's; initialises nothing
+    from .state import current_topology  # the live state's rank, else torchrun's; initialises nothing
 
     return current_topology().rank == 0
 
@@ -93,6 +93,12 @@ class GeneralTracker:
     """
 
     main_process_only = True
+    # declared, not defined: each subclass defines them, and __init__ names the ones a subclass forgot
+    name: str
+    requires_logging_directory: bool
+    if TYPE_CHECKING:
+        @property
+        def tracker(self) -> Any: ...
 
     def __init__(self, _blank: bool = False) -> None:
         if _blank:  # what get_tracker returns on a process where the tracker does not run: every call is a no-op

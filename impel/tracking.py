@@ -24,6 +24,7 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from . import env
 from .builtin_trackers import JSONLTracker, MLflowTracker, TensorBoardTracker, TrackioTracker, WandBTracker
 from .config import ConfigError
 from .tracker_base import GeneralTracker, LoggerType, on_main_process
@@ -96,7 +97,7 @@ def make_trackers(names: Sequence[str], logging_dir: str, run_name: str | None, 
         if name == "tensorboard":
             trackers.append(TensorBoardTracker(run_name or "", os.path.join(logging_dir, "tensorboard")))
         elif name == "wandb":
-            trackers.append(WandBTracker(os.environ.get("WANDB_PROJECT", "impel"), name=run_name, dir=logging_dir))
+            trackers.append(WandBTracker(env.wandb_project("impel"), name=run_name, dir=logging_dir))
         else:
             trackers.append(MLflowTracker(run_name=run_name))
     for tracker in trackers:

@@ -5,7 +5,8 @@ Each entry: name -> (the input, fragments the one-paragraph error must contain).
 from __future__ import annotations
 
 BAD_FILES = {
-    "unknown_key": ("mixed_precison: bf16\n", ["unknown config key 'mixed_precison'", "did you mean 'mixed_precision'"]),
+    "unknown_key": ("mixed_precison: bf16\n",
+                    ["unknown config key 'mixed_precison'", "did you mean 'mixed_precision'"]),
     "unknown_section_key": ("distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_stratgy: FULL_SHARD\n",
                             ["unknown fsdp_config key 'fsdp_sharding_stratgy'", "'fsdp_sharding_strategy'"]),
     "wrong_type": ("num_processes: two\n", ["num_processes='two' must be an integer"]),

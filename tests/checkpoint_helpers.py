@@ -10,9 +10,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from helpers import make_regression
 from torch import nn
 from torch.utils.data import DataLoader
+
+from helpers import make_regression
 
 GLOBAL_BATCH = 4
 
@@ -79,7 +80,8 @@ def first_half(project_dir: str, steps: int, save_at: Sequence[int], total_limit
     return _listing(project_dir)
 
 
-def resumed(project_dir: str, steps: int, save_at: Sequence[int] = (), total_limit: int | None = None) -> dict[str, Any]:
+def resumed(project_dir: str, steps: int, save_at: Sequence[int] = (),
+            total_limit: int | None = None) -> dict[str, Any]:
     # a different seed: model init, shuffle seed and RNG streams all differ until load_state restores them
     acc, model, opt, loader, sched = make_run(project_dir, seed=1234, total_limit=total_limit)
     loaded = acc.load_state()

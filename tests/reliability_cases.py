@@ -14,8 +14,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from bad_inputs import BAD_FILES, BAD_FLAGS
 from torch import nn
+
+from bad_inputs import BAD_FILES, BAD_FLAGS
 
 Row = tuple[str, str, str]
 
@@ -53,7 +54,8 @@ def _config_rows(work: Path) -> list[Row]:
                  _cli(["launch", "--config_file", str(work / "nowhere.yaml"), "train.py"])))
     for name in sorted(BAD_FLAGS):
         flags, _ = BAD_FLAGS[name]
-        rows.append(("launch flags", f"`impel launch {' '.join(flags)} train.py`", _cli(["launch", *flags, "train.py"])))
+        rows.append(("launch flags", f"`impel launch {' '.join(flags)} train.py`",
+                     _cli(["launch", *flags, "train.py"])))
     (work / "ds.json").write_text('{"zero_optimization": {"stage": 3}}')
     rows.append(("launch flags", "`--use_deepspeed --zero_stage 2 --deepspeed_config_file ds.json` (the JSON says "
                  "stage 3)", _cli(["launch", "--use_deepspeed", "--zero_stage", "2", "--deepspeed_config_file",
@@ -136,7 +138,8 @@ def render(rows: list[Row], work: Path) -> str:
              "Generated from `tests/reliability_cases.py` (the unit test `tests/unit/test_reliability_doc.py` fails "
              "when this file is out of date; `IMPEL_UPDATE_DOCS=1 make test` rewrites it). Every case fails before "
              "any process starts or any file is written; the CLI's errors exit with code 2 and no traceback.", "",
-             "Crashes are covered by tests rather than rows: a rank killed with SIGKILL (`tests/cli/test_dead_rank.py`, "
+             "Crashes are covered by tests rather than rows: a rank killed with SIGKILL "
+             "(`tests/cli/test_dead_rank.py`, "
              "`tests/cli/test_fault_tolerance.py`), SIGTERM (preemption, exit code 75), a save killed halfway "
              "(`tests/multiprocess/test_checkpoint_ddp.py`), a malicious pickle in a checkpoint "
              "(`tests/unit/test_checkpoint_safety.py`), `save_state` called on one rank only, and NaN/inf losses "

@@ -43,10 +43,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import layout
+from .accelerate_weights import load_models_and_optimizers
 from .files import read_torch
 from .layout import CheckpointError
-from .accelerate_weights import load_models_and_optimizers
-from .options import LoadOptions
+from .options import DEFAULT_LOAD, LoadOptions
 from .restricted import RefusedGlobal, load_restricted
 from .state import describe
 
@@ -175,7 +175,7 @@ def _contiguous(directory: Path, entries: list[str], pattern: str) -> list[str]:
 
 # --- loading (every rank) -------------------------------------------------------------------------------------------
 def load(run: TrainingRun, directory: Path, plan: dict[str, Any], skip: AbstractSet[int],
-         options: LoadOptions = LoadOptions()) -> None:
+         options: LoadOptions = DEFAULT_LOAD) -> None:
     """Restore everything ``plan`` lists; the small files are read first, so a bad one changes nothing."""
     prepared, registered = run.prepared, run.prepared.registered
     _check_counts(run, directory, plan, skip)

@@ -77,18 +77,19 @@ def _load_full(models: list[nn.Module], optimizers: list[torch.optim.Optimizer],
     for i, name in pairs:
         state = match_names(read_weights(directory / name), models[i])
         try:
-            set_model_state_dict(models[i], state, options=options)
+            # torch types the argument as the invariant dict[str, ValueType], which a dict[str, Tensor] is not
+            set_model_state_dict(models[i], state, options=options)  # type: ignore[arg-type]
         except (RuntimeError, KeyError, ValueError) as exc:
             why = first_mismatch(models[i], state) or str(exc)
             raise CheckpointError(f"{directory / name} does not fit prepared model {i} ({type(models[i]).__name__}): "
                                   f"{why}; prepare the model the Accelerate run saved") from None
     for i, (opt, owner) in enumerate(zip(optimizers, pair_optimizers(models, optimizers))):
         path = directory / plan["optimizers"][i]
-        state = by_name(models[owner], opt, read_torch(path, f"optimizer {i}"), path)
-        if not state["state"]:
-            _load_fresh_optimizer(opt, state)
+        opt_state = by_name(models[owner], opt, read_torch(path, f"optimizer {i}"), path)
+        if not opt_state["state"]:
+            _load_fresh_optimizer(opt, opt_state)
         else:
-            set_optimizer_state_dict(models[owner], opt, state, options=options)
+            set_optimizer_state_dict(models[owner], opt, opt_state, options=options)
 
 
 def match_names(state: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
@@ -134,10 +135,10 @@ def by_name(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str,
 
 def param_names(model: nn.Module) -> dict[int, str]:
     """id(parameter) -> its name as ``torch.distributed.checkpoint.state_dict`` spells it (no DDP ``module.``)."""
-    try:  # the function get/set_optimizer_state_dict name parameters with (private, present since torch 2.2)
-        from torch.distributed.checkpoint.state_dict import _get_fqns
-    except ImportError:  # pragma: no cover - older torch
-        _get_fqns = None
+    import torch.distributed.checkpoint.state_dict as dcp_state_dict
+
+    # the function get/set_optimizer_state_dict name parameters with (private, present since torch 2.2)
+    _get_fqns = getattr(dcp_state_dict, "_get_fqns", None)
     names: dict[int, str] = {}
     for name, param in model.named_parameters():
         if _get_fqns is not None:

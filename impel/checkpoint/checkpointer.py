@@ -33,9 +33,9 @@ from ..memory import trim_host_heap
 from ..plugins import ProjectConfiguration
 from . import accelerate_format, collective, layout
 from .digests import sealing, share_digests
-from .options import LoadOptions, SaveOptions
 from .files import read_torch, write_torch
 from .full import suffix
+from .options import DEFAULT_LOAD, DEFAULT_SAVE, LoadOptions, SaveOptions
 from .state import (
     check_registrable,
     collect_rng_state,
@@ -53,7 +53,8 @@ logger = logging.getLogger("impel")
 TRAINING_STATE_FILE = "training_state.pt"
 
 
-def resolve_project_configuration(project_dir: Any, project_config: ProjectConfiguration | None) -> ProjectConfiguration:
+def resolve_project_configuration(project_dir: Any,
+                                  project_config: ProjectConfiguration | None) -> ProjectConfiguration:
     """``Accelerator(project_dir=..., project_config=...)``: one config, the directory given once."""
     config = project_config if project_config is not None else ProjectConfiguration()
     if not isinstance(config, ProjectConfiguration):
@@ -113,12 +114,14 @@ class Checkpointer:
 
     # --- save -------------------------------------------------------------------------------------------------
     def save(self, output_dir: Any = None, safe_serialization: bool = True,
-             options: SaveOptions = SaveOptions()) -> str:
+             options: SaveOptions = DEFAULT_SAVE) -> str:
         collective.arrive("save_state", self.run.process.timeout)
         final = self._save_target(output_dir)
         collective.agree(str(final), "the save_state output directory")
         leader = self._leader()
-        temp = Path(collective.on_leader(lambda: self._prepare(final), "preparing the checkpoint directory", leader))
+        prepared = collective.on_leader(lambda: self._prepare(final), "preparing the checkpoint directory", leader)
+        assert prepared is not None  # rank 0 always leads, and every rank gets rank 0's result
+        temp = Path(prepared)
         if leader:
             temp.mkdir(parents=True, exist_ok=True)
         collective.barrier()
@@ -213,13 +216,14 @@ class Checkpointer:
             layout.rotate(final.parent, self.config.total_limit)
 
     # --- load -------------------------------------------------------------------------------------------------
-    def load(self, input_dir: Any = None, options: LoadOptions = LoadOptions()) -> str:
+    def load(self, input_dir: Any = None, options: LoadOptions = DEFAULT_LOAD) -> str:
         collective.arrive("load_state", self.run.process.timeout)
         if input_dir is not None:
             collective.agree(os.fspath(input_dir), "the load_state input directory")
         leader = self._leader()
         found = collective.on_leader(lambda: self._locate(input_dir), "checking the checkpoint", leader)
-        path, metadata, next_free = found  # type: ignore[misc]
+        assert found is not None  # rank 0 always leads, and every rank gets rank 0's result
+        path, metadata, next_free = found
         directory = Path(path)
         if metadata.get("format") == accelerate_format.FORMAT:  # written by Accelerate's save_state
             read = lambda: accelerate_format.load(self.run, directory, metadata,  # noqa: E731

@@ -14,7 +14,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -44,12 +44,13 @@ def pair_optimizers(models: Sequence[nn.Module], optimizers: Sequence[torch.opti
     """For each optimizer, the index of the model that owns all its parameters."""
     from ..optimizer import optimizer_owners
 
-    owners = optimizer_owners(models, optimizers)
-    for i, (opt, owner) in enumerate(zip(optimizers, owners)):
+    owners: list[int] = []
+    for i, (opt, owner) in enumerate(zip(optimizers, optimizer_owners(models, optimizers))):
         if owner is None:
             raise CheckpointError(f"optimizer {i} ({type(opt).__name__}) has parameters that no single prepared "
                                   "model owns; prepare the model(s) with accelerator.prepare, one optimizer per model")
-    return owners  # type: ignore[return-value]
+        owners.append(owner)
+    return owners
 
 
 def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, options: Any = None) -> dict[str, Any]:
@@ -83,9 +84,9 @@ def save_full(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Opti
     for i, model in enumerate(models):
         if i in skip_models:
             continue
-        state = get_model_state_dict(model, options=options)
+        weights = cast(dict[str, torch.Tensor], get_model_state_dict(model, options=options))  # full: tensors only
         if writer:
-            _write_weights(state, directory / names["models"][i], safe_serialization)
+            _write_weights(weights, directory / names["models"][i], safe_serialization)
     for i, (opt, owner) in enumerate(zip(optimizers, pair_optimizers(models, optimizers))):
         state = optimizer_state(models[owner], opt, options)
         if writer:
@@ -125,11 +126,13 @@ def load_full(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Opti
             continue
         state = read_weights(directory / metadata["models"][i])
         try:
-            result = set_model_state_dict(model, state, options=options)
+            # torch types the argument as the invariant dict[str, ValueType], which a dict[str, Tensor] is not
+            result = set_model_state_dict(model, state, options=options)  # type: ignore[arg-type]
         except (RuntimeError, KeyError, ValueError) as exc:
             why = first_mismatch(model, state) or str(exc)
             raise CheckpointError(f"{directory / metadata['models'][i]} does not fit prepared model {i} "
-                                  f"({type(model).__name__}): {why}; load it into the model it was saved from") from None
+                                  f"({type(model).__name__}): {why}; load it into the model it was saved "
+                                  "from") from None
         if result is not None and (result.missing_keys or result.unexpected_keys):  # load_state(strict=False)
             logger.warning("%s loaded into model %d with strict=False: missing %s, unexpected %s",
                            directory / metadata["models"][i], i, list(result.missing_keys),

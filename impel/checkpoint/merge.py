@@ -80,8 +80,7 @@ def merge_fsdp_weights(checkpoint_dir: str | os.PathLike[str], output_path: str 
     the source); every process that joined a group waits for it."""
     import shutil
 
-    from ..shared_state import current_topology
-    from ..state import ProcessState
+    from ..state import ProcessState, current_topology
 
     source = Path(checkpoint_dir)
     impel_layout = (source / "impel_checkpoint.json").is_file()

@@ -8,8 +8,9 @@ same result), other keys go to DeepSpeed's ``engine.load_checkpoint``. Anything 
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from ..config import ConfigError
 
@@ -28,6 +29,11 @@ class SaveOptions:
 class LoadOptions:
     strict: bool = True
     engine_kwargs: Mapping[str, Any] = field(default_factory=dict)  # DeepSpeed's load_checkpoint
+
+
+# the defaults of the ``options`` parameters (frozen, so one shared instance is safe)
+DEFAULT_SAVE = SaveOptions()
+DEFAULT_LOAD = LoadOptions()
 
 
 def save_options(kwargs: Mapping[str, Any], deepspeed: bool) -> SaveOptions:

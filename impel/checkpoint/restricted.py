@@ -73,6 +73,8 @@ class Inert:
     """
 
     global_name = "?"
+    args: tuple[Any, ...]
+    state: Any
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Inert:
         obj = object.__new__(cls)
@@ -115,8 +117,7 @@ class InertUnpickler(RestrictedUnpickler):
 def _pickle_module(unpickler: type[pickle.Unpickler]) -> types.ModuleType:
     """What ``torch.load(pickle_module=...)`` needs: ``Unpickler`` (subclassed by torch for storages) and ``load``."""
     module = types.ModuleType(f"impel_{unpickler.__name__}")
-    module.Unpickler = unpickler  # type: ignore[attr-defined]
-    module.load = lambda f, **kw: unpickler(f, **kw).load()  # type: ignore[attr-defined]
+    vars(module).update(Unpickler=unpickler, load=lambda f, **kw: unpickler(f, **kw).load())
     return module
 
 

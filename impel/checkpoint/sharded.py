@@ -155,20 +155,20 @@ def load_sharded(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.O
     for i, model in enumerate(models):
         if i in skip_models:
             continue
-        state = {"model": get_model_state_dict(model, options=options)}
+        model_state = {"model": get_model_state_dict(model, options=options)}
         reader = SafeFileSystemReader(directory / metadata["models"][i])
         partial = options is not None and not options.strict  # load_state(strict=False): keys may be missing
         planner = dcp.DefaultLoadPlanner(allow_partial_load=True) if partial else None
-        _dcp(dcp.load, state, storage_reader=reader, planner=planner, no_dist=no_dist, reader=reader)
-        set_model_state_dict(model, state["model"], options=options)
+        _dcp(dcp.load, model_state, storage_reader=reader, planner=planner, no_dist=no_dist, reader=reader)
+        set_model_state_dict(model, model_state["model"], options=options)
     for i, (opt, owner) in enumerate(zip(optimizers, pair_optimizers(models, optimizers))):
         if metadata.get("fresh_optimizers", [False] * len(optimizers))[i]:
             opt.state.clear()  # saved before its first step: nothing to restore
             continue
-        state = {"optimizer": get_optimizer_state_dict(models[owner], opt, options=options)}
+        opt_state = {"optimizer": get_optimizer_state_dict(models[owner], opt, options=options)}
         reader = SafeFileSystemReader(directory / metadata["optimizers"][i])
-        _dcp(dcp.load, state, storage_reader=reader, no_dist=no_dist, reader=reader)
-        set_optimizer_state_dict(models[owner], opt, state["optimizer"], options=options)
+        _dcp(dcp.load, opt_state, storage_reader=reader, no_dist=no_dist, reader=reader)
+        set_optimizer_state_dict(models[owner], opt, opt_state["optimizer"], options=options)
 
 
 def load_full_state(dcp_dir: Path) -> dict[str, Any]:

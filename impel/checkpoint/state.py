@@ -22,7 +22,10 @@ def collect_rng_state(device: torch.device) -> dict[str, Any]:
     try:
         import numpy as np
 
-        _, key, pos, has_gauss, gauss = np.random.get_state()
+        # legacy=True is the default, but numpy's stubs type the call without it as the dict form
+        legacy = np.random.get_state(legacy=True)
+        assert isinstance(legacy, tuple)  # (name, key, pos, has_gauss, gauss): the global RandomState is MT19937
+        _, key, pos, has_gauss, gauss = legacy
         state["numpy"] = {"key": torch.from_numpy(key.astype("int64")), "pos": int(pos),
                           "has_gauss": int(has_gauss), "gauss": float(gauss)}
     except ImportError:
@@ -85,7 +88,8 @@ def describe(obj: Any) -> str:
 
 
 def check_registrable(objects: Sequence[Any]) -> None:
-    """Every object needs callable ``state_dict`` and ``load_state_dict``; a TypeError naming the first that lacks them."""
+    """Every object needs callable ``state_dict`` and ``load_state_dict``; a TypeError naming the first that lacks
+    them."""
     for index, obj in enumerate(objects):
         missing = [m for m in ("state_dict", "load_state_dict") if not callable(getattr(obj, m, None))]
         if missing:

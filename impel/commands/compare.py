@@ -103,7 +103,7 @@ class Run:
     def load(cls, name: str, run: str | Path, samples_per_step: float | None) -> Run:
         path = metrics_file(run)
         rows = read_rows(path)
-        summary = next((r for r in reversed(rows) if "train_runtime" in r), {})
+        summary: dict[str, Any] = next((r for r in reversed(rows) if "train_runtime" in r), {})
         if samples_per_step is None and summary.get("train_steps_per_second"):
             samples_per_step = summary["train_samples_per_second"] / summary["train_steps_per_second"]
         return cls(name, path, rows, samples_per_step, summary)
@@ -117,7 +117,7 @@ class Run:
         return step * self.samples_per_step
 
     def final_eval(self) -> dict[str, float]:
-        row = next((r for r in reversed(self.rows) if any(k.startswith("eval_") for k in r)), {})
+        row: dict[str, Any] = next((r for r in reversed(self.rows) if any(k.startswith("eval_") for k in r)), {})
         return {k: float(v) for k, v in row.items()
                 if k.startswith("eval_") and isinstance(v, (int, float)) and not k.endswith(("_runtime", "per_second"))}
 

@@ -71,7 +71,8 @@ def main(ns: argparse.Namespace) -> int:
         print(json.dumps(result, indent=2))
         return 0
     setup = result["setup"]
-    print(f"{result['model']}: {result['params'] / 1e6:.1f}M parameters (largest unit {result['largest_unit'] / 1e6:.1f}M), "
+    print(f"{result['model']}: {result['params'] / 1e6:.1f}M parameters "
+          f"(largest unit {result['largest_unit'] / 1e6:.1f}M), "
           f"{setup['world']} rank(s) on {setup['machines']} machine(s), load dtype {setup['load_dtype']}, "
           f"mixed_precision={setup['mixed_precision']}, {setup['optimizer']}")
     print(_table(result["rows"]))

@@ -20,7 +20,7 @@ from .. import env
 from ..config import ConfigError, RunConfig
 from ..config_file import read_config_file
 from ..resilience import PREEMPTED_EXIT_CODE
-from .flags import add_config_flags, explicit_from_flags, merge_file_and_flags
+from .flags import add_config_flags, explicit_from_flags, explicit_from_flags_list, merge_file_and_flags
 
 
 def add_script_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,7 +31,8 @@ def add_script_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def register(subparsers: Any) -> None:
-    p = subparsers.add_parser("launch", allow_abbrev=False, help="run a training script on every rank of the configured job",
+    p = subparsers.add_parser("launch", allow_abbrev=False,
+                              help="run a training script on every rank of the configured job",
                               description="Run a script under the config file, with flags overriding it.")
     add_config_flags(p)
     add_launcher_flags(p)
@@ -181,9 +182,10 @@ def _device_memory(config: RunConfig, per_machine: int) -> str:
 def _choose_strategy(config: RunConfig, explicit: dict[str, Any],
                      notes: list[str]) -> tuple[RunConfig, dict[str, Any]]:
     """distributed_type AUTO: estimate every strategy for --auto_model and keep the cheapest that fits."""
-    from ..planning.estimate import config_for
+    from ..planning.estimate import LAUNCH_FLAGS
     from .estimate import plan
 
+    assert config.auto_model is not None  # RunConfig.validate() refuses AUTO without it
     world = config.num_processes or config.num_machines * _count_devices(config)
     result = plan(config.auto_model, {"world": world, "machines": config.num_machines,
                                       "mixed_precision": config.mixed_precision},
@@ -191,7 +193,7 @@ def _choose_strategy(config: RunConfig, explicit: dict[str, Any],
     if result["recommended"] is None:
         raise ConfigError(f"--strategy auto: {result['why']}")
     chosen = {k: v for k, v in explicit.items() if k not in ("distributed_type", "auto_model", "device_memory")}
-    chosen.update(config_for(result["recommended"]))
+    chosen.update(explicit_from_flags_list(LAUNCH_FLAGS[result["recommended"]]))  # the keys selecting it
     notes.append(f"--strategy auto chose {result['recommended']} for {result['model']} on {world} rank(s): "
                  f"{result['why']}")
     config = RunConfig.from_dict(chosen)

@@ -10,9 +10,10 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from dataclasses import fields
-from typing import Any, TextIO
+from typing import Any, NoReturn, TextIO
 
-from ..config import ConfigError, DeepSpeedConfig, FSDPConfig, RunConfig, coerce
+from ..config import ConfigError, DeepSpeedConfig, FSDPConfig, RunConfig
+from ..schema import Section, coerce
 
 _LEAVE = object()  # "leave it to the script": the key is not written
 
@@ -99,11 +100,11 @@ def run_questionnaire(prompter: Prompter, default_processes: Callable[[str], int
     return answers
 
 
-def _fail(message: str) -> None:
+def _fail(message: str) -> NoReturn:
     raise ConfigError(message)
 
 
-def _section_asker(prompter: Prompter, cls: type, out: dict[str, Any]) -> Callable[..., Any]:
+def _section_asker(prompter: Prompter, cls: type[Section], out: dict[str, Any]) -> Callable[..., Any]:
     metas = _metas(cls)
 
     def ask(name: str, **kw: Any) -> Any:

@@ -9,7 +9,8 @@ from .launch import main as launch_main
 
 
 def register(subparsers: Any) -> None:
-    p = subparsers.add_parser("test", allow_abbrev=False, help="check collectives, data sharding and training on the configured ranks",
+    p = subparsers.add_parser("test", allow_abbrev=False,
+                              help="check collectives, data sharding and training on the configured ranks",
                               description="Runs impel.selftest under the same config and flags as impel launch; "
                                           "exits 0 when every check passes on every rank.")
     add_config_flags(p)

@@ -9,7 +9,7 @@ a the load dtype's size (4 fp32, 2 bf16/fp16), c the compute dtype's size:
 | FSDP, no mixed precision | a / W | a / W | k*a / W | gathered units in a |
 | FSDP, 16-bit mixed precision | 4 / W (upcast at prepare) | 4 / W | 4k / W | gathered units in c=2 |
 | ZeRO-1/2/3, 16-bit mixed precision | 2 (/W at 3) | 2 (/W at 2, 3) | (4 + 4k) / W (fp32 master + states) | |
-| ZeRO-1/2/3, no mixed precision | 4 (/W at 3) | 4 (/W at 2, 3) | (4 + 4k) / W (DeepSpeed still keeps a separate fp32 partition) | |
+| ZeRO-1/2/3, no mixed precision | 4 (/W at 3) | 4 (/W at 2, 3) | (4 + 4k) / W (still a separate fp32 partition) | |
 
 FSDP's NO_SHARD divides by 1, SHARD_GRAD_OP keeps the whole model gathered between forward and backward (P*c
 transient), FULL_SHARD gathers one unit plus the prefetched next (2 x the largest unit); HYBRID shards within a
@@ -162,7 +162,8 @@ def recommend(estimates: list[Estimate], device_memory: float | None) -> tuple[E
                          f"<= {human(device_memory)}")
     smallest = min(estimates, key=lambda e: e.device_total)
     return None, (f"nothing fits in {human(device_memory)} per rank; the smallest is {smallest.strategy} at "
-                  f"{human(smallest.device_total)}: add ranks, or lower the batch size or sequence length (activations)")
+                  f"{human(smallest.device_total)}: add ranks, or lower the batch size or sequence length "
+                  "(activations)")
 
 
 LAUNCH_FLAGS = {
@@ -177,10 +178,3 @@ LAUNCH_FLAGS = {
     "FSDP HYBRID_SHARD": ["--use_fsdp", "--fsdp_sharding_strategy", "HYBRID_SHARD"],
     "FSDP FULL_SHARD + offload": ["--use_fsdp", "--fsdp_sharding_strategy", "FULL_SHARD", "--fsdp_offload_params"],
 }
-
-
-def config_for(strategy: str) -> dict[str, Any]:
-    """The explicit config keys that select ``strategy`` (what ``--strategy auto`` merges in)."""
-    from ..commands.flags import explicit_from_flags_list
-
-    return explicit_from_flags_list(LAUNCH_FLAGS[strategy])

@@ -63,7 +63,8 @@ def build_meta_model(spec: str) -> tuple[Any, str]:
             try:
                 factory = getattr(importlib.import_module(module_name), attr)
             except (ImportError, AttributeError) as exc:
-                raise ConfigError(f"model spec {spec!r} cannot be imported ({exc}); use package.module:callable") from None
+                raise ConfigError(f"model spec {spec!r} cannot be imported ({exc}); use "
+                                  "package.module:callable") from None
             return factory(), spec
         call = _config_call(spec)
         if call is None or not call[0].endswith("Config"):

@@ -3,27 +3,28 @@
 The Accelerator (the facade) only calls these methods; it never asks which strategy it holds. A strategy owns
 the precision object, wraps models and optimizers (together, because FSDP2 replaces parameters and DeepSpeed
 builds an engine from both), switches gradient synchronisation for accumulation, runs backward, clips, steps,
-produces full state dicts and reads and writes the model/optimizer part of checkpoints (its own format). New strategies register a dotted path in ``REGISTRY``; the facade is untouched.
+produces full state dicts and reads and writes the model/optimizer part of checkpoints (its own format). New
+strategies register a dotted path in ``REGISTRY``; the facade is untouched.
 """
 from __future__ import annotations
 
 import contextlib
 import importlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence, Set
 from pathlib import Path
-from typing import TYPE_CHECKING, AbstractSet, Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from ..checkpoint.options import LoadOptions, SaveOptions
+from ..checkpoint.options import DEFAULT_LOAD, DEFAULT_SAVE, LoadOptions, SaveOptions
 from ..config import ConfigError
 from ..precision import Precision, make_precision
 
 if TYPE_CHECKING:
     from ..accumulation import GradientState
-    from ..resolve import RunRecord
     from ..precision_report import PrecisionReport
+    from ..resolve import RunRecord
     from ..state import ProcessState
 
 REGISTRY: dict[str, str] = {
@@ -132,8 +133,8 @@ class Strategy:
 
     def save_checkpoint(self, models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
                         directory: Path, *, writer: bool, safe_serialization: bool,
-                        skip_models: AbstractSet[int] = frozenset(),
-                        options: SaveOptions = SaveOptions()) -> dict[str, Any]:
+                        skip_models: Set[int] = frozenset(),
+                        options: SaveOptions = DEFAULT_SAVE) -> dict[str, Any]:
         """Write model and optimizer state into ``directory`` (called on every rank, inside ``save_state``).
 
         ``writer``: this rank writes replicated files (rank 0, or each node's first with save_on_each_node).
@@ -148,7 +149,7 @@ class Strategy:
 
     def load_checkpoint(self, models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
                         directory: Path, metadata: Mapping[str, Any], *,
-                        skip_models: AbstractSet[int] = frozenset(), options: LoadOptions = LoadOptions()) -> None:
+                        skip_models: Set[int] = frozenset(), options: LoadOptions = DEFAULT_LOAD) -> None:
         """Load what ``save_checkpoint`` wrote (``metadata`` is its returned section), on every rank.
 
         Base: full files, or a sharded (DCP) checkpoint from FSDP, which DCP reads into full tensors on every rank.
@@ -178,7 +179,8 @@ def load_strategy(record: RunRecord, state: ProcessState, gradient_state: Gradie
     try:
         target = REGISTRY[distributed_type]
     except KeyError:
-        raise ValueError(f"distributed_type={distributed_type!r} has no strategy; use one of {sorted(REGISTRY)}") from None
+        raise ValueError(f"distributed_type={distributed_type!r} has no strategy; use one of "
+                         f"{sorted(REGISTRY)}") from None
     module_name, _, cls_name = target.partition(":")
     module = importlib.import_module(module_name)
     return getattr(module, cls_name)(state, record, gradient_state)

@@ -22,14 +22,15 @@ if TYPE_CHECKING:
 def _own_no_sync(model: DistributedDataParallel) -> Iterator[None]:
     """``model.no_sync()`` on a prepared DDP model: no gradient sync for forwards inside it, as in plain DDP."""
     before = model.require_backward_grad_sync
-    model._impel_own_no_sync = getattr(model, "_impel_own_no_sync", 0) + 1
+    own = vars(model)  # impel's flags live in the instance __dict__ (where Module.__setattr__ would put them)
+    own["_impel_own_no_sync"] = own.get("_impel_own_no_sync", 0) + 1
     model.require_backward_grad_sync = False
     try:
         yield
     finally:
-        model._impel_own_no_sync -= 1
-        if not model._impel_own_no_sync:  # back to what impel wants now (accumulation may have moved on)
-            model.require_backward_grad_sync = getattr(model, "_impel_sync_wanted", before)
+        own["_impel_own_no_sync"] -= 1
+        if not own["_impel_own_no_sync"]:  # back to what impel wants now (accumulation may have moved on)
+            model.require_backward_grad_sync = own.get("_impel_sync_wanted", before)
 
 
 class DDPStrategy(Strategy):
@@ -46,7 +47,8 @@ class DDPStrategy(Strategy):
         wrapped = DistributedDataParallel(model, **kwargs)
         register_comm_hook(wrapped, self.handlers.ddp)  # before the first backward, as torch requires
         # impel's forward sets DDP's sync flag on every call; the model's own no_sync() must still hold inside it
-        wrapped.no_sync = functools.partial(_own_no_sync, wrapped)
+        # (an instance attribute over DDP's method, in __dict__ as Module.__setattr__ would store it)
+        vars(wrapped)["no_sync"] = functools.partial(_own_no_sync, wrapped)
         return wrapped
 
     def unwrap_model(self, model: nn.Module) -> nn.Module:
@@ -55,8 +57,9 @@ class DDPStrategy(Strategy):
     def set_grad_sync(self, model: nn.Module, enabled: bool) -> None:
         if isinstance(model, DistributedDataParallel):
             # DDP reads this flag when forward prepares the reducer; flipping it is what no_sync() does.
-            model._impel_sync_wanted = enabled
-            model.require_backward_grad_sync = enabled and not getattr(model, "_impel_own_no_sync", 0)
+            own = vars(model)
+            own["_impel_sync_wanted"] = enabled
+            model.require_backward_grad_sync = enabled and not own.get("_impel_own_no_sync", 0)
 
     def precision_report(self, models: Sequence[nn.Module],
                          optimizers: Sequence[torch.optim.Optimizer]) -> PrecisionReport:

@@ -163,9 +163,9 @@ class DeepSpeedStrategy(Strategy):
             return contextlib.nullcontext()
         # mem_efficient_linear=False: DeepSpeed's default replaces torch.nn.functional.linear for the whole process,
         # for good ("This will persist unless manually reset"), which would reach every other model.
-        # dtype=None: the config's bf16/fp16 sections say it (resolved.dtype came from them). Given explicitly, DeepSpeed
-        # 0.19.8 ignores it where the accelerator has no fp16 (``dtype or fp16 if fp16_ok else bf16 if ...`` binds the
-        # conditional first): a CPU without fp16 then built an fp32 run's parameters in bf16.
+        # dtype=None: the config's bf16/fp16 sections say it (resolved.dtype came from them). Given explicitly,
+        # DeepSpeed 0.19.8 ignores it where the accelerator has no fp16 (``dtype or fp16 if fp16_ok else bf16 if ...``
+        # binds the conditional first): a CPU without fp16 then built an fp32 run's parameters in bf16.
         return self.deepspeed.zero.Init(config_dict_or_path=init_config(self.resolved), dtype=None,
                                         mem_efficient_linear=False)
 
@@ -193,12 +193,13 @@ class DeepSpeedStrategy(Strategy):
                               f"got {len(optimizers)} optimizer(s) after {len(self.engines)} engine(s) were built")
         from ..optimizer import optimizer_owners
 
-        owners = optimizer_owners(models, optimizers)
-        for opt, owner in zip(optimizers, owners):
+        owners: list[int] = []
+        for opt, owner in zip(optimizers, optimizer_owners(models, optimizers)):
             if owner is None:
                 raise ConfigError(f"the optimizer {type(opt).__name__} passed to prepare() updates parameters that "
                                   "no model in the same call owns; pass the model and its optimizer together")
-        return owners  # type: ignore[return-value]
+            owners.append(owner)
+        return owners
 
     def _build_engine(self, model: nn.Module, optimizer: Any, place: bool) -> Any:
         from ..precision_report import dtype_of

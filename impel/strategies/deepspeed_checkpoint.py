@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from .. import env
 
@@ -46,9 +45,10 @@ def folder_name(index: int) -> str:
     return "deepspeed" if index == 0 else f"deepspeed_{index}"
 
 
-def save_engines(engines: Sequence[nn.Module], directory: Path, *, stage: int, world: int,
+def save_engines(engines: Sequence[Any], directory: Path, *, stage: int, world: int,
                  dtype: torch.dtype, engine_kwargs: Mapping[str, Any] = {}) -> dict[str, Any]:  # noqa: B006
-    """Every rank writes its part; returns the ``strategy`` section of the checkpoint metadata.
+    """Every rank writes its part; returns the ``strategy`` section of the checkpoint metadata. ``engines``:
+    DeepSpeedEngine modules (typed Any: deepspeed has no type information).
 
     An engine saves module and optimizer together, so a save pre-hook that takes over a model does not keep its
     weights out of the engine checkpoint."""
@@ -60,7 +60,7 @@ def save_engines(engines: Sequence[nn.Module], directory: Path, *, stage: int, w
             "dtype": str(dtype).replace("torch.", "")}
 
 
-def load_engines(engines: Sequence[nn.Module], directory: Path, metadata: Mapping[str, Any],
+def load_engines(engines: Sequence[Any], directory: Path, metadata: Mapping[str, Any],
                  skip: AbstractSet[int], *, stage: int, world: int,
                  engine_kwargs: Mapping[str, Any] = {}) -> None:  # noqa: B006
     """Restore module, float32 masters and optimizer states of each engine (schedulers are impel's)."""

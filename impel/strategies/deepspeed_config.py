@@ -15,7 +15,7 @@ import math
 import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
@@ -52,7 +52,7 @@ class DummyOptim(torch.optim.Optimizer):
         copies = [dict(g) if isinstance(g, Mapping) else g for g in self.params]
         super().__init__(copies, {"lr": lr, "weight_decay": weight_decay})
 
-    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+    def step(self, closure: Any = None) -> NoReturn:
         raise RuntimeError("DummyOptim is a placeholder for the optimizer of a DeepSpeed JSON; pass it to "
                            "Accelerator.prepare() under DeepSpeed and step what prepare returns")
 
@@ -251,7 +251,8 @@ def _settle_precision(ds: dict[str, Any], config: RunConfig, source: str) -> tup
     if concrete and mode is not None and mode != concrete[0]:
         raise ConfigError(f"mixed_precision={mode!r} contradicts {concrete[0]}.enabled=true in {source}; keep one "
                           "(or write \"auto\" in the JSON)")
-    final = concrete[0] if concrete and mode is None else config.mixed_precision  # the JSON decides when impel was not told
+    # the JSON decides when impel was not told
+    final = concrete[0] if concrete and mode is None else config.mixed_precision
     for name in ("bf16", "fp16"):
         if wanted[name] is False and final == name:
             raise ConfigError(f"mixed_precision={final!r} contradicts {name}.enabled=false in {source}; keep one "

@@ -8,7 +8,7 @@ flat partitions, or BF16_Optimizer's) are float32 in every mode, as are the opti
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -21,7 +21,22 @@ from ..precision_report import (
 )
 
 if TYPE_CHECKING:
-    from .deepspeed import DeepSpeedStrategy
+    from ..precision import Precision
+    from ..state import ProcessState
+    from .deepspeed_config import Resolved
+
+
+class ReportedStrategy(Protocol):
+    """What :func:`engine_report` reads of the DeepSpeed strategy (a Protocol: :mod:`impel.strategies.deepspeed`
+    imports this module, not the other way round)."""
+
+    deepspeed: Any  # the deepspeed package
+    train_engine: Any
+    resolved: Resolved
+    state: ProcessState
+    precision: Precision
+    _load_dtypes: dict[int, Any]
+    _upcast: bool
 
 
 def _show(value: Any) -> str:
@@ -30,7 +45,7 @@ def _show(value: Any) -> str:
     return str(value).replace("torch.", "")
 
 
-def engine_report(strategy: DeepSpeedStrategy, models: Sequence[nn.Module],
+def engine_report(strategy: ReportedStrategy, models: Sequence[nn.Module],
                   optimizers: Sequence[torch.optim.Optimizer]) -> PrecisionReport:
     """Master weights and optimizer states from the optimizers' tensors, compute from the engine's config."""
     engines = [m for m in models if isinstance(m, strategy.deepspeed.DeepSpeedEngine)]

@@ -20,7 +20,7 @@ import logging
 from collections.abc import Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -47,11 +47,14 @@ from .fsdp_loading import (
 from .fsdp_wrap import check_requested, checkpoint_units, select_units
 
 if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
+
     from ..accumulation import GradientState
     from ..resolve import RunRecord
     from ..state import ProcessState
 
 logger = logging.getLogger("impel")
+
 
 def mesh_layout(strategy: str, world: int, local_world: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
     """The DeviceMesh shape and dim names for a sharding strategy."""
@@ -98,7 +101,8 @@ class FSDPStrategy(Strategy):
 
         dtype = self.precision.dtype
         mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype else MixedPrecisionPolicy()
-        offload = CPUOffloadPolicy(pin_memory=self.device.type == "cuda") if self.fsdp.offload_params else OffloadPolicy()
+        offload = (CPUOffloadPolicy(pin_memory=self.device.type == "cuda") if self.fsdp.offload_params
+                   else OffloadPolicy())
         return mp, offload
 
     @property
@@ -153,19 +157,18 @@ class FSDPStrategy(Strategy):
         self.compiler.before_shard(model)  # torch.compile per block, before sharding (as torchtitan)
         options = {"mesh": self.mesh, "reshard_after_forward": reshards_after_forward(self.sharding_strategy),
                    "mp_policy": self.mp_policy, "offload_policy": self.offload_policy}
-        for unit in units:
-            fully_shard(unit, **options)
-        fully_shard(model, **options)
+        sharded_units = [fully_shard(unit, **options) for unit in units]  # each returns its module, now an FSDPModule
+        sharded_root = fully_shard(model, **options)
         if on_meta:
             materialize(model, self.device, shards_on_cpu=self.fsdp.offload_params)
         if sync:
             broadcast_from_rank0(model, full_state)
         del full_state
         self._replacements.record(owners)
-        self._set_prefetch(model, units)
+        self._set_prefetch(sharded_root, sharded_units)
         return model
 
-    def _set_prefetch(self, root: nn.Module, units: list[nn.Module]) -> None:
+    def _set_prefetch(self, root: FSDPModule, units: list[FSDPModule]) -> None:
         if self.fsdp.forward_prefetch:
             for current, following in itertools.pairwise(units):
                 current.set_modules_to_forward_prefetch([following])
@@ -188,7 +191,7 @@ class FSDPStrategy(Strategy):
         for opt in optimizers:
             self.unscale_gradients(opt)
         params = [p for p in parameters if p.grad is not None]
-        total = global_grad_norm([p.grad for p in params], float(norm_type))
+        total = global_grad_norm([p.grad for p in params if p.grad is not None], float(norm_type))
         if params:
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
         return total
@@ -201,7 +204,9 @@ class FSDPStrategy(Strategy):
             get_model_state_dict,
         )
 
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        # torch types the values as any state-dict value; full_state_dict=True makes them ordinary tensors
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        return cast(dict[str, torch.Tensor], state)
 
     def save_checkpoint(self, models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
                         directory: Path, *, writer: bool, safe_serialization: bool,

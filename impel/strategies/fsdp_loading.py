@@ -77,7 +77,8 @@ def broadcast_from_rank0(model: nn.Module, full_state: dict[str, torch.Tensor]) 
     )
 
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-    set_model_state_dict(model, full_state, options=options)
+    # torch types the argument as the invariant dict[str, ValueType], which a dict[str, Tensor] is not
+    set_model_state_dict(model, full_state, options=options)  # type: ignore[arg-type]
     with torch.no_grad():
         for module in model.modules():
             for name in sorted(module._non_persistent_buffers_set):

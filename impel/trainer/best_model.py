@@ -105,7 +105,8 @@ def _delete(state: Any, accelerator: Any, save_on_each_node: bool, choose: Any, 
     in ``state.checkpoints``; the processes that write checkpoints (the main one, or each node's first with
     ``save_on_each_node``) delete them."""
     root = Path(next_checkpoint_path(accelerator)).parent
-    decided = [choose([str(p) for _, p in layout.list_complete(root)]) if accelerator.is_main_process else None]
+    mine = choose([str(p) for _, p in layout.list_complete(root)]) if accelerator.is_main_process else None
+    decided: list[Any] = [mine]  # broadcast from rank 0: every rank ends with its list
     if accelerator.use_distributed:
         from ..collectives import broadcast_object_list
 

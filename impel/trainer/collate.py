@@ -36,7 +36,8 @@ def _as_tensor(values: list[Any], key: str) -> Any:
         return torch.tensor(values)
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"cannot batch column {key!r} ({exc}); its samples differ in length: pass a padding "
-                          "collator (data_collator=DataCollatorWithPadding(tokenizer)) or pad when tokenizing") from None
+                          "collator (data_collator=DataCollatorWithPadding(tokenizer)) or pad when "
+                          "tokenizing") from None
 
 
 def default_data_collator(features: Sequence[Any]) -> Any:

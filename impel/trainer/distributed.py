@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 import os
 from dataclasses import fields
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..config import (
     SHARDING_STRATEGIES,
@@ -31,10 +31,32 @@ from ..config_file import read_json_object
 
 if TYPE_CHECKING:
     from ..plugins import FullyShardedDataParallelPlugin
-    from .arguments import TrainingArguments
 
 SHARDING_OPTIONS = {name.lower(): name for name in SHARDING_STRATEGIES}  # "full_shard" -> "FULL_SHARD"
 FSDP_OPTIONS = tuple(SHARDING_OPTIONS) + ("offload", "auto_wrap")
+
+
+class DistributedArguments(Protocol):
+    """The fields of :class:`impel.trainer.arguments.TrainingArguments` this module reads. A Protocol, not an import:
+    ``TrainingArguments`` calls :func:`check_distributed_arguments` while it is built, so it imports this module."""
+
+    output_dir: str | None
+    logging_dir: str | None
+    per_device_train_batch_size: int
+    gradient_accumulation_steps: int | None
+    max_grad_norm: float | None
+    bf16: bool
+    fp16: bool
+    use_cpu: bool
+    save_on_each_node: bool
+    seed: int
+    data_seed: int | None
+    fsdp: Any
+    fsdp_config: Any
+    deepspeed: Any
+
+    @property
+    def mixed_precision(self) -> str | None: ...
 
 
 def _value_kind(meta: Any) -> str:
@@ -175,7 +197,7 @@ def _put(out: dict[str, Any], name: str, value: Any, source: str) -> None:
     out[name] = value
 
 
-def fsdp_plugin(args: TrainingArguments) -> FullyShardedDataParallelPlugin | None:
+def fsdp_plugin(args: DistributedArguments) -> FullyShardedDataParallelPlugin | None:
     """The plugin ``TrainingArguments.fsdp`` / ``fsdp_config`` describe, or None when FSDP is off."""
     fields = fsdp_plugin_fields(args.fsdp, args.fsdp_config)
     if fields is None:
@@ -186,7 +208,7 @@ def fsdp_plugin(args: TrainingArguments) -> FullyShardedDataParallelPlugin | Non
 
 
 # --- deepspeed --------------------------------------------------------------------------------------------------
-def deepspeed_config(args: TrainingArguments) -> dict[str, Any] | None:
+def deepspeed_config(args: DistributedArguments) -> dict[str, Any] | None:
     """The DeepSpeed JSON with transformers' ``"auto"`` values filled from the arguments; None when off.
 
     Filled: ``train_micro_batch_size_per_gpu`` (per_device_train_batch_size), ``gradient_accumulation_steps`` (when
@@ -229,14 +251,14 @@ def _fill(config: dict[str, Any], key: str, value: Any, arg: str) -> None:
                           f"{key} to \"auto\" in the JSON or make them equal")
 
 
-def deepspeed_sections(args: TrainingArguments) -> set[str]:
+def deepspeed_sections(args: DistributedArguments) -> set[str]:
     """Which of "optimizer" / "scheduler" the DeepSpeed JSON defines (the Trainer then passes DeepSpeed's
     placeholders, ``DummyOptim`` / ``DummyScheduler``, filled from learning_rate, adam_*, weight_decay, warmup)."""
     config = deepspeed_config(args) or {}
     return {section for section in ("optimizer", "scheduler") if section in config}
 
 
-def deepspeed_plugin(args: TrainingArguments) -> Any:
+def deepspeed_plugin(args: DistributedArguments) -> Any:
     """``DeepSpeedPlugin(hf_ds_config=...)`` for ``TrainingArguments.deepspeed``, or None when it is not set."""
     config = deepspeed_config(args)
     if config is None:
@@ -247,7 +269,7 @@ def deepspeed_plugin(args: TrainingArguments) -> Any:
 
 
 # --- everything ---------------------------------------------------------------------------------------------------
-def check_distributed_arguments(args: TrainingArguments) -> None:
+def check_distributed_arguments(args: DistributedArguments) -> None:
     """Parse ``fsdp``, ``fsdp_config`` and ``deepspeed`` now so a mistake surfaces when the arguments are built."""
     fields = fsdp_plugin_fields(args.fsdp, args.fsdp_config)
     if fields is not None:
@@ -258,7 +280,7 @@ def check_distributed_arguments(args: TrainingArguments) -> None:
         raise ConfigError("fsdp and deepspeed are both set; choose one strategy")
 
 
-def accelerator_kwargs(args: TrainingArguments) -> dict[str, Any]:
+def accelerator_kwargs(args: DistributedArguments) -> dict[str, Any]:
     """Keyword arguments for :class:`impel.Accelerator`; knobs left at their defaults are passed as None."""
     from ..plugins import DataLoaderConfiguration, ProjectConfiguration
 
@@ -282,6 +304,6 @@ def accelerator_kwargs(args: TrainingArguments) -> dict[str, Any]:
     return kwargs
 
 
-def _data_seed(args: TrainingArguments) -> int:
+def _data_seed(args: DistributedArguments) -> int:
     """transformers' rule: the sampler follows ``data_seed`` when set, else ``seed``."""
     return args.seed if args.data_seed is None else args.data_seed

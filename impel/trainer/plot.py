@@ -54,7 +54,8 @@ def series(history: Sequence[Mapping[str, Any]], key: str) -> tuple[list[int], l
     return steps, values
 
 
-def write_loss_plot(history: Sequence[Mapping[str, Any]], path: str | os.PathLike[str], want: bool | None) -> str | None:
+def write_loss_plot(history: Sequence[Mapping[str, Any]], path: str | os.PathLike[str],
+                    want: bool | None) -> str | None:
     """The Trainer's end-of-run plot: ``want`` None writes it when matplotlib is installed (else prints how to get
     it), True requires matplotlib, False skips. Returns the path written, or None."""
     if want is False:

@@ -122,7 +122,7 @@ class EvalPrediction:
             return {"accuracy": float((p.predictions.argmax(-1) == p.label_ids).mean())}
     """
 
-    def __init__(self, predictions: np.ndarray | tuple[np.ndarray, ...], label_ids: np.ndarray | None) -> None:
+    def __init__(self, predictions: np.ndarray | tuple[np.ndarray, ...] | None, label_ids: np.ndarray | None) -> None:
         self.predictions = predictions
         self.label_ids = label_ids
 

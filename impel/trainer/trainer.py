@@ -64,6 +64,8 @@ class Trainer:
     transformers' ``TrainerCallback`` classes or instances (see :mod:`impel.trainer.callbacks`).
     """
 
+    _grad_norm: torch.Tensor | None  # the last clip's norm (set in train(), read at logging time)
+
     def __init__(self, model: nn.Module | None = None, args: TrainingArguments | None = None,
                  data_collator: Callable[[list[Any]], Any] | None = None, train_dataset: Any = None,
                  eval_dataset: Any = None, processing_class: Any = None,
@@ -128,9 +130,9 @@ class Trainer:
         for tracker in self.trackers:
             tracker.finish()
         args = self.args
-        self.trackers = make_trackers(args.trackers, self.accelerator.logging_dir or args.output_dir, args.run_name,
+        self.trackers = make_trackers(args.trackers, self.accelerator.logging_dir or self._output_dir, args.run_name,
                                       args.to_dict(), self.accelerator.is_main_process,
-                                      jsonl_path=os.path.join(args.output_dir, METRICS_FILE),
+                                      jsonl_path=os.path.join(self._output_dir, METRICS_FILE),
                                       history=self.state.log_history)
 
     def log(self, logs: dict[str, float]) -> None:
@@ -256,7 +258,7 @@ class Trainer:
             self._after_resume(resumed)
         self._open_trackers()
         self.control = TrainerControl()
-        self._grad_norm: torch.Tensor | None = None
+        self._grad_norm = None
         self._empty_passes = 0
         started, start_step, start_samples = time.perf_counter(), state.global_step, state.samples_seen
         self._event("on_train_begin")
@@ -399,7 +401,7 @@ class Trainer:
     def _finish(self, metrics: dict[str, float]) -> None:
         """On the main process: ``output_dir/loss.png`` (as ``args.plot_loss`` says) and the summary."""
         if self.accelerator.is_main_process:
-            out = self.args.output_dir
+            out = self._output_dir
             plot_path = write_loss_plot(self.state.log_history, os.path.join(out, PLOT_FILE), self.args.plot_loss)
             print(format_summary(self.state, self.accelerator, metrics, os.path.join(out, METRICS_FILE), plot_path),
                   flush=True)
@@ -472,10 +474,16 @@ class Trainer:
                                 on_batch=lambda: self._event("on_prediction_step"))
 
     # --- saving ---------------------------------------------------------------------------------------------
+    @property
+    def _output_dir(self) -> str:
+        out = self.args.output_dir
+        assert out is not None  # TrainingArguments.__post_init__ makes it a string ("trainer_output" by default)
+        return out
+
     def save_model(self, output_dir: str | os.PathLike[str] | None = None) -> str:
         """Full weights (``model.safetensors``) plus the model's config and the processing class, if they can
         ``save_pretrained``; collective. Returns the directory."""
-        directory = os.fspath(output_dir) if output_dir is not None else self.args.output_dir
+        directory = os.fspath(output_dir) if output_dir is not None else self._output_dir
         self._setup()
         self.accelerator.save_model(self.model, directory)
         if self.accelerator.is_main_process:

@@ -3,9 +3,9 @@ traceback, and no process started (the script would leave a marker file)."""
 from __future__ import annotations
 
 import pytest
+
 from bad_inputs import BAD_FILES, BAD_FLAGS
 from cli_helpers import SCRIPTS, impel
-
 from impel.commands import launch
 from impel.commands.main import main
 

@@ -6,6 +6,7 @@ import sys
 
 import pytest
 import yaml
+
 from cli_helpers import FIXTURES, SCRIPTS, clean_env, impel
 
 # distribution, machines (1), processes, cpu only, precision, accumulation (leave it to the script), then FSDP's:

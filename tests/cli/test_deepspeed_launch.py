@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 
 import pytest
+
 from cli_helpers import impel
 
 TIMEOUT_S = 240

@@ -3,6 +3,7 @@ bitwise equal to the uninterrupted run's (fp32, CPU, dropout, shuffling, accumul
 from __future__ import annotations
 
 import pytest
+
 from cli_helpers import SCRIPTS, impel
 
 LAUNCH_TIMEOUT = 240

@@ -6,8 +6,8 @@ import signal
 import socket
 
 import pytest
-from cli_helpers import FIXTURES, SCRIPTS, finish, impel, start_impel
 
+from cli_helpers import FIXTURES, SCRIPTS, finish, impel, start_impel
 from impel.testing import free_port
 
 pytestmark = pytest.mark.slow

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cli_helpers import SCRIPTS, impel
 from safetensors.torch import load_file
+
+from cli_helpers import SCRIPTS, impel
 
 pytestmark = pytest.mark.slow
 

@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from cli_helpers import ROOT, SCRIPTS, clean_env, finish
 
+from cli_helpers import ROOT, SCRIPTS, clean_env, finish
 from impel.testing import free_port
 
 NODE_SCRIPT = ROOT / "examples" / "slurm" / "impel_node.sh"

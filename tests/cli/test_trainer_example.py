@@ -9,6 +9,7 @@ import json
 import re
 
 import pytest
+
 from cli_helpers import ROOT, impel
 
 pytest.importorskip("datasets")

@@ -18,12 +18,11 @@ import os
 import random
 
 import torch
-from torch.utils.data import DataLoader
-from transformers import GPT2Config, GPT2LMHeadModel, default_data_collator, get_scheduler
-
 from accelerate import Accelerator, DistributedType
 from accelerate.logging import get_logger
 from accelerate.utils import find_executable_batch_size, set_seed
+from torch.utils.data import DataLoader
+from transformers import GPT2Config, GPT2LMHeadModel, default_data_collator, get_scheduler
 
 logger = get_logger(__name__)
 VOCAB, BLOCK_SIZE = 48, 16
@@ -164,7 +163,7 @@ def main():
                 active_dataloader = accelerator.skip_first_batches(train_dataloader, resume_step)
             else:
                 active_dataloader = train_dataloader
-            for step, batch in enumerate(active_dataloader):
+            for batch in active_dataloader:
                 with accelerator.accumulate(model):
                     outputs = model(**batch)
                     loss = outputs.loss
@@ -194,7 +193,7 @@ def main():
 
             model.eval()
             losses = []
-            for step, batch in enumerate(eval_dataloader):
+            for batch in eval_dataloader:
                 with torch.no_grad():
                     outputs = model(**batch)
                 loss = outputs.loss

@@ -15,12 +15,11 @@ import json
 import random
 
 import torch
-from torch.utils.data import DataLoader
-from transformers import BertConfig, BertForSequenceClassification, get_linear_schedule_with_warmup
-
 from accelerate import Accelerator
 from accelerate.local_sgd import LocalSGD
 from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs, set_seed
+from torch.utils.data import DataLoader
+from transformers import BertConfig, BertForSequenceClassification, get_linear_schedule_with_warmup
 
 VOCAB, LENGTH = 32, 8
 
@@ -57,7 +56,7 @@ def training_function(config, args):
         if epoch < config["local_sgd_epochs"]:
             with LocalSGD(accelerator=accelerator, model=model, local_sgd_steps=args.local_sgd_steps,
                           enabled=args.local_sgd_steps is not None) as local_sgd:
-                for step, batch in enumerate(train_dataloader):
+                for batch in train_dataloader:
                     with accelerator.accumulate(model):
                         output = model(**batch)
                         accelerator.backward(output.loss)

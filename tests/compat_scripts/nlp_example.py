@@ -14,14 +14,17 @@ import json
 import random
 
 import torch
+from accelerate import Accelerator, DistributedType
+from accelerate.utils import set_seed
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from torch.optim import AdamW
 from torch.utils.data import DataLoader
-from transformers import BertConfig, BertForSequenceClassification, PreTrainedTokenizerFast
-from transformers import get_linear_schedule_with_warmup
-
-from accelerate import Accelerator, DistributedType
-from accelerate.utils import set_seed
+from transformers import (
+    BertConfig,
+    BertForSequenceClassification,
+    PreTrainedTokenizerFast,
+    get_linear_schedule_with_warmup,
+)
 
 NUM_WORDS = 40
 EVAL_BATCH_SIZE = 8
@@ -101,7 +104,7 @@ def training_function(config, args):
     lrs, epochs = [], []
     for epoch in range(num_epochs):
         model.train()
-        for step, batch in enumerate(train_dataloader):
+        for batch in train_dataloader:
             batch.to(accelerator.device)
             with accelerator.accumulate(model):
                 outputs = model(**batch)
@@ -115,7 +118,7 @@ def training_function(config, args):
 
         model.eval()
         correct, seen, losses = 0, 0, []
-        for step, batch in enumerate(eval_dataloader):
+        for batch in eval_dataloader:
             batch.to(accelerator.device)
             with torch.no_grad():
                 outputs = model(**batch)

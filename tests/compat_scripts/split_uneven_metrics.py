@@ -16,11 +16,10 @@ import argparse
 import json
 
 import torch
-from torch import nn
-from torch.utils.data import DataLoader, Dataset
-
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin, set_seed
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
 
 FEATURES, CLASSES = 6, 3
 

@@ -6,6 +6,7 @@ from datetime import timedelta
 
 import pytest
 import torch
+
 from checkpoint_helpers import (
     assert_bitwise_equal,
     first_half,
@@ -14,7 +15,6 @@ from checkpoint_helpers import (
     train,
     uninterrupted,
 )
-
 from impel.testing import RankFailed, run_on_ranks
 
 TIMEOUT = 120

@@ -70,7 +70,7 @@ def _epoch_orders():
     acc = Accelerator(cpu=True)
     loader = acc.prepare(DataLoader(IndexDataset(24), batch_size=3, shuffle=True))
     epochs = []
-    for epoch in range(3):
+    for _ in range(3):
         epochs.append(torch.cat([b.flatten() for b in loader]).tolist())
     return acc.gather_for_metrics(torch.tensor(epochs[0])).tolist(), epochs
 

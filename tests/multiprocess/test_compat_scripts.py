@@ -36,6 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+
 from cli_helpers import clean_env, finish, impel
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]

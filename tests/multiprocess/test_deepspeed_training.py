@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import make_mlp, make_optimizer, make_regression, max_abs_diff
 from torch import nn
 from torch.utils.data import DataLoader
 
+from helpers import make_mlp, make_optimizer, make_regression, max_abs_diff
 from impel.testing import run_on_ranks
 
 JOB_TIMEOUT = 400

@@ -8,10 +8,10 @@ summed in another order than DDP's).
 from __future__ import annotations
 
 import pytest
-from helpers import make_mlp, make_regression, max_abs_diff
 from torch import nn
 from torch.utils.data import DataLoader
 
+from helpers import make_mlp, make_regression, max_abs_diff
 from impel.testing import run_on_ranks
 
 JOB_TIMEOUT = 180

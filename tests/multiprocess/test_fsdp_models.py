@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_transformers import llama_config, tiny_bert, tiny_gpt2, tiny_llama
 
 from impel.testing import run_on_ranks
+from tiny_transformers import llama_config, tiny_bert, tiny_gpt2, tiny_llama
 
 pytestmark = pytest.mark.multiprocess
 
@@ -124,7 +124,8 @@ def transformers_run(tmp_path_factory):
     llama = tiny_llama(seed=3)
     llama.save_pretrained(path)
     ids = torch.arange(8).view(1, 8)
-    reference = {"plain": plain, "llama": llama.state_dict(), "loss": float(llama(input_ids=ids, labels=ids).loss.detach()),
+    reference = {"plain": plain, "llama": llama.state_dict(),
+                 "loss": float(llama(input_ids=ids, labels=ids).loss.detach()),
                  "buffers": dict(llama.named_buffers())}  # rotary frequencies: non-persistent, not in the file
     return reference, run_on_ranks(_transformers_job, 2, args=(str(path),), timeout=240)
 

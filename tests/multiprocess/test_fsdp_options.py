@@ -9,10 +9,10 @@ import os
 
 import pytest
 import torch
-from helpers import make_regression, max_abs_diff
 from torch import nn
 from torch.utils.data import DataLoader
 
+from helpers import make_regression, max_abs_diff
 from impel.testing import run_on_ranks
 
 pytestmark = pytest.mark.multiprocess

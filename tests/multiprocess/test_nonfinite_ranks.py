@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import make_mlp, make_regression
 from torch import nn
 from torch.utils.data import DataLoader
 
+from helpers import make_mlp, make_regression
 from impel.testing import RankFailed, run_on_ranks
 
 pytestmark = pytest.mark.multiprocess

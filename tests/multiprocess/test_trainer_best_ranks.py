@@ -5,19 +5,20 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
-from helpers import max_abs_diff
-from trainer_helpers import TokenDataset, tiny_bert
 
+from helpers import max_abs_diff
 from impel.testing import run_on_ranks
+from trainer_helpers import TokenDataset, tiny_bert
 
 pytestmark = pytest.mark.multiprocess
 
 # tests/unit/test_trainer_best.py's run: eval_loss is lowest at step 2 of 10. 10 eval samples in batches of 5 fill
 # both ranks exactly: with a padded last batch the padding samples' losses would enter its mean (as in transformers)
 # and could move a close best
-RUN = {"max_steps": 10, "per_device_eval_batch_size": 5, "learning_rate": 1e-2, "seed": 7, "logging_steps": 2, "eval_strategy": "steps",
-       "eval_steps": 2, "save_strategy": "steps", "save_steps": 2, "load_best_model_at_end": True,
-       "save_total_limit": 2, "disable_tqdm": True, "report_to": "none", "plot_loss": False}
+RUN = {"max_steps": 10, "per_device_eval_batch_size": 5, "learning_rate": 1e-2, "seed": 7, "logging_steps": 2,
+       "eval_strategy": "steps", "eval_steps": 2, "save_strategy": "steps", "save_steps": 2,
+       "load_best_model_at_end": True, "save_total_limit": 2, "disable_tqdm": True, "report_to": "none",
+       "plot_loss": False}
 
 
 def _train_best(output_dir: str, **knobs):

@@ -4,10 +4,10 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
-from helpers import max_abs_diff
-from trainer_helpers import TokenDataset, reference_trainer_loop, tiny_bert
 
+from helpers import max_abs_diff
 from impel.testing import run_on_ranks
+from trainer_helpers import TokenDataset, reference_trainer_loop, tiny_bert
 
 pytestmark = pytest.mark.multiprocess
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from trainer_helpers import TokenDataset, tiny_bert
 
 from impel.testing import run_on_ranks
+from trainer_helpers import TokenDataset, tiny_bert
 
 pytestmark = pytest.mark.multiprocess
 

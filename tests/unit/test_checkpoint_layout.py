@@ -6,9 +6,9 @@ import json
 
 import pytest
 import torch
-from helpers import make_mlp
 from torch import nn
 
+from helpers import make_mlp
 from impel import Accelerator, CheckpointError, ConfigError, ProjectConfiguration
 from impel.checkpoint import checkpointer, layout
 from impel.state import ProcessState

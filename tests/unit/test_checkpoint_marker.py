@@ -7,8 +7,8 @@ import shutil
 
 import pytest
 import torch
-from helpers import make_mlp
 
+from helpers import make_mlp
 from impel import Accelerator, CheckpointError, ProjectConfiguration
 from impel.checkpoint import layout
 

@@ -5,10 +5,10 @@ import json
 
 import pytest
 import torch
-from helpers import make_mlp
 from safetensors.torch import load_file
 from torch import nn
 
+from helpers import make_mlp
 from impel import Accelerator, CheckpointError, merge_weights
 from impel.checkpoint import hf, sharded
 from impel.state import ProcessState

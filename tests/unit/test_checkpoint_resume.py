@@ -6,6 +6,9 @@ import random
 import numpy as np
 import pytest
 import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
 from checkpoint_helpers import (
     assert_bitwise_equal,
     first_half,
@@ -15,9 +18,6 @@ from checkpoint_helpers import (
     uninterrupted,
 )
 from helpers import IndexDataset, make_mlp, make_regression
-from torch import nn
-from torch.utils.data import DataLoader
-
 from impel import Accelerator, DataLoaderConfiguration, ProjectConfiguration
 from impel.state import ProcessState
 

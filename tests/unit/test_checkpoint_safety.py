@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import make_mlp
 
+from helpers import make_mlp
 from impel import Accelerator, CheckpointError, merge_weights
 from impel.checkpoint import layout, sharded
 

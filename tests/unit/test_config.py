@@ -6,8 +6,7 @@ import logging
 
 import pytest
 
-from impel import Accelerator, ConfigError, RunConfig
-from impel import env
+from impel import Accelerator, ConfigError, RunConfig, env
 from impel.config import defaults, merge_code_arguments
 
 

@@ -11,13 +11,13 @@ from impel import ConfigError
 from impel.data import skip_first_batches
 from test_data_sharding import RangeIterable, batches, custom_loader, shard
 
-
 # --- skipping and resuming ----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("rank", [0, 1])
 @pytest.mark.parametrize("skip", [0, 1, 3, 5, 6])
 def test_skip_batches_continues_with_exactly_the_next_batch(rank, skip):
-    full = batches(shard(DataLoader(IndexDataset(23), batch_size=2, shuffle=True), 2, rank, use_seedable_sampler=True))  # 6 batches
+    # 6 batches
+    full = batches(shard(DataLoader(IndexDataset(23), batch_size=2, shuffle=True), 2, rank, use_seedable_sampler=True))
     dl = shard(DataLoader(IndexDataset(23), batch_size=2, shuffle=True), 2, rank, use_seedable_sampler=True)
     dl.skip_batches(skip)
     assert batches(dl) == full[skip:]

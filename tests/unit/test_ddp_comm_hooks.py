@@ -8,8 +8,7 @@ import logging
 import pytest
 import torch
 
-from impel import Accelerator, ConfigError, DistributedDataParallelKwargs, FullyShardedDataParallelPlugin
-from impel import ddp_hooks
+from impel import Accelerator, ConfigError, DistributedDataParallelKwargs, FullyShardedDataParallelPlugin, ddp_hooks
 from impel.ddp_hooks import DDPCommunicationHookType, reduction_dtype, refuse_hook_without_ddp
 
 

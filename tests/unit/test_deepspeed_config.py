@@ -78,7 +78,8 @@ def test_without_json_the_plugin_defaults_apply_and_clipping_is_off():
     # never asked for it, so impel writes 0 (off) unless told
     assert ds["zero_optimization"] == {"stage": 2}
     assert ds["gradient_clipping"] == 0.0
-    assert (ds["train_micro_batch_size_per_gpu"], ds["train_batch_size"], ds["gradient_accumulation_steps"]) == (8, 16, 1)
+    sizes = (ds["train_micro_batch_size_per_gpu"], ds["train_batch_size"], ds["gradient_accumulation_steps"])
+    assert sizes == (8, 16, 1)
     assert ds["zero_allow_untested_optimizer"] is True  # any torch optimizer runs under ZeRO
     assert ds["bf16"] == {"enabled": False} and ds["fp16"] == {"enabled": False}
 
@@ -95,7 +96,8 @@ def test_a_json_without_a_stage_keeps_deepspeed_s_default():
      ("gradient_accumulation_steps=4", "gradient_accumulation_steps=2")),
     ({}, {"mixed_precision": "no"}, {"bf16": {"enabled": True}}, ("mixed_precision='no'", "bf16.enabled=true")),
     ({}, {"mixed_precision": "bf16"}, {"bf16": {"enabled": False}}, ("mixed_precision='bf16'", "bf16.enabled=false")),
-    ({"offload_optimizer_device": "none"}, {}, {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
+    ({"offload_optimizer_device": "none"}, {},
+     {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
      ("offload_optimizer_device='none'", "zero_optimization.offload_optimizer.device='cpu'")),
 ])
 def test_an_explicit_value_contradicting_the_json_raises_naming_both(section, top, ds, names):

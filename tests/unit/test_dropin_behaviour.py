@@ -170,8 +170,8 @@ def test_load_checkpoint_in_model_into_an_empty_model(tmp_path, layout):
 
 def test_load_checkpoint_in_model_matches_accelerate(tmp_path):
     accelerate_utils = pytest.importorskip("accelerate.utils")
-    from impel.utils import load_checkpoint_in_model
     from impel.checkpoint.hf import save_pretrained_weights
+    from impel.utils import load_checkpoint_in_model
 
     save_pretrained_weights(_source().state_dict(), tmp_path)
     options = {"device_map": {"": "cpu"}, "dtype": torch.float16, "keep_in_fp32_modules": ["norm"]}

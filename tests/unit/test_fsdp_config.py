@@ -6,13 +6,13 @@ import re
 
 import pytest
 import torch
-from tiny_transformers import tiny_bert, tiny_gpt2, tiny_llama
 from torch import nn
 
 from impel import FullyShardedDataParallelPlugin
 from impel.config import ConfigError, FSDPConfig, merge_code_arguments
 from impel.strategies.fsdp import mesh_layout
 from impel.strategies.fsdp_wrap import check_requested, select_units
+from tiny_transformers import tiny_bert, tiny_gpt2, tiny_llama
 
 
 # --- the plugin -------------------------------------------------------------------------------------------------
@@ -48,7 +48,8 @@ def test_plugin_accepts_torch_fsdp_objects():
     assert FullyShardedDataParallelPlugin(sharding_strategy=2).to_config_section() == {
         "fsdp_sharding_strategy": "SHARD_GRAD_OP"}
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    assert FullyShardedDataParallelPlugin(mixed_precision_policy=policy).code_arguments(None)["mixed_precision"] == "bf16"
+    plugin = FullyShardedDataParallelPlugin(mixed_precision_policy=policy)
+    assert plugin.code_arguments(None)["mixed_precision"] == "bf16"
     fsdp1 = MixedPrecision(param_dtype=torch.float16)
     assert FullyShardedDataParallelPlugin(mixed_precision_policy=fsdp1).mixed_precision == "fp16"
     as_dict = {"param_dtype": "bfloat16", "reduce_dtype": "float32"}

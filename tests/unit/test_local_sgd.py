@@ -24,7 +24,8 @@ def test_one_process_counts_steps_and_changes_nothing():
 @pytest.mark.parametrize("steps", [0, -3, None, 2.0, True])
 def test_local_sgd_steps_must_be_a_positive_int_when_enabled(steps):
     acc = Accelerator(cpu=True)
-    with pytest.raises(ValueError, match=rf"LocalSGD\(local_sgd_steps={steps!r}\) must be a positive int.*enabled=False"):
+    with pytest.raises(ValueError,
+                       match=rf"LocalSGD\(local_sgd_steps={steps!r}\) must be a positive int.*enabled=False"):
         LocalSGD(acc, torch.nn.Linear(2, 2), steps)
     LocalSGD(acc, torch.nn.Linear(2, 2), steps, enabled=False)  # Accelerate's example: local_sgd_steps=None, off
 

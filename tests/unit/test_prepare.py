@@ -9,8 +9,16 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from helpers import make_mlp, make_regression
-from impel import (Accelerator, AutocastKwargs, ConfigError, DataLoaderConfiguration, DistributedDataParallelKwargs,
-                   GradientAccumulationPlugin, GradScalerKwargs, InitProcessGroupKwargs)
+from impel import (
+    Accelerator,
+    AutocastKwargs,
+    ConfigError,
+    DataLoaderConfiguration,
+    DistributedDataParallelKwargs,
+    GradientAccumulationPlugin,
+    GradScalerKwargs,
+    InitProcessGroupKwargs,
+)
 from impel.data import DataLoaderShard
 from impel.optimizer import AcceleratedOptimizer, AcceleratedScheduler
 

@@ -182,9 +182,8 @@ def test_deepspeed_knob_becomes_the_plugin():
 
 
 def test_a_deepspeed_json_optimizer_and_scheduler_get_filled_placeholders():
-    from trainer_helpers import tiny_bert
-
     from impel import DummyOptim, DummyScheduler, Trainer
+    from trainer_helpers import tiny_bert
 
     ds = {"optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto"}},
           "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": "auto"}}}

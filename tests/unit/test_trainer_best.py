@@ -12,8 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import max_abs_diff
 from safetensors.torch import load_file
+
+from helpers import max_abs_diff
+from impel import TrainerCallback, TrainingArguments
 from trainer_helpers import (
     TokenDataset,
     impel_trainer,
@@ -22,8 +24,6 @@ from trainer_helpers import (
     trained_weights,
     transformers_trainer,
 )
-
-from impel import TrainerCallback, TrainingArguments
 
 # lr 1e-2 over 10 steps: eval_loss 0.68786, 0.69786, 0.69261, 0.69181, 0.69079 -> the best is step 2, the runner-up
 # the last; the model moves on for 8 steps after it

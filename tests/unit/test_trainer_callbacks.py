@@ -7,7 +7,11 @@ import logging
 
 import pytest
 import transformers
+
 from helpers import max_abs_diff
+from impel import TrainerCallback
+from impel.config import ConfigError
+from impel.trainer import EarlyStoppingCallback, TrainerControl
 from trainer_helpers import (
     TokenDataset,
     impel_trainer,
@@ -16,10 +20,6 @@ from trainer_helpers import (
     trained_weights,
     transformers_trainer,
 )
-
-from impel import TrainerCallback
-from impel.config import ConfigError
-from impel.trainer import EarlyStoppingCallback, TrainerControl
 
 EVENTS = ("on_init_end", "on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end", "on_step_begin",
           "on_pre_optimizer_step", "on_optimizer_step", "on_substep_end", "on_step_end", "on_evaluate", "on_predict",

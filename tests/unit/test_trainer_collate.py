@@ -4,10 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 from datasets import Dataset
-from trainer_helpers import tiny_bert
 
 from impel.config import ConfigError
 from impel.trainer.collate import default_data_collator, remove_unused_columns
+from trainer_helpers import tiny_bert
 
 
 def test_dict_samples_are_stacked_and_labels_renamed():

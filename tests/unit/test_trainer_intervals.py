@@ -3,9 +3,9 @@ the same tiny BERT and data; the rows of the log history are compared step by st
 from __future__ import annotations
 
 import pytest
-from trainer_helpers import TokenDataset, impel_trainer, tiny_bert, transformers_trainer
 
 from impel.config import ConfigError
+from trainer_helpers import TokenDataset, impel_trainer, tiny_bert, transformers_trainer
 
 # 20 samples, batch 4: 5 optimizer steps per epoch; 3 epochs
 RUN = {"per_device_train_batch_size": 4, "max_steps": 15, "learning_rate": 3e-3, "seed": 7, "save_strategy": "no",

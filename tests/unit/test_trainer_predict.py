@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from trainer_helpers import TokenDataset, impel_trainer, tiny_bert, transformers_trainer
 
 from impel import TrainerCallback
 from impel.trainer import PredictionOutput
+from trainer_helpers import TokenDataset, impel_trainer, tiny_bert, transformers_trainer
 
 RUN = {"per_device_train_batch_size": 4, "max_steps": 4, "learning_rate": 3e-3, "seed": 7, "logging_steps": 2,
        "save_strategy": "no", "per_device_eval_batch_size": 3}

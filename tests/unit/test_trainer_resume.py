@@ -4,11 +4,11 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import max_abs_diff
-from trainer_helpers import TokenDataset, tiny_bert
 
+from helpers import max_abs_diff
 from impel import Trainer, TrainerCallback, TrainingArguments
 from impel.checkpoint import CheckpointError
+from trainer_helpers import TokenDataset, tiny_bert
 
 VOLATILE = ("_runtime", "_per_second")  # wall-clock numbers differ between any two runs
 

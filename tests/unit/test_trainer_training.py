@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 import torch
 from datasets import Dataset
-from helpers import max_abs_diff
-from trainer_helpers import TokenDataset, reference_trainer_loop, tiny_bert
 
+from helpers import max_abs_diff
 from impel import Trainer, TrainerCallback, TrainingArguments
 from impel.config import ConfigError
+from trainer_helpers import TokenDataset, reference_trainer_loop, tiny_bert
 
 RECIPE = {"learning_rate": 3e-3, "warmup_steps": 2, "weight_decay": 0.1, "max_grad_norm": 0.5, "seed": 7,
           "lr_scheduler_type": "linear", "disable_tqdm": True, "report_to": "none"}

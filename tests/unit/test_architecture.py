@@ -1,0 +1,304 @@
+"""Habits that keep the architecture, checked statically (AST only: nothing under ``impel/`` is imported).
+
+- Only ``impel/env.py`` reads or writes the environment (``os.environ``, ``os.getenv``, ``os.putenv``, ...).
+- No module under ``impel/`` is longer than 500 lines.
+- impel's modules import each other without cycles.
+- Each module sits in a layer (docs/design.md, "Layers"; the table there and ``LAYERS`` here must agree) and
+  imports nothing from a higher layer.
+
+What counts as an import of an impel module: every ``import`` / ``from ... import`` anywhere in the file (module
+level, under ``if TYPE_CHECKING:``, inside functions), relative or absolute. ``from pkg import name`` is an import of
+the submodule ``pkg.name`` when that is a module, else of ``pkg`` itself (its ``__init__``, whose own imports are
+edges of the package); a name a package resolves lazily through a literal ``_EXPORTS`` table (``impel``,
+``impel.trainer``) counts as an import of the module the table names. Dotted paths in strings (the strategy
+registry, ``importlib.import_module``) are not imports, and neither is the implicit import of a module's parent
+packages.
+"""
+from __future__ import annotations
+
+import ast
+import functools
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "impel"
+DESIGN = ROOT / "docs" / "design.md"
+
+MAX_LINES = 500
+
+# --- the environment ---------------------------------------------------------------------------------------------
+ENV_MODULE = "impel.env"
+# Modules allowed to touch os.environ besides impel.env, each with the reason.
+ENV_ALLOWED = {
+    "impel.testing": "the harness behind run_on_ranks plays the launcher: it copies the caller's whole environment "
+                     "into each rank it starts (then RANK / WORLD_SIZE / ...), reading no variable by name, so "
+                     "nothing in it configures impel",
+}
+ENV_NAMES = {"environ", "environb", "getenv", "getenvb", "putenv", "unsetenv"}
+
+# --- layers ------------------------------------------------------------------------------------------------------
+# Names relative to ``impel``; ``pkg.*`` is every module of a package (its __init__ included) not named on its own;
+# ``impel`` is the package's own __init__ (the version and the lazy name table). docs/design.md, "Layers", holds
+# the same table. A module may import from its own layer and the ones below.
+LAYERS = {
+    # 0 foundation: imports nothing from impel
+    "impel": 0, "env": 0, "schema": 0, "kwargs_handler": 0, "teardown": 0, "exports": 0,
+    "availability": 0, "memory": 0,
+    # 1 configuration: the run config, its file, the plugins and kwargs handlers users build
+    "config": 1, "compile_config": 1, "config_file": 1, "convert": 1, "plugins": 1, "profiling": 1, "ddp_hooks": 1,
+    # 2 the process and the training step
+    "state": 2, "process_control": 2, "collectives": 2, "splitting": 2, "seeding": 2, "accumulation": 2,
+    "optimizer": 2, "precision": 2, "precision_report": 2, "model": 2, "model_loading": 2, "data": 2,
+    "process_logging": 2, "progress": 2,
+    # 3 checkpoint storage: layout, files, digests, formats, export
+    "checkpoint.*": 3, "saving": 3,
+    # 4 resolving the run: the RunRecord every built object reads, with torch.compile's settings and compiler and
+    # the DeepSpeed JSON it settles
+    "resolve": 4, "compile": 4, "strategies.deepspeed_config": 4,
+    # 5 strategies, built from the record
+    "strategies.*": 5,
+    # 6 the facade's services: the prepared record, save/load sequence, Accelerate's checkpoints, preemption,
+    # trackers, settings
+    "prepared": 6, "checkpoint.checkpointer": 6, "checkpoint.accelerate_format": 6,
+    "checkpoint.accelerate_weights": 6, "resilience": 6, "tracker_base": 6, "builtin_trackers": 6, "tracking": 6,
+    "run_settings": 6, "process_utilities": 6,
+    # 7 the facade
+    "accelerator": 7, "local_sgd": 7, "launchers": 7,
+    # 8 the Trainer
+    "trainer.*": 8,
+    # 9 the command line
+    "commands.*": 9, "planning.*": 9, "selftest": 9,
+    # 10 Accelerate's module paths (faces over the rest) and the test harness: nothing in impel imports them
+    "utils": 10, "logging": 10, "data_loader": 10, "big_modeling": 10, "testing": 10,
+}
+
+
+# --- reading the package -----------------------------------------------------------------------------------------
+@functools.cache
+def modules() -> dict[str, Path]:
+    """Dotted name -> file, for every module of the impel package."""
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+@functools.cache
+def tree(module: str) -> ast.Module:
+    return ast.parse(modules()[module].read_text(encoding="utf-8"), filename=str(modules()[module]))
+
+
+def _is_package(module: str) -> bool:
+    return modules()[module].name == "__init__.py"
+
+
+@functools.cache
+def lazy_exports() -> dict[str, dict[str, str]]:
+    """Module -> {name: module it resolves to} for the literal ``_EXPORTS`` tables of lazy faces."""
+    out: dict[str, dict[str, str]] = {}
+    for module in modules():
+        for node in tree(module).body:
+            if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "_EXPORTS"
+                                                    for t in node.targets):
+                try:
+                    table = ast.literal_eval(node.value)
+                except ValueError:  # built with comprehensions (impel.utils): not resolved, the face is on top
+                    continue
+                base = module if _is_package(module) else module.rpartition(".")[0]
+                out[module] = {name: target if target.startswith("impel") else f"{base}.{target}"
+                               for name, target in table.items()}
+    return out
+
+
+def _known(name: str) -> str | None:
+    """``name`` or its longest prefix that is an impel module."""
+    while name:
+        if name in modules():
+            return name
+        name = name.rpartition(".")[0]
+    return None
+
+
+def imports(module: str) -> Iterator[tuple[str, int]]:
+    """(imported impel module, line) for every import in ``module``."""
+    package = module if _is_package(module) else module.rpartition(".")[0]
+    for node in ast.walk(tree(module)):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                target = _known(alias.name) if alias.name.split(".")[0] == "impel" else None
+                if target:
+                    yield target, node.lineno
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[:len(parts) - node.level + 1] + ([node.module] if node.module else []))
+            else:
+                base = node.module or ""
+            if base.split(".")[0] != "impel":
+                continue
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                target = (sub if sub in modules() else lazy_exports().get(base, {}).get(alias.name) or _known(base))
+                if target:
+                    yield target, node.lineno
+
+
+@functools.cache
+def graph() -> dict[str, dict[str, int]]:
+    """Module -> {imported module: first line importing it}; self-imports left out."""
+    out: dict[str, dict[str, int]] = {}
+    for module in modules():
+        edges: dict[str, int] = {}
+        for target, line in imports(module):
+            if target != module:
+                edges.setdefault(target, line)
+        out[module] = edges
+    return out
+
+
+def strongly_connected(edges: dict[str, dict[str, int]]) -> list[list[str]]:
+    """Tarjan's algorithm: the components with more than one module (each one or more import cycles)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in edges[node]:
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(edges):
+        if node not in index:
+            visit(node)
+    return sorted(found)
+
+
+def _where(module: str, line: int) -> str:
+    return f"{modules()[module].relative_to(ROOT)}:{line}"
+
+
+def layer_of(module: str) -> int | None:
+    short = "impel" if module == "impel" else module.removeprefix("impel.")
+    if short in LAYERS:
+        return LAYERS[short]
+    parts = short.split(".")
+    for cut in range(len(parts), 0, -1):
+        layer = LAYERS.get(".".join(parts[:cut]) + ".*")
+        if layer is not None:
+            return layer
+    return None
+
+
+# --- the checks --------------------------------------------------------------------------------------------------
+def environment_uses(module: str) -> list[str]:
+    """Where ``module`` touches the process environment through ``os``."""
+    os_names = set()
+    found = []
+    body = tree(module)
+    for node in ast.walk(body):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name == "os" or alias.name.startswith("os."):
+                    os_names.add(alias.asname or "os")
+        elif isinstance(node, ast.ImportFrom) and node.module == "os" and not node.level:
+            found += [f"{_where(module, node.lineno)} from os import {a.name}" for a in node.names
+                      if a.name in ENV_NAMES or a.name == "*"]
+    for node in ast.walk(body):
+        if (isinstance(node, ast.Attribute) and node.attr in ENV_NAMES and isinstance(node.value, ast.Name)
+                and node.value.id in os_names):
+            found.append(f"{_where(module, node.lineno)} {node.value.id}.{node.attr}")
+    return found
+
+
+def test_only_env_reads_the_environment():
+    assert "impel.env" in modules() and environment_uses("impel.env")  # the probe sees what it looks for
+    unknown = set(ENV_ALLOWED) - set(modules())
+    assert not unknown, f"ENV_ALLOWED names modules that do not exist: {sorted(unknown)}"
+    found = [use for m in modules() if m != ENV_MODULE and m not in ENV_ALLOWED for use in environment_uses(m)]
+    assert not found, ("only impel/env.py reads or writes the environment; move these into a function there "
+                       "(named after what it reads):\n  " + "\n  ".join(found))
+
+
+def test_no_module_is_longer_than_500_lines():
+    long = {m: n for m, p in modules().items() if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
+    assert not long, (f"modules over {MAX_LINES} lines: "
+                      + ", ".join(f"{modules()[m].relative_to(ROOT)} ({n})" for m, n in sorted(long.items()))
+                      + "; split each by job")
+
+
+def test_the_import_graph_is_read():  # the other tests are only as good as the graph
+    edges = graph()
+    assert "impel.config" in edges["impel.state"]
+    assert "impel.checkpoint.layout" in edges["impel.checkpoint"]  # a package __init__ re-exporting
+    assert "impel.strategies.deepspeed_config" in edges["impel.trainer.trainer"]  # from impel import DummyOptim
+    assert lazy_exports()["impel.trainer"]["Trainer"] == "impel.trainer.trainer"  # a lazy table's relative names
+    assert strongly_connected({"a": {"b": 1}, "b": {"c": 1}, "c": {"a": 1}, "d": {"a": 1}}) == [["a", "b", "c"]]
+
+
+def test_impel_modules_form_no_import_cycle():
+    edges = graph()
+    cycles = strongly_connected(edges)
+    lines = []
+    for component in cycles:
+        lines.append(f"{len(component)} modules: {', '.join(component)}")
+        lines += [f"    {a} -> {b}  ({_where(a, line)})" for a in component for b, line in sorted(edges[a].items())
+                  if b in component]
+    assert not cycles, ("import cycles among impel's modules (strongly connected components, with the imports "
+                        "inside each; an import under TYPE_CHECKING or inside a function counts):\n"
+                        + "\n".join(lines))
+
+
+def test_every_module_has_a_layer():
+    missing = sorted(m for m in modules() if layer_of(m) is None)
+    assert not missing, f"place these modules in LAYERS (and in docs/design.md, 'Layers'): {missing}"
+    stale = sorted(k for k in LAYERS if not k.endswith(".*") and ("impel" if k == "impel" else f"impel.{k}")
+                   not in modules())
+    stale += sorted(k for k in LAYERS if k.endswith(".*") and f"impel.{k[:-2]}" not in modules())
+    assert not stale, f"LAYERS names modules that do not exist: {stale}"
+
+
+def test_no_module_imports_from_a_higher_layer():
+    edges = graph()
+    upward = [f"{a} (layer {layer_of(a)}) imports {b} (layer {layer_of(b)})  ({_where(a, line)})"
+              for a in sorted(edges) for b, line in sorted(edges[a].items())
+              if (layer_of(a) or 0) < (layer_of(b) or 0)]
+    assert not upward, ("a module imports from a higher layer (docs/design.md, 'Layers'); move the shared part "
+                        "down, or pass the object in instead of importing its class:\n  " + "\n  ".join(upward))
+
+
+def documented_layers() -> dict[str, int]:
+    """The table under docs/design.md's "## Layers": the backticked names of each row, by layer number."""
+    text = DESIGN.read_text(encoding="utf-8")
+    section = text.split("\n## Layers\n", 1)[1].split("\n## ", 1)[0]
+    out = {}
+    for row in re.finditer(r"^\|\s*(\d+)\s*\|([^|]*)\|", section, flags=re.MULTILINE):
+        for name in re.findall(r"`([^`]+)`", row.group(2)):
+            out[name] = int(row.group(1))
+    return out
+
+
+def test_design_doc_and_test_agree_on_the_layers():
+    assert documented_layers() == LAYERS
