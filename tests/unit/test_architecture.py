@@ -302,3 +302,26 @@ def documented_layers() -> dict[str, int]:
 
 def test_design_doc_and_test_agree_on_the_layers():
     assert documented_layers() == LAYERS
+
+
+# --- the Accelerator's private attributes --------------------------------------------------------------------------
+# How other modules name an Accelerator: a variable or attribute with one of these names. The facade hands them what
+# they need instead (impel.prepared.Prepared / TrainingRun, public methods).
+ACCELERATOR_NAMES = {"acc", "accelerator", "_accelerator"}
+
+
+def private_accelerator_reads(module: str) -> list[str]:
+    found = []
+    for node in ast.walk(tree(module)):
+        if not (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")):
+            continue
+        owner = node.value
+        name = owner.id if isinstance(owner, ast.Name) else owner.attr if isinstance(owner, ast.Attribute) else None
+        if name in ACCELERATOR_NAMES:
+            found.append(f"{_where(module, node.lineno)}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_module_but_the_facade_reads_an_accelerator_private_attribute():
+    reads = [r for m in sorted(modules()) if m != "impel.accelerator" for r in private_accelerator_reads(m)]
+    assert reads == [], "read through impel.prepared / a public method instead:\n" + "\n".join(reads)
