@@ -131,6 +131,14 @@ class TensorBoardTracker(GeneralTracker):
         self.writer.flush()
 
     @on_main_process
+    def log_images(self, values: Mapping[str, Any], step: int | None = None, **kwargs: Any) -> None:
+        """Accelerate's: each value a batch of images (``NCHW`` by default; ``dataformats=`` as SummaryWriter's)
+        written with ``add_images``."""
+        for key, images in values.items():
+            self.writer.add_images(key, images, global_step=step, **kwargs)
+        self.writer.flush()
+
+    @on_main_process
     def finish(self) -> None:
         self.writer.close()
 
@@ -183,6 +191,22 @@ class WandBTracker(_ProjectRunTracker):
     @on_main_process
     def store_init_configuration(self, values: dict[str, Any]) -> None:
         self.run.config.update(values, allow_val_change=True)
+
+    @on_main_process
+    def log_images(self, values: Mapping[str, Any], step: int | None = None, **kwargs: Any) -> None:
+        """Accelerate's: each value a list of images (arrays, tensors or PIL images), logged as ``wandb.Image``."""
+        import wandb
+
+        for key, images in values.items():
+            self.log({key: [wandb.Image(image) for image in images]}, step=step, **kwargs)
+
+    @on_main_process
+    def log_table(self, table_name: str, columns: list[str] | None = None, data: list[list[Any]] | None = None,
+                  dataframe: Any = None, step: int | None = None, **kwargs: Any) -> None:
+        """Accelerate's: a ``wandb.Table`` from ``columns`` + ``data`` rows, or from a pandas ``dataframe``."""
+        import wandb
+
+        self.log({table_name: wandb.Table(columns=columns, data=data, dataframe=dataframe)}, step=step, **kwargs)
 
 
 class MLflowTracker(GeneralTracker):
@@ -258,6 +282,28 @@ class MLflowTracker(GeneralTracker):
             else:
                 self._dropped(key, value)
         mlflow.log_metrics(metrics, step=step, **kwargs)
+
+    @on_main_process
+    def log_figure(self, figure: Any, artifact_file: str, **save_kwargs: Any) -> None:
+        """Accelerate's: a matplotlib or plotly figure stored as the run's artifact ``artifact_file`` (e.g.
+        ``"plots/loss.png"``)."""
+        import mlflow
+
+        mlflow.log_figure(figure=figure, artifact_file=artifact_file, **save_kwargs)
+
+    @on_main_process
+    def log_artifacts(self, local_dir: str | os.PathLike[str], artifact_path: str | None = None) -> None:
+        """Accelerate's: every file under ``local_dir`` copied into the run's artifacts (under ``artifact_path``)."""
+        import mlflow
+
+        mlflow.log_artifacts(local_dir=os.fspath(local_dir), artifact_path=artifact_path)
+
+    @on_main_process
+    def log_artifact(self, local_path: str | os.PathLike[str], artifact_path: str | None = None) -> None:
+        """Accelerate's: one file copied into the run's artifacts (under ``artifact_path``)."""
+        import mlflow
+
+        mlflow.log_artifact(local_path=os.fspath(local_path), artifact_path=artifact_path)
 
     @on_main_process
     def finish(self) -> None:
