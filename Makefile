@@ -1,5 +1,5 @@
-# make venv: build .venv (CPU torch pinned for the dev env); make test: venv + lint + the test suite;
-# make lint: ruff over the repository and mypy over impel/;
+# make venv: build .venv (CPU torch pinned for the dev env); make test: venv + lint + docs + the test suite;
+# make lint: ruff over the repository and mypy over impel/; make docs: the mkdocs site, warnings as errors;
 # make demo: venv + the seed exercise (Trainer, genre classifier, 2 CPU ranks);
 # make bench: venv + benchmarks (not part of make test).
 PYTHON ?= python3
@@ -14,7 +14,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 # XDG_CACHE_HOME would each build their own copy
 export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 
-.PHONY: venv test lint demo bench clean deepspeed-ops
+.PHONY: venv test lint docs demo bench clean deepspeed-ops
 
 venv: $(STAMP)
 
@@ -42,7 +42,12 @@ lint: venv
 	$(BIN)/ruff check -q .
 	$(BIN)/mypy --cache-dir $(VENV)/.mypy_cache impel
 
-test: venv deepspeed-ops lint
+# the documentation site (mkdocs.yml, docs/): a broken link, anchor or nav entry fails the build (~2 s); the site goes
+# into the venv, outside the tracked tree. docs/cli.md is generated: tests/unit/test_docs.py checks it is current
+docs: venv
+	$(BIN)/mkdocs build --strict --quiet --site-dir $(abspath $(VENV))/site
+
+test: venv deepspeed-ops lint docs
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
 
 demo: venv

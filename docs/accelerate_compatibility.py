@@ -107,7 +107,7 @@ LIMITS = {
     "is_fp8_available": "always False: impel has no fp8 mode",
     "join_uneven_inputs": "DDP (MULTI_CPU and MULTI_GPU, where Accelerate only honours MULTI_GPU); FSDP / DeepSpeed "
                           "raise (torch has no Join for them)",
-    "load_state": "also loads a directory written by Accelerate's `save_state` (README, \"Semantics\"); "
+    "load_state": "also loads a directory written by Accelerate's `save_state` (docs/checkpoints.md, \"Checkpoints\"); "
                   "`strict=False` lets model keys differ (named in a warning); `map_location` None / 'cpu' / "
                   "'on_device' and load_kwargs={'map_location': ...} are accepted (impel copies into the prepared "
                   "objects wherever they live); other keywords go to DeepSpeed's engine.load_checkpoint under "

@@ -1,6 +1,6 @@
 """The seed exercise (examples/train_genre_classifier.py) runs under ``impel launch`` on 2 CPU ranks, shortened.
 
-A few steps cannot show the accuracy (README has the full run's number); this checks that the run finishes, the
+A few steps cannot show the accuracy (docs/trainer.md has the full run's number); this checks that the run finishes, the
 main process alone prints the accuracy and the plot path, and the files land where they are announced.
 """
 from __future__ import annotations

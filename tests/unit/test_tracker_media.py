@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from tracker_readers import read_wandb
 
 IMAGES = {"samples": np.stack([np.full((3, 4, 5), i * 40, dtype=np.uint8) for i in range(3)])}  # NCHW
