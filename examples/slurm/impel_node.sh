@@ -29,7 +29,9 @@ if [[ -z "$main_host" ]]; then
              "IMPEL_MAIN_PROCESS_IP to that node's address" >&2
         exit 2
     fi
-    main_host="$(scontrol show hostnames "${SLURM_JOB_NODELIST:?SLURM_JOB_NODELIST is not set}" | head -n 1)"
+    # no `| head -n 1`: with pipefail, scontrol killed by SIGPIPE after the first line would fail the script
+    hosts="$(scontrol show hostnames "${SLURM_JOB_NODELIST:?SLURM_JOB_NODELIST is not set}")"
+    main_host="${hosts%%$'\n'*}"
 fi
 
 per_node="${IMPEL_PROCESSES_PER_NODE:-${SLURM_GPUS_ON_NODE:-}}"

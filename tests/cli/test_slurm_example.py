@@ -45,7 +45,8 @@ def node(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.Popen:
 
 
 def test_the_node_script_builds_the_launch_command_from_slurm_variables(tmp_path):
-    bin_dir = fake_bin(tmp_path, ["gpu01", "gpu02", "gpu03", "gpu04"])
+    # a long node list: reading only its first line must not fail the script (SIGPIPE under pipefail)
+    bin_dir = fake_bin(tmp_path, ["gpu01", "gpu02", "gpu03", "gpu04"] + [f"n{i:05d}" for i in range(20000)])
     env = slurm_env(tmp_path, bin_dir, SLURM_JOB_NUM_NODES="4", SLURM_NODEID="2", SLURM_JOB_NODELIST="gpu[01-04]",
                     SLURM_GPUS_ON_NODE="8", IMPEL_DRY_RUN="1", IMPEL_LAUNCH_ARGS="--mixed_precision bf16")
     res = finish(node(["--use_fsdp", "train.py", "--lr", "1e-4"], env, tmp_path), timeout=30)
@@ -86,14 +87,18 @@ def test_two_nodes_started_like_srun_train_together_over_c10d(tmp_path):
         procs = [node([str(SCRIPTS / "train_small.py"), "6"],
                       slurm_env(tmp_path, bin_dir, SLURM_NNODES="2", SLURM_NODEID=str(rank),
                                 SLURM_JOB_NODELIST="127.0.0.[1-2]", IMPEL_PROCESSES_PER_NODE="1",
-                                IMPEL_LAUNCH_ARGS="--cpu", IMPEL_MAIN_PROCESS_PORT=port), tmp_path)
+                                # on loopback both "nodes" match the endpoint's host and would race to host the
+                                # rendezvous store; on a cluster only the first node does: say so explicitly
+                                IMPEL_LAUNCH_ARGS=f"--cpu --rdzv_conf is_host={int(rank == 0)}",
+                                IMPEL_MAIN_PROCESS_PORT=port), tmp_path)
                  for rank in (0, 1)]
-        results = [finish(procs[0], timeout=150)]
-        if "address already in use" in results[0].output.lower() and attempt < 2:
+        results = [finish(procs[0], timeout=200)]
+        taken = "address already in use" in results[0].output.lower() or "EADDRINUSE" in results[0].output
+        if taken and attempt < 2:
             os.killpg(procs[1].pid, signal.SIGKILL)
             procs[1].communicate()
             continue
-        results.append(finish(procs[1], timeout=60))
+        results.append(finish(procs[1], timeout=120))
         break
     for res in results:
         assert res.returncode == 0, res.output
