@@ -83,26 +83,20 @@ def test_seed_loop_single_process(tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_seed_loop_torchrun_two_ranks_saves_weights(tmp_path):
+def test_seed_loop_torchrun_two_ranks_bf16_with_accumulation_saves_weights(tmp_path):
     from safetensors import safe_open
 
-    out = run_example(["--max_steps", "8", "--log_every", "2", "--output_dir", str(tmp_path / "model")], ranks=2,
-                      cwd=tmp_path)
-    check_training_run(out, ranks=2, steps=8, printed_steps=[0, 2, 4, 6])
+    out = run_example(["--max_steps", "8", "--log_every", "2", "--mixed_precision", "bf16",
+                       "--gradient_accumulation_steps", "2", "--batch_size", "4",
+                       "--output_dir", str(tmp_path / "model")], ranks=2, cwd=tmp_path)
+    result = check_training_run(out, ranks=2, steps=8, printed_steps=list(range(0, 16, 2)))
+    assert result["mixed_precision"] == "bf16"
+    assert "accumulation=2 global_batch=16" in out
     with safe_open(str(tmp_path / "model" / "model.safetensors"), framework="pt") as f:
         keys = set(f.keys())
         assert "transformer.wte.weight" in keys and not any(k.startswith("module.") for k in keys)
         assert tuple(f.get_tensor("transformer.wte.weight").shape) == (257, 128)
     assert (tmp_path / "model" / "config.json").is_file()
-
-
-@pytest.mark.multiprocess
-def test_seed_loop_torchrun_bf16_with_accumulation(tmp_path):
-    out = run_example(["--max_steps", "8", "--log_every", "2", "--mixed_precision", "bf16",
-                       "--gradient_accumulation_steps", "2", "--batch_size", "4"], ranks=2, cwd=tmp_path)
-    result = check_training_run(out, ranks=2, steps=8, printed_steps=list(range(0, 16, 2)))
-    assert result["mixed_precision"] == "bf16"
-    assert "accumulation=2 global_batch=16" in out
 
 
 @pytest.mark.multiprocess
