@@ -10,8 +10,10 @@ logits. Three loops on the same batches and weights, bf16 autocast, one process,
 * ``impel, no cast``: ``cast_outputs_to_fp32=False``.
 
 Reported: median time per step and the cast's share (``impel`` / ``impel, no cast``), for a small and a larger
-vocabulary. The loss is computed from the logits outside the model (as training scripts with custom losses do), so
-the fp32 logits are what the loss reads.
+vocabulary. The loss is computed from the logits outside the model (as training scripts with custom losses do) and
+upcasts them to fp32 as mixed-precision recipes do, so without impel's cast the same copy happens in the loss: the
+cast moves, it is not added. Measured on this CPU (bf16, batch 4 x 64): +0.9% per step at vocabulary 512 (0.5 MB of
+fp32 logits), -1.3% at 8192 (8.4 MB), both within the run's noise; impel/raw 1.04 and 0.98.
 """
 from __future__ import annotations
 
