@@ -84,9 +84,12 @@ class Accelerator(ProcessUtilities, RunSettings):
                  log_with: Any = None, rng_types: Sequence[str] | None = None,
                  dynamo_backend: Any = None, dynamo_plugin: TorchDynamoPlugin | None = None) -> None:
         # resolve: every value settled (launch config, these arguments, plugins, DeepSpeed JSON) before any object
-        args = RunArguments(mixed_precision, cpu, gradient_accumulation_steps, gradient_accumulation_plugin,
-                            nonfinite_loss, fsdp_plugin, deepspeed_plugin, dynamo_backend, dynamo_plugin,
-                            kwargs_handlers)
+        args = RunArguments(mixed_precision=mixed_precision, cpu=cpu,
+                            gradient_accumulation_steps=gradient_accumulation_steps,
+                            gradient_accumulation_plugin=gradient_accumulation_plugin, nonfinite_loss=nonfinite_loss,
+                            fsdp_plugin=fsdp_plugin, deepspeed_plugin=deepspeed_plugin,
+                            dynamo_backend=dynamo_backend, dynamo_plugin=dynamo_plugin,
+                            kwargs_handlers=kwargs_handlers)
         self.record = resolve(env.read_launch_config(), args, current_topology())
         self.config: RunConfig = self.record.config  # read-only from here on
         self.handlers = self.record.handlers
@@ -111,7 +114,7 @@ class Accelerator(ProcessUtilities, RunSettings):
         self.strategy: Strategy = load_strategy(self.record, self.state, self.gradient_state)
         self._compiler = Compiler(self.record.dynamo_plugin, self.distributed_type)
         self._compiler.configure_backends(self.config.mixed_precision, self.device)
-        self.state.attach(self, self.record.dynamo_plugin)
+        self.state.attach(self)
         self.prepared = Prepared()  # handed to the checkpointer, the resilience logic and the Trainer
         run = TrainingRun(self.prepared, self.strategy, self.gradient_state, self.state, self.distributed_type,
                           self.config.mixed_precision)
@@ -300,16 +303,11 @@ class Accelerator(ProcessUtilities, RunSettings):
         """Clip at a group boundary (gradients unscaled first) and return the total norm; None mid-group."""
         if not self.sync_gradients:
             return None
-        return self.strategy.clip_grad_norm_(parameters, max_norm, norm_type, self._inner_optimizers())
+        return self.strategy.clip_grad_norm_(parameters, max_norm, norm_type, self.prepared.inner_optimizers())
 
     def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
         if self.sync_gradients:
-            self.strategy.clip_grad_value_(parameters, clip_value, self._inner_optimizers())
-
-    def _inner_optimizers(self) -> list[torch.optim.Optimizer]:
-        # The scaler keys its unscale bookkeeping by optimizer identity, and the strategy steps the inner one:
-        # unscaling the wrapper would unscale twice (once here, again in scaler.step).
-        return self.prepared.inner_optimizers()
+            self.strategy.clip_grad_value_(parameters, clip_value, self.prepared.inner_optimizers())
 
     def unscale_gradients(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         targets = self.prepared.optimizers if optimizer is None else [optimizer]
@@ -330,7 +328,7 @@ class Accelerator(ProcessUtilities, RunSettings):
     def precision_report(self, print_report: bool = False) -> PrecisionReport:
         """The dtypes in effect for the prepared models and optimizers (stored parameters, compute, gradients,
         reduction, optimizer states); ``print_report=True`` also prints it on the main process."""
-        report = self.strategy.precision_report(self.prepared.models, self._inner_optimizers())
+        report = self.strategy.precision_report(self.prepared.models, self.prepared.inner_optimizers())
         if print_report:
             self.print(report)
         return report

@@ -13,7 +13,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
-from .schema import option, validate_fields
+from .schema import Freezable, option, validate_fields
 
 
 class _ValuesContained(enum.EnumMeta):
@@ -65,7 +65,7 @@ MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagrap
 
 
 @dataclass
-class DynamoConfig:
+class DynamoConfig(Freezable):
     """The ``dynamo_config`` section. YAML keys and flags carry a ``dynamo_`` prefix (``dynamo_backend``)."""
 
     PREFIX = "dynamo_"

@@ -33,7 +33,8 @@ class Prepared:
     registered: list[Any] = field(default_factory=list)
 
     def inner_optimizers(self) -> list[torch.optim.Optimizer]:
-        """The user's optimizers inside the wrappers (what strategies and GradScalers key by identity)."""
+        """The user's optimizers inside the wrappers: the strategy steps them and the GradScaler keys its unscale
+        bookkeeping by their identity (unscaling a wrapper would unscale twice: there and again in scaler.step)."""
         return [opt.optimizer for opt in self.optimizers]
 
     def optimizer_steps(self) -> list[int]:

@@ -121,9 +121,7 @@ class Resilience:
 
         run = self.run
         root = self.checkpointer.checkpoints_root()
-        found = [bool(layout.list_complete(root)) if run.is_main_process else None]
-        if run.num_processes > 1:
-            found = broadcast_object_list(found)
+        found = broadcast_object_list([bool(layout.list_complete(root)) if run.is_main_process else None])
         if not found[0]:
             if run.is_main_process:
                 print(f"impel: auto_resume: no complete checkpoint under {root} yet; starting fresh", flush=True)

@@ -64,7 +64,7 @@ class RunRecord:
 
     @property
     def cpu_only(self) -> bool:
-        return bool(self.config.use_cpu or self.config.distributed_type == "MULTI_CPU")
+        return _cpu_only(self.config)
 
 
 def resolve(launched: Mapping[str, Any] | None, args: RunArguments, topology: Topology) -> RunRecord:
@@ -72,7 +72,7 @@ def resolve(launched: Mapping[str, Any] | None, args: RunArguments, topology: To
     code = _code_arguments(args)
     config = merge_code_arguments(launched, code)
     handlers = Handlers.collect(args.kwargs_handlers)
-    cpu_only = bool(config.use_cpu or config.distributed_type == "MULTI_CPU")
+    cpu_only = _cpu_only(config)
     device = live_device(cpu_only) or pick_device(topology.local_rank, cpu_only)
     _check_topology(config, launched, topology)
     distributed_type = _distributed_type(config.distributed_type, topology.world_size, device)
@@ -85,6 +85,11 @@ def resolve(launched: Mapping[str, Any] | None, args: RunArguments, topology: To
     config.freeze()
     return RunRecord(config, handlers, topology, device, distributed_type, accumulation, dynamo, deepspeed,
                      args.deepspeed_plugin, args.fsdp_plugin)
+
+
+def _cpu_only(config: RunConfig) -> bool:
+    """Train on the CPU even where a GPU is visible: ``cpu=True`` / ``use_cpu``, or a MULTI_CPU launch."""
+    return bool(config.use_cpu or config.distributed_type == "MULTI_CPU")
 
 
 def _code_arguments(args: RunArguments) -> dict[str, Any]:

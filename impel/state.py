@@ -94,9 +94,7 @@ class ProcessState:
     def _check_same(self, cpu: bool, backend: str | None, timeout: timedelta | None, init_method: str | None) -> None:
         """The process (device, process group) is one per process, as Accelerate's PartialState: a later request
         that this process cannot honour raises instead of being ignored."""
-        if cpu and self.device.type != "cpu":
-            raise ConfigError(f"cpu=True but this process already runs on {self.device}; "
-                              "create the first Accelerator with cpu=True")
+        live_device(cpu)  # raises when cpu=True asks for another device than the live one
         if not self.topology.distributed:
             return  # one process joins no group: nothing to disagree with
         asked = {"backend": (backend, self.backend), "timeout": (timeout, self.timeout),
@@ -251,10 +249,9 @@ class PartialState(ProcessState, ProcessControl):
 class AcceleratorState(PartialState):
     """``PartialState`` plus the settings the live Accelerator resolved; ``accelerator.state`` is one."""
 
-    def attach(self, accelerator: Any, dynamo_plugin: Any) -> None:
+    def attach(self, accelerator: Any) -> None:
         """Called by the Accelerator: later ``AcceleratorState()`` calls read its settings."""
         self.__dict__["accelerator_ref"] = weakref.ref(accelerator)
-        self.__dict__["dynamo_plugin_ref"] = dynamo_plugin
 
     def _accelerator(self, what: str) -> Any:
         ref = self.__dict__.get("accelerator_ref")
@@ -283,8 +280,7 @@ class AcceleratorState(PartialState):
     @property
     def dynamo_plugin(self) -> Any:
         """The resolved ``TorchDynamoPlugin`` (backend ``no`` when nothing is compiled)."""
-        self._accelerator("dynamo_plugin")  # raises before any Accelerator exists
-        return self.__dict__["dynamo_plugin_ref"]
+        return self._accelerator("dynamo_plugin").record.dynamo_plugin
 
     @property
     def is_fsdp2(self) -> bool:

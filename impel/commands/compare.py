@@ -66,29 +66,22 @@ def metrics_file(run: str | Path) -> Path:
 
 
 def read_rows(path: Path) -> list[dict[str, Any]]:
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"{path}:{number} is not a JSON object ({exc.msg}); is it a metrics.jsonl?") from None
-            if isinstance(row, dict):
-                rows.append(row)
-    return rows
+    """The JSON rows of a metrics.jsonl (the Trainer's reader), a ConfigError naming the file when it is not one."""
+    from ..trainer.plot import read_history
+
+    try:
+        return [row for row in read_history(path) if isinstance(row, dict)]
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path} holds a line that is not JSON ({exc.msg}); is it a metrics.jsonl?") from None
 
 
 def curve(rows: Sequence[Mapping[str, Any]], key: str) -> list[tuple[float, float]]:
     """(step, value) of one metric, in order; a later row for the same step replaces an earlier one (resumed runs
     rewrite their history)."""
-    points: dict[float, float] = {}
-    for row in rows:
-        value, step = row.get(key), row.get("step")
-        if isinstance(value, (int, float)) and isinstance(step, (int, float)) and not isinstance(value, bool):
-            points[float(step)] = float(value)
-    return sorted(points.items())
+    from ..trainer.plot import series
+
+    steps, values = series(rows, key)
+    return sorted(dict(zip(map(float, steps), values)).items())
 
 
 @dataclass

@@ -363,12 +363,17 @@ class Trainer:
             self._save_checkpoint()
         self.control.reset_step()
 
+    def _window_loss(self) -> float | None:
+        """The loss averaged over every rank's micro-steps since the last log (None when there were none)."""
+        window = self.accelerator.reduce(self._window, "sum")
+        return float(window[0] / window[1]) if window[1] > 0 else None
+
     def _log_window(self) -> None:
-        window = self.accelerator.reduce(self._window, "sum")  # loss averaged over every rank's micro-steps
+        loss = self._window_loss()
         self._window.zero_()
-        if window[1] == 0:
+        if loss is None:
             return
-        logs: dict[str, float] = {"loss": float(window[0] / window[1])}
+        logs: dict[str, float] = {"loss": loss}
         if self._grad_norm is not None:
             logs["grad_norm"] = float(self._grad_norm)
         logs["learning_rate"] = float(self.lr_scheduler.get_last_lr()[0])
@@ -389,8 +394,7 @@ class Trainer:
     def _final_metrics(self, runtime: float, steps: int, samples: int) -> dict[str, float]:
         losses = [row["loss"] for row in self.state.log_history if "loss" in row]
         if not losses:  # logging_strategy="no": the mean over every micro-step, from the never-logged window
-            window = self.accelerator.reduce(self._window, "sum")
-            losses = [float(window[0] / window[1])] if window[1] > 0 else []
+            losses = [loss] if (loss := self._window_loss()) is not None else []
         metrics = {"train_runtime": round(runtime, 3),
                    "train_samples_per_second": round(samples / runtime, 3) if runtime > 0 else 0.0,
                    "train_steps_per_second": round(steps / runtime, 3) if runtime > 0 else 0.0,

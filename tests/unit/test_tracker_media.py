@@ -46,19 +46,27 @@ def test_tensorboard_images_are_accelerate_s(tmp_path):
     assert written["impel"] == written["accelerate"]
 
 
-def test_wandb_images_and_tables_are_accelerate_s(tmp_path, monkeypatch):
+def _wandb_media(framework: str, root: str) -> None:
+    """On a rank of its own: W&B's service finishes writing the offline run file when the process ends."""
+    from accelerate.state import PartialState
+
+    PartialState()
+    tracker = _trackers("WandBTracker")[framework]("media", dir=root)
+    tracker.start()
+    tracker.log_images({"samples": list(IMAGES["samples"].transpose(0, 2, 3, 1))}, step=1)
+    tracker.log_table("preds", columns=["text", "label"], data=[["a", 0], ["b", 1]], step=2)
+    tracker.finish()
+
+
+def test_wandb_images_and_tables_are_accelerate_s(tmp_path):
     pytest.importorskip("wandb")
-    for key, value in {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DISABLE_GIT": "true",
-                       "WANDB_DISABLE_CODE": "true"}.items():
-        monkeypatch.setenv(key, value)
+    from impel.testing import run_on_ranks
+
+    env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DISABLE_GIT": "true", "WANDB_DISABLE_CODE": "true"}
     rows = {}
-    for framework, cls in _trackers("WandBTracker").items():
+    for framework in ("impel", "accelerate"):
         (tmp_path / framework).mkdir()
-        tracker = cls("media", dir=str(tmp_path / framework))  # init kwargs: W&B reads $WANDB_DIR once a process
-        tracker.start()
-        tracker.log_images({"samples": list(IMAGES["samples"].transpose(0, 2, 3, 1))}, step=1)
-        tracker.log_table("preds", columns=["text", "label"], data=[["a", 0], ["b", 1]], step=2)
-        tracker.finish()
+        run_on_ranks(_wandb_media, 1, args=(framework, str(tmp_path / framework)), env=env, timeout=120)
         (run,) = read_wandb(tmp_path / framework)
         # W&B flattens media values into dotted keys; its artifact paths are random, the rest is the content's
         kept = ("_step", "_type", "width", "height", "count", "ncols", "nrows", "sha256", "size", "format")
