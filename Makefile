@@ -47,8 +47,11 @@ lint: venv
 docs: venv
 	$(BIN)/mkdocs build --strict --quiet --site-dir $(abspath $(VENV))/site
 
+# the unit tier (one process per test, mostly single-threaded) runs on both cores with pytest-xdist; the tiers that
+# start ranks (tests/multiprocess, tests/cli) run one test at a time, so that each has the cores its ranks expect
 test: venv deepspeed-ops lint docs
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 tests/unit
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests --ignore=tests/unit
 
 demo: venv
 	$(BIN)/impel launch --config_file examples/configs/ddp_cpu.yaml examples/train_genre_classifier.py
