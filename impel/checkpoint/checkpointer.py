@@ -14,6 +14,7 @@ Accelerate's file names) is read by ``accelerate_format`` instead, in the same o
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import os
@@ -116,6 +117,7 @@ class Checkpointer:
     def save(self, output_dir: Any = None, safe_serialization: bool = True,
              options: SaveOptions = DEFAULT_SAVE) -> str:
         collective.arrive("save_state", self.run.process.timeout)
+        options = dataclasses.replace(options, shared_dir=not self.config.save_on_each_node)
         final = self._save_target(output_dir)
         collective.agree(str(final), "the save_state output directory")
         leader = self._leader()

@@ -19,6 +19,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from . import cooperative
 from .files import read_safetensors, read_torch, write_safetensors, write_torch
 from .layout import CheckpointError
 
@@ -36,8 +37,8 @@ def model_file(index: int, safe_serialization: bool) -> str:
     return f"model{suffix(index)}.safetensors" if safe_serialization else f"pytorch_model{suffix(index)}.bin"
 
 
-def optimizer_file(index: int) -> str:
-    return f"optimizer{suffix(index)}.pt"
+def optimizer_file(index: int, cooperative: bool = False) -> str:
+    return f"optimizer{suffix(index)}.safetensors" if cooperative else f"optimizer{suffix(index)}.pt"
 
 
 def pair_optimizers(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer]) -> list[int]:
@@ -69,11 +70,13 @@ def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, options:
 
 def save_full(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer], directory: Path, *,
               writer: bool, safe_serialization: bool, skip_models: AbstractSet[int] = frozenset(),
-              options: Any = None, all_ranks: bool = False) -> dict[str, Any]:
+              options: Any = None, all_ranks: bool = False, cooperative_rank: int | None = None) -> dict[str, Any]:
     """Write full model and optimizer files; returns the strategy section of the checkpoint metadata.
 
     ``writer``: this rank writes. ``all_ranks``: every rank must take part in building the state dicts (sharded
     models gathered with ``options``); otherwise only writers build them (replicated models, like DDP).
+    ``cooperative_rank`` (sharded models, one shared directory): this rank's global rank; every rank writes its
+    own shards into the full files instead of gathering them on the writer (``checkpoint/cooperative.py``).
     """
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
@@ -84,14 +87,42 @@ def save_full(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Opti
     for i, model in enumerate(models):
         if i in skip_models:
             continue
+        if cooperative_rank is not None and safe_serialization:
+            shards = cast(dict[str, torch.Tensor], get_model_state_dict(model))  # DTensors: this rank's shards
+            cooperative.write(shards, directory / names["models"][i], {}, cooperative_rank)
+            continue
         weights = cast(dict[str, torch.Tensor], get_model_state_dict(model, options=options))  # full: tensors only
         if writer:
             _write_weights(weights, directory / names["models"][i], safe_serialization)
     for i, (opt, owner) in enumerate(zip(optimizers, pair_optimizers(models, optimizers))):
+        coop = cooperative_rank is not None
+        packed = cooperative.optimizer_tensors(optimizer_state(models[owner], opt)) if coop else None
+        if packed is not None and cooperative_rank is not None:  # the same answer on every rank (same structure)
+            names["optimizers"][i] = optimizer_file(i, cooperative=True)
+            cooperative.write(packed[0], directory / names["optimizers"][i], packed[1], cooperative_rank)
+            continue
         state = optimizer_state(models[owner], opt, options)
         if writer:
             write_torch(state, directory / names["optimizers"][i])
     return {"format": FORMAT, **names}
+
+
+def read_optimizer(path: Path, what: str) -> Any:
+    """A full optimizer state dict from ``optimizer*.pt`` or a cooperatively written ``optimizer*.safetensors``."""
+    if path.suffix != ".safetensors":
+        return read_torch(path, what)
+    from safetensors import safe_open
+
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint file {path} ({what}) is missing; load a complete checkpoint")
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 - not a dict
+            metadata = f.metadata() or {}
+        return cooperative.optimizer_state_from(tensors, metadata)
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types; a bad layout too
+        raise CheckpointError(f"checkpoint file {path} ({what}) is not a valid optimizer file ({exc}); it is "
+                              "truncated or corrupted: load an earlier checkpoint") from None
 
 
 def _write_weights(state: Mapping[str, torch.Tensor], path: Path, safe_serialization: bool) -> None:
@@ -138,7 +169,7 @@ def load_full(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Opti
                            directory / metadata["models"][i], i, list(result.missing_keys),
                            list(result.unexpected_keys))
     for i, (opt, owner) in enumerate(zip(optimizers, pair_optimizers(models, optimizers))):
-        state = read_torch(directory / metadata["optimizers"][i], f"optimizer {i}")
+        state = read_optimizer(directory / metadata["optimizers"][i], f"optimizer {i}")
         if not state.get("state"):
             _load_fresh_optimizer(opt, state)
             continue

@@ -23,6 +23,7 @@ _MAP_LOCATIONS = (None, "cpu", "on_device")
 @dataclass(frozen=True)
 class SaveOptions:
     engine_kwargs: Mapping[str, Any] = field(default_factory=dict)  # DeepSpeed's save_checkpoint
+    shared_dir: bool = True  # every rank writes into the same directory (False: save_on_each_node)
 
 
 @dataclass(frozen=True)

@@ -211,7 +211,8 @@ class FSDPStrategy(Strategy):
     def save_checkpoint(self, models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
                         directory: Path, *, writer: bool, safe_serialization: bool,
                         skip_models: AbstractSet[int] = frozenset(), options: Any = None) -> dict[str, Any]:
-        """SHARDED_STATE_DICT: every rank writes its shards (DCP). FULL_STATE_DICT: gathered, written by rank 0."""
+        """SHARDED_STATE_DICT: every rank writes its shards (DCP). FULL_STATE_DICT: full files, each rank writing
+        its shards' bytes into them (``checkpoint/cooperative.py``), or gathered on rank 0 with save_on_each_node."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions
 
         if self.fsdp.state_dict_type == "SHARDED_STATE_DICT":
@@ -220,9 +221,12 @@ class FSDPStrategy(Strategy):
             return save_sharded(models, optimizers, directory, skip_models=skip_models)
         from ..checkpoint.full import save_full
 
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        full_options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        # one shared directory: each rank writes its shards into the full files (nothing gathered on rank 0)
+        shared = getattr(options, "shared_dir", True)  # options: checkpoint.options.SaveOptions
         return save_full(models, optimizers, directory, writer=writer, safe_serialization=safe_serialization,
-                         skip_models=skip_models, options=options, all_ranks=True)
+                         skip_models=skip_models, options=full_options, all_ranks=True,
+                         cooperative_rank=dist.get_rank() if shared else None)
 
     def load_checkpoint(self, models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
                         directory: Path, metadata: Mapping[str, Any], *,

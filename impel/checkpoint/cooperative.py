@@ -1,0 +1,219 @@
+"""FULL_STATE_DICT under FSDP without gathering: every rank writes its own shards' bytes into the one full file.
+
+A full safetensors file is a header (names, dtypes, shapes, byte ranges) and the tensors' bytes, row-major, one
+after the other. Every rank can compute the header from the global shapes alone, and a DTensor shard is a box of
+the global tensor whose rows are contiguous runs of the file. So instead of gathering the whole state on rank 0
+(which holds it all in memory and writes it alone while the others wait), each rank opens the same file,
+``pwrite``\\ s the runs of the shards it holds at their final offsets (rank 0 also writes the header and what is
+not sharded), and fsyncs; the file is complete once every rank returned, which the save sequence's next
+collective establishes. A replicated dimension (HSDP's replicas) is written by its first replica only. The file is
+an ordinary safetensors file: ``safetensors.safe_open`` reads it, and so does every loader of a full checkpoint.
+
+Used for the model weights (``model*.safetensors``) and, as ``optimizer*.safetensors``, for an optimizer whose
+state is tensors keyed by parameter name plus JSON-able hyper-parameters (AdamW, SGD, ...: every torch optimizer
+here); anything else falls back to the gathered path. The ranks must write into the same directory (one shared
+file system): with ``save_on_each_node`` impel gathers as before.
+
+The manifest's digests of these files are computed after the write, their 64 MiB blocks dealt to every rank
+(``digests.share_digests``), so hashing is spread over the ranks too.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .layout import CheckpointError
+
+ALIASES_KEY = "impel_aliases"
+OPTIMIZER_GROUPS_KEY = "impel_param_groups"
+_SEPARATOR = "/"  # optimizer keys: state/<parameter name>/<state name>
+
+_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+           torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
+
+
+@dataclass
+class _Part:
+    """One tensor of the file: where it goes and, if this rank writes some of it, which runs of its local data."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    local: torch.Tensor | None  # this rank's data to write (None: another rank writes it)
+    offsets: tuple[int, ...]  # where the local box starts in the global tensor
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * _element_size(self.dtype)
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def runs(shape: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Iterator[tuple[int, int, int]]:
+    """The contiguous runs of a box ``offsets + sizes`` of a row-major tensor of ``shape``: (element offset in the
+    global tensor, element offset in the box's own row-major data, element count)."""
+    if math.prod(sizes) == 0:
+        return
+    n = len(shape)
+    split = n  # dims from `split` on are whole in the box: one run spans them
+    while split > 0 and sizes[split - 1] == shape[split - 1]:
+        split -= 1
+    if split == 0:
+        yield 0, 0, math.prod(shape)
+        return
+    run = math.prod(sizes[split - 1:])  # the first partial dim's extent times the whole dims after it
+    strides = [math.prod(shape[d + 1:]) for d in range(n)]
+    outer = sizes[:split - 1]
+    local_at = 0
+    for index in _indices(outer):
+        start = sum((offsets[d] + index[d]) * strides[d] for d in range(split - 1))
+        start += offsets[split - 1] * strides[split - 1]
+        yield start, local_at, run
+        local_at += run
+
+
+def _indices(sizes: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
+    if not sizes:
+        yield ()
+        return
+    for first in range(sizes[0]):
+        for rest in _indices(sizes[1:]):
+            yield (first, *rest)
+
+
+def _part(name: str, value: torch.Tensor, rank: int) -> _Part:
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if isinstance(value, DTensor):
+        mesh = value.device_mesh
+        coordinate = mesh.get_coordinate()
+        writes = coordinate is not None and all(
+            c == 0 for c, p in zip(coordinate, value.placements) if isinstance(p, Replicate))
+        chunk = value.__create_chunk_list__()[0]  # the local box, as DCP records it
+        local = value.to_local().detach() if writes else None
+        return _Part(name, value.dtype, tuple(value.shape), local, tuple(chunk.offsets))
+    value = value.detach()
+    return _Part(name, value.dtype, tuple(value.shape), value if rank == 0 else None, (0,) * value.dim())
+
+
+def _header(parts: list[_Part], metadata: Mapping[str, str]) -> tuple[bytes, dict[str, int]]:
+    """The safetensors header (8-byte length + JSON padded to 8 bytes) and each tensor's data offset."""
+    entries: dict[str, Any] = {"__metadata__": dict(metadata)}
+    starts: dict[str, int] = {}
+    at = 0
+    for part in parts:
+        if part.dtype not in _DTYPES:
+            raise CheckpointError(f"tensor {part.name!r} has dtype {part.dtype}, which safetensors cannot store; "
+                                  "use state_dict_type SHARDED_STATE_DICT")
+        entries[part.name] = {"dtype": _DTYPES[part.dtype], "shape": list(part.shape),
+                              "data_offsets": [at, at + part.nbytes]}
+        starts[part.name] = at
+        at += part.nbytes
+    text = json.dumps(entries, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text, starts
+
+
+def write(tensors: Mapping[str, torch.Tensor], path: Path, metadata: Mapping[str, str], rank: int) -> None:
+    """Collective in effect (every rank of the mesh calls it with the same names): write this rank's share of the
+    full safetensors file ``path``; tied names (the very same tensor object) are stored once, as the full
+    checkpoint's other writer does. Returns after this rank's bytes are on disk."""
+    seen: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    parts = []
+    for name in sorted(tensors):
+        value = tensors[name]
+        if id(value) in seen:
+            aliases[name] = seen[id(value)]
+            continue
+        seen[id(value)] = name
+        parts.append(_part(name, value, rank))
+    meta = dict(metadata, format="pt")
+    if aliases:
+        meta[ALIASES_KEY] = json.dumps(aliases, sort_keys=True)
+    header, starts = _header(parts, meta)
+    total = len(header) + sum(p.nbytes for p in parts)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        os.ftruncate(fd, total)  # every rank: the same length, so no order between ranks is needed
+        if rank == 0:
+            os.pwrite(fd, header, 0)
+        for part in parts:
+            if part.local is None:
+                continue
+            data = part.local.to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+            view = data.data  # numpy's memoryview of the bytes: no copy
+            size = _element_size(part.dtype)
+            base = len(header) + starts[part.name]
+            for at, local_at, count in runs(part.shape, part.offsets, tuple(part.local.shape)):
+                _pwrite_all(fd, view[local_at * size:(local_at + count) * size], base + at * size)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while data.nbytes:
+        written = os.pwrite(fd, data, offset)
+        data, offset = data[written:], offset + written
+
+
+# --- optimizers ------------------------------------------------------------------------------------------------
+def optimizer_tensors(state: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, str]] | None:
+    """An optimizer state dict keyed by parameter name as (tensors, metadata) for :func:`write`, or None when some
+    state is not a tensor or a hyper-parameter is not JSON-able (the caller gathers and pickles instead)."""
+    tensors: dict[str, torch.Tensor] = {}
+    for param, entries in state.get("state", {}).items():
+        for key, value in entries.items():
+            if not isinstance(value, torch.Tensor) or _SEPARATOR in str(param) or _SEPARATOR in key:
+                return None
+            tensors[f"state{_SEPARATOR}{param}{_SEPARATOR}{key}"] = value
+    try:
+        groups = json.dumps(_tagged(state.get("param_groups", [])), allow_nan=True)
+    except (TypeError, ValueError):
+        return None
+    return tensors, {OPTIMIZER_GROUPS_KEY: groups}
+
+
+def optimizer_state_from(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> dict[str, Any]:
+    """The inverse of :func:`optimizer_tensors`."""
+    state: dict[str, dict[str, torch.Tensor]] = {}
+    for name, value in tensors.items():
+        _, param, key = name.split(_SEPARATOR)
+        state.setdefault(param, {})[key] = value
+    return {"state": state, "param_groups": _untagged(json.loads(metadata[OPTIMIZER_GROUPS_KEY]))}
+
+
+def _tagged(value: Any) -> Any:
+    """JSON cannot tell a tuple (AdamW's betas) from a list: tuples are tagged, so they come back as tuples."""
+    if isinstance(value, tuple):
+        return {"__tuple__": [_tagged(v) for v in value]}
+    if isinstance(value, list):
+        return [_tagged(v) for v in value]
+    if isinstance(value, dict):
+        if not all(isinstance(k, str) for k in value):
+            raise TypeError("non-string keys")
+        return {k: _tagged(v) for k, v in value.items()}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise TypeError(f"{type(value).__name__} is not JSON")
+
+
+def _untagged(value: Any) -> Any:
+    if isinstance(value, dict):
+        if set(value) == {"__tuple__"}:
+            return tuple(_untagged(v) for v in value["__tuple__"])
+        return {k: _untagged(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_untagged(v) for v in value]
+    return value

@@ -1,0 +1,107 @@
+"""FSDP FULL_STATE_DICT saves without gathering: each rank writes its shards' bytes into the full files
+(checkpoint/cooperative.py). On 2 ranks, with a tied embedding and a row count that does not split evenly: the
+model file equals the gathered full state dict bit for bit (read back with safetensors' own reader), the optimizer
+file equals the full optimizer state dict (tensors bit for bit, hyper-parameters equal, AdamW's betas still a
+tuple in the file), the gathered path (``save_on_each_node``) writes the same model bytes, and a run resumed from the
+cooperative checkpoint (on the same 2 ranks, and on one process without FSDP) continues bit for bit."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from impel.testing import run_on_ranks
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
+FULL = {"distributed_type": "FSDP", "use_cpu": True,
+        "fsdp_config": {"fsdp_state_dict_type": "FULL_STATE_DICT", "fsdp_auto_wrap_policy": "NO_WRAP"}}
+
+
+def _model() -> torch.nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=37, n_positions=8, resid_pdrop=0.0, embd_pdrop=0.0,
+                     attn_pdrop=0.0)  # vocab 37: FSDP's two shards of the embedding have 19 and 18 rows
+    return GPT2LMHeadModel(cfg)
+
+
+def _steps(acc, model, opt, first: int, n: int) -> None:
+    for step in range(first, first + n):
+        ids = torch.randint(0, 37, (2, 8), generator=torch.Generator().manual_seed(100 * step + acc.process_index))
+        acc.backward(model(input_ids=ids, labels=ids).loss)
+        opt.step()
+        opt.zero_grad()
+
+
+def _job(root: str) -> dict:
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    from impel import Accelerator
+    from impel.checkpoint.full import read_optimizer
+
+    acc = Accelerator()
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.8, 0.99))
+    model, opt = acc.prepare(model, opt)
+    _steps(acc, model, opt, 0, 2)
+    acc.save_state(os.path.join(root, "coop"))
+    full = {k: v.clone() for k, v in acc.get_state_dict(model).items()}
+    full_opt = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if acc.is_main_process:  # cpu_offload: only rank 0 holds the gathered state; its step tensors are the live ones
+        full_opt["state"] = {p: {k: v.clone() for k, v in s.items()} for p, s in full_opt["state"].items()}
+    acc.project_configuration.save_on_each_node = True  # the checkpointer reads the same object
+    acc.save_state(os.path.join(root, "gathered"))
+    _steps(acc, model, opt, 2, 2)
+    after = {k: v.clone() for k, v in acc.get_state_dict(model).items()}
+    out: dict = {"files": sorted(os.listdir(os.path.join(root, "coop")))}
+    if acc.is_main_process:
+        coop = load_file(os.path.join(root, "coop", "model.safetensors"))
+        gathered = load_file(os.path.join(root, "gathered", "model.safetensors"))
+        out["model_vs_full"] = sorted(k for k in full if k in coop and not torch.equal(coop[k], full[k]))
+        out["missing"] = sorted(set(full) - set(coop) - {"lm_head.weight"})  # tied: stored once, restored on load
+        out["coop_vs_gathered"] = sorted(k for k in coop if not torch.equal(coop[k], gathered[k]))
+        saved_opt = read_optimizer(__import__("pathlib").Path(root, "coop", "optimizer.safetensors"), "optimizer")
+        out["groups_equal"] = saved_opt["param_groups"] == full_opt["param_groups"]
+        out["opt_diff"] = sorted(f"{p}/{k}" for p, s in full_opt["state"].items() for k, v in s.items()
+                                 if not torch.equal(saved_opt["state"][p][k], v))
+        out["gathered_files"] = sorted(os.listdir(os.path.join(root, "gathered")))
+    acc.end_training()
+    out["after"] = after
+    return out
+
+
+def _resume(root: str) -> dict:
+    from impel import Accelerator
+
+    acc = Accelerator()
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.8, 0.99))
+    model, opt = acc.prepare(model, opt)
+    acc.load_state(os.path.join(root, "coop"))
+    _steps(acc, model, opt, 2, 2) if acc.num_processes == 2 else None
+    state = {k: v.clone() for k, v in acc.get_state_dict(model).items()}
+    groups = [dict(g, params=None) for g in opt.param_groups]
+    acc.end_training()
+    return {"state": state, "betas": [g["betas"] for g in groups]}
+
+
+def test_ranks_write_their_shards_into_the_full_files(tmp_path):
+    env = {"IMPEL_CONFIG": json.dumps(FULL)}
+    first = run_on_ranks(_job, 2, args=(str(tmp_path),), timeout=90, env=env)
+    main = first[0]
+    assert "model.safetensors" in main["files"] and "optimizer.safetensors" in main["files"]
+    assert "optimizer.pt" in main["gathered_files"]  # save_on_each_node: gathered on the writer as before
+    assert main["model_vs_full"] == [] and main["missing"] == [] and main["coop_vs_gathered"] == []
+    assert main["groups_equal"] and main["opt_diff"] == []
+    resumed = run_on_ranks(_resume, 2, args=(str(tmp_path),), timeout=90, env=env)[0]
+    assert all(torch.equal(resumed["state"][k], main["after"][k]) for k in main["after"])  # bit for bit
+    assert [list(b) for b in resumed["betas"]] == [[0.8, 0.99]]  # (FSDP's loader makes any tuple a list)
+    one = run_on_ranks(_resume, 1, args=(str(tmp_path),), timeout=90, env={"IMPEL_CONFIG": "{}"})[0]
+    from safetensors.torch import load_file
+
+    saved = load_file(str(tmp_path / "coop" / "model.safetensors"))
+    assert all(torch.equal(one["state"][k], saved[k]) for k in saved)

@@ -1,0 +1,49 @@
+"""The runs a rank writes for its box of a tensor (checkpoint/cooperative.py) are exactly the box's bytes, at the
+box's places in the row-major file: checked against numpy indexing on every box shape FSDP (dim 0), tensor
+parallel (dim 1) and both together produce, including empty boxes and 0-d tensors."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from impel.checkpoint.cooperative import optimizer_state_from, optimizer_tensors, runs
+
+
+@pytest.mark.parametrize("shape, offsets, sizes", [
+    ((10, 4), (0, 0), (10, 4)),  # the whole tensor: one run
+    ((10, 4), (6, 0), (4, 4)),  # FSDP: rows
+    ((10, 4), (0, 2), (10, 2)),  # tensor parallel rowwise: a column block, one run per row
+    ((6, 8), (3, 4), (3, 4)),  # both
+    ((2, 3, 4), (1, 1, 0), (1, 2, 4)),  # 3-d, whole last dim
+    ((2, 3, 4), (0, 1, 1), (2, 2, 2)),  # 3-d, partial everywhere
+    ((7,), (4,), (3,)),
+    ((10, 4), (10, 0), (0, 4)),  # an empty shard (FSDP's last rank with fewer rows than ranks)
+    ((), (), ()),  # a 0-d tensor (an optimizer's step)
+])
+def test_runs_cover_exactly_the_box(shape, offsets, sizes):
+    full = np.arange(math.prod(shape)).reshape(shape)
+    box = full[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))].reshape(-1)
+    out = np.full(math.prod(shape), -1)
+    for at, local_at, count in runs(shape, offsets, sizes):
+        out[at:at + count] = box[local_at:local_at + count]
+    expected = np.full(math.prod(shape), -1)
+    expected.reshape(shape)[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))] = \
+        full[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
+    assert (out == expected).all()
+    assert sum(count for _, _, count in runs(shape, offsets, sizes)) == math.prod(sizes)
+
+
+def test_optimizer_state_round_trips_through_tensors_and_json():
+    import torch
+
+    state = {"state": {"w": {"step": torch.tensor(3.0), "exp_avg": torch.ones(2)}},
+             "param_groups": [{"lr": 0.1, "betas": (0.9, 0.999), "eps": 1e-8, "amsgrad": False, "params": ["w"],
+                               "foreach": None}]}
+    tensors, metadata = optimizer_tensors(state)
+    back = optimizer_state_from(tensors, metadata)
+    assert back["param_groups"] == state["param_groups"]  # the tuple stays a tuple
+    assert back["state"]["w"]["step"].item() == 3.0 and back["state"]["w"]["exp_avg"].tolist() == [1.0, 1.0]
+    assert optimizer_tensors({"state": {"w": {"momentum": [1]}}, "param_groups": []}) is None  # gathered instead
+    assert optimizer_tensors({"state": {}, "param_groups": [{"f": object()}]}) is None
