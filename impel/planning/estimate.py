@@ -18,6 +18,11 @@ DeepSpeed: the optimizer and master weights, plus parameters at ZeRO-3). Activat
 of Korthikanti et al. (2022), per layer 34*s*b*h bytes at 16 bits (memory-efficient attention keeps no score
 matrix), plus the logits; they need a
 model config with layers/hidden/heads and are an approximation, not part of the measured 10% check.
+
+A ParallelismConfig mesh (dp_replicate x dp_shard x tp x cp, Accelerate's sizes) is estimated in ``mesh.py``:
+tensor parallel first (the parameters its plan splits hold 1/tp per rank, the rest is replicated), then FSDP2
+over dp_shard x cp, replicated over dp_replicate; activations are divided by cp (the sequence is split) and,
+inside attention and the MLP, by tp (by tp throughout with sequence parallel norms).
 """
 from __future__ import annotations
 
@@ -33,6 +38,24 @@ STRATEGIES = ("DDP", "ZeRO-1", "FSDP NO_SHARD", "ZeRO-2", "FSDP SHARD_GRAD_OP", 
 
 
 @dataclass
+class TensorParallelFacts:
+    """What a tensor-parallel plan does to a model's parameters (read from the plan and a meta-device instance).
+
+    A parameter the plan splits holds 1/tp_size of its elements on each rank (colwise: a Linear's output dimension
+    and its bias; rowwise: its input dimension, the bias stays whole; on an Embedding colwise splits the embedding
+    dimension and rowwise the vocabulary); every other parameter (norms, and embeddings unless the plan names them)
+    is replicated on every tp rank."""
+
+    source: str  # where the plan came from: "config.base_model_tp_plan" or "the tp_plan passed"
+    sharded: int  # parameters the plan splits over the tp ranks (tied weights once)
+    units: tuple[tuple[int, int], ...] = ()  # (parameters, of which split) of each distinct unit FSDP gathers
+    split_dims: tuple[tuple[str, int], ...] = ()  # (a parameter, the size of the dimension the plan splits)
+    sequence_parallel: bool = False  # the plan splits the norms' activations over the sequence (SequenceParallel)
+    logits_sharded: bool = False  # the output projection is split colwise and its output (the logits) stays split
+    replicated: tuple[tuple[str, str], ...] = ()  # (module, style) of planned modules counted as replicated
+
+
+@dataclass
 class ModelFacts:
     """What the estimate needs to know about a model (read from a meta-device instance)."""
 
@@ -43,6 +66,8 @@ class ModelFacts:
     hidden: int | None = None
     heads: int | None = None
     vocab: int | None = None
+    kv_heads: int | None = None
+    tp: TensorParallelFacts | None = None  # None: the model has no tensor-parallel plan
 
 
 @dataclass
@@ -80,16 +105,32 @@ class Setup:
     optimizer: str = "adamw"
     batch_size: int | None = None
     seq_len: int | None = None
+    # a ParallelismConfig's mesh (Accelerate's names); all 1: plain data parallelism, estimated per strategy
+    dp_replicate_size: int = 1
+    dp_shard_size: int = 1
+    tp_size: int = 1
+    cp_size: int = 1
+
+    @property
+    def mesh(self) -> bool:
+        """True when a ParallelismConfig mesh is asked for (any of its sizes is not 1)."""
+        return (self.dp_replicate_size, self.dp_shard_size, self.tp_size, self.cp_size) != (1, 1, 1, 1)
 
 
 def activation_bytes(facts: ModelFacts, setup: Setup, compute_bytes: int) -> float | None:
     if not (setup.batch_size and setup.seq_len and facts.layers and facts.hidden):
         return None
-    s, b, h = setup.seq_len, setup.batch_size, facts.hidden
+    t = setup.tp_size
+    s, b, h = setup.seq_len / setup.cp_size, setup.batch_size, facts.hidden  # context parallel splits the sequence
     # 34*s*b*h per layer at 16 bits; the 5*a*s^2*b attention-score term is left out because transformers'
-    # default attention (SDPA / flash) does not store the score matrix
-    per_layer = 34 * s * b * h * compute_bytes / 2
+    # default attention (SDPA / flash) does not store the score matrix. Tensor parallel splits the 24*s*b*h inside
+    # attention and the MLP; the 10*s*b*h at the norms and residuals is split too only with sequence parallel.
+    tp = facts.tp if t > 1 and facts.tp and facts.tp.sharded else None
+    per_token = 34 if tp is None else 34 / t if tp.sequence_parallel else 10 + 24 / t
+    per_layer = per_token * s * b * h * compute_bytes / 2
     logits = 2 * b * s * (facts.vocab or 0) * 4  # fp32 logits and their gradient
+    if tp is not None and tp.logits_sharded:
+        logits /= t
     return facts.layers * per_layer + logits
 
 

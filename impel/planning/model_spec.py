@@ -11,10 +11,11 @@ from __future__ import annotations
 import ast
 import importlib
 import os
+import re
 from typing import Any
 
 from ..config import ConfigError
-from .estimate import ModelFacts
+from .estimate import ModelFacts, TensorParallelFacts
 
 
 def _config_call(spec: str) -> tuple[str, dict[str, Any]] | None:
@@ -82,8 +83,89 @@ def _count(module: Any) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-def model_facts(model: Any, name: str) -> ModelFacts:
-    """Parameter counts (tied weights once) and the transformer shape when the model has a config."""
+def model_tp_plan(model: Any) -> dict[str, Any] | None:
+    """The tensor-parallel plan a transformers model carries: its config's ``base_model_tp_plan`` (module patterns
+    relative to the base model, ``*`` for a layer index) with the base model's prefix put in front, so the keys are
+    paths in ``model``. The task head (``lm_head``) is not in it and stays replicated. None without a plan."""
+    import torch
+
+    plan = getattr(getattr(model, "config", None), "base_model_tp_plan", None)
+    if not plan:
+        return None
+    prefix = getattr(model, "base_model_prefix", "")
+    prefix = f"{prefix}." if prefix and isinstance(getattr(model, prefix, None), torch.nn.Module) else ""
+    return {prefix + key: style for key, style in plan.items()}
+
+
+# transformers' style names (transformers.distributed.tensor_parallel) and torch's ParallelStyle classes
+_COLWISE = {"colwise", "colwise_rep", "colwise_gather_output", "packed_colwise", "local_colwise", "colwiseparallel"}
+_ROWWISE = {"rowwise", "rowwise_rep", "rowwise_split_input", "packed_rowwise", "local_rowwise", "rowwiseparallel"}
+_EMBEDDING = {"embedding_rowwise": 0, "embedding_colwise": 1}
+_SEQUENCE = {"sequence_parallel", "sequenceparallel"}
+_NO_PARAMETERS = {"replicate", "replicated_with_grad_allreduce", "all_reduce", "gather", "preparemoduleinput",
+                  "preparemoduleoutput", "preparemoduleinputoutput"} | _SEQUENCE
+
+
+def _style_name(style: Any) -> str:
+    return style.lower() if isinstance(style, str) else type(style).__name__.lower()
+
+
+def _split_dim(style: str, module: Any, param: str) -> int | None:
+    """The dimension of ``module.<param>`` the style splits, or None when the parameter stays whole."""
+    import torch
+
+    if style in _EMBEDDING:
+        return _EMBEDDING[style] if param == "weight" else None
+    embedding = isinstance(module, torch.nn.Embedding)
+    if style in _COLWISE:  # torch's ColwiseParallel: Linear Shard(0) weight and bias, Embedding Shard(1)
+        return (1 if embedding else 0) if param == "weight" or (param == "bias" and not embedding) else None
+    if style in _ROWWISE:  # RowwiseParallel: Linear Shard(1) weight, bias replicated; Embedding Shard(0)
+        return (0 if embedding else 1) if param == "weight" else None
+    return None
+
+
+def tensor_parallel_facts(model: Any, plan: dict[str, Any], source: str) -> TensorParallelFacts:
+    """Which parameters ``plan`` ({module path pattern: style}) splits, with the sizes that tp_size must divide."""
+    import torch
+
+    patterns = [(re.compile(r"[^.]+".join(map(re.escape, key.split("*")))), style) for key, style in plan.items()]
+    split: dict[int, int] = {}  # id(parameter) -> numel
+    dims: dict[int, str] = {}  # size of a split dimension -> the first parameter split along it
+    replicated: list[tuple[str, str]] = []
+    sequence = logits = False
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    for path, module in model.named_modules():
+        style = next((st for rx, st in patterns if rx.fullmatch(path)), None)
+        if style is None:
+            continue
+        name = _style_name(style)
+        sequence |= name in _SEQUENCE
+        found = False
+        for pname, p in module.named_parameters(recurse=False):
+            dim = _split_dim(name, module, pname) if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)) \
+                else None
+            if dim is not None:
+                split[id(p)] = p.numel()
+                dims.setdefault(p.shape[dim], f"{path}.{pname}")
+                found = True
+        if not found and name not in _NO_PARAMETERS and any(True for _ in module.parameters(recurse=False)):
+            replicated.append((path, name))
+        if module is output and found:
+            # the logits stay split over the vocabulary only when the output layout is a shard (not gathered)
+            layout = type(getattr(style, "output_layouts", None)).__name__
+            logits = name == "colwise" or (name == "colwiseparallel" and layout == "Shard")
+    layer_names = set(getattr(model, "_no_split_modules", None) or [])
+    units = {(_count(m), sum(split.get(id(p), 0) for p in m.parameters()))
+             for m in model.modules() if type(m).__name__ in layer_names}
+    units = units or {(sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()), sum(split.values()))}
+    return TensorParallelFacts(source=source, sharded=sum(split.values()), units=tuple(sorted(units)),
+                               split_dims=tuple((where, size) for size, where in dims.items()),
+                               sequence_parallel=sequence, logits_sharded=logits, replicated=tuple(replicated))
+
+
+def model_facts(model: Any, name: str, tp_plan: dict[str, Any] | None = None) -> ModelFacts:
+    """Parameter counts (tied weights once), the transformer shape when the model has a config, and what its
+    tensor-parallel plan splits (``tp_plan``, keys relative to ``model``; default: the config's plan)."""
     params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     layer_names = set(getattr(model, "_no_split_modules", None) or [])
     units = [_count(m) for m in model.modules() if type(m).__name__ in layer_names]
@@ -91,6 +173,9 @@ def model_facts(model: Any, name: str) -> ModelFacts:
 
     def pick(*names: str) -> int | None:
         return next((getattr(cfg, n) for n in names if isinstance(getattr(cfg, n, None), int)), None)
+    plan, source = (tp_plan, "the tp_plan passed") if tp_plan else (model_tp_plan(model), "config.base_model_tp_plan")
     return ModelFacts(name=name, params=params, largest_unit=max(units) if units else params,
                       layers=pick("num_hidden_layers", "n_layer"), hidden=pick("hidden_size", "n_embd"),
-                      heads=pick("num_attention_heads", "n_head"), vocab=pick("vocab_size"))
+                      heads=pick("num_attention_heads", "n_head"), vocab=pick("vocab_size"),
+                      kv_heads=pick("num_key_value_heads"),
+                      tp=tensor_parallel_facts(model, plan, source) if plan else None)

@@ -1,5 +1,6 @@
 """tests/gpu: CUDA only. Every test here is skipped on a machine without a CUDA device (CI has none); run them with
-``.venv/bin/python -m pytest -q tests/gpu`` on a GPU machine (they need one GPU and finish in about a minute)."""
+``.venv/bin/python -m pytest -q tests/gpu`` on a GPU machine (they need one GPU and finish in about a minute; the
+context-parallel check needs two and is skipped, saying so, with fewer)."""
 import pytest
 import torch
 

@@ -1,14 +1,22 @@
-"""The memory estimator's arithmetic (by hand, per strategy and dtype flow), model specs and the recommendation."""
+"""The memory estimator's arithmetic (by hand, per strategy and dtype flow, and on an N-D mesh), model specs, tensor
+parallel plans and the recommendation."""
 from __future__ import annotations
+
+import dataclasses
+import json
+import math
 
 import pytest
 
 from impel.config import ConfigError
-from impel.planning.estimate import ModelFacts, Setup, estimate_all, parse_bytes, recommend
-from impel.planning.model_spec import build_meta_model, model_facts
+from impel.planning.estimate import ModelFacts, Setup, TensorParallelFacts, estimate_all, parse_bytes, recommend
+from impel.planning.mesh import SIZES, check_mesh, estimate_mesh
+from impel.planning.model_spec import build_meta_model, model_facts, model_tp_plan
 
 P = 1_000_000
 FACTS = ModelFacts(name="m", params=P, largest_unit=100_000)
+LLAMA = ("LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, "
+         "num_attention_heads=2, num_key_value_heads=2)")
 
 
 def by_name(setup: Setup) -> dict:
@@ -108,3 +116,123 @@ def test_model_specs_build_on_meta_without_weights(tmp_path):
 def test_bad_model_specs(spec, fragment):
     with pytest.raises(ConfigError, match=fragment):
         build_meta_model(spec)
+
+
+# --- the N-D mesh (dp_replicate x dp_shard x tp x cp): tensor parallel first, then FSDP2 over dp_shard x cp -------
+S = 600_000  # parameters the tensor-parallel plan splits; the other 400k (norms, embeddings) stay whole
+TP_FACTS = ModelFacts("t", P, 200_000, layers=2, hidden=16, heads=4, vocab=10, kv_heads=2,
+                      tp=TensorParallelFacts("test", S, units=((200_000, 150_000),),
+                                             split_dims=(("layers.0.mlp.up_proj.weight", 64),)))
+
+
+def mesh_row(facts=TP_FACTS, **sizes):
+    setup = Setup(**{"world": math.prod(sizes.get(k, 1) for k in SIZES), **sizes})
+    check_mesh(facts, setup)
+    return estimate_mesh(facts, setup)
+
+
+def test_tensor_parallel_splits_only_what_the_plan_names():
+    e = mesh_row(tp_size=2)
+    per_rank = P - S + S / 2  # the replicated 400k whole, the split 600k halved
+    assert (e.params, e.grads, e.optimizer, e.transient) == (4 * per_rank, 4 * per_rank, 8 * per_rank, 0)
+    assert e.strategy == "TP (tp=2)" and "600,000 of 1,000,000 parameters" in e.notes[0]
+
+
+def test_fsdp_and_hsdp_shard_what_each_tp_rank_holds():
+    per_rank = P - S + S / 2
+    fsdp = mesh_row(dp_shard_size=2, tp_size=2)
+    assert (fsdp.params, fsdp.optimizer) == (4 * per_rank / 2, 8 * per_rank / 2)
+    assert fsdp.transient == 2 * (200_000 - 150_000 / 2) * 4  # two gathered tp-local units
+    hsdp = mesh_row(dp_replicate_size=2, dp_shard_size=2, tp_size=2)  # replicas hold the same shard
+    assert (hsdp.params, hsdp.grads, hsdp.optimizer) == (fsdp.params, fsdp.grads, fsdp.optimizer)
+    assert (fsdp.strategy, hsdp.strategy) == ("FSDP x TP (dp_shard=2, tp=2)",
+                                              "HSDP x TP (dp_replicate=2, dp_shard=2, tp=2)")
+    mp = estimate_mesh(TP_FACTS, Setup(world=4, dp_shard_size=2, tp_size=2, load_dtype="bf16",
+                                       mixed_precision="bf16"))
+    assert mp.params == fsdp.params and mp.transient == fsdp.transient / 2  # fp32 upcast, gathered in bf16
+
+
+def test_context_parallel_shards_the_model_with_dp_shard_and_splits_the_sequence():
+    one = estimate_mesh(TP_FACTS, Setup(world=2, dp_shard_size=2, batch_size=2, seq_len=8))
+    cp = mesh_row(dp_shard_size=2, cp_size=2, batch_size=2, seq_len=8)
+    assert cp.params == one.params / 2  # FSDP shards over dp_shard x cp
+    assert cp.activations == one.activations / 2  # every activation is per token
+    assert cp.strategy == "FSDP x CP (dp_shard=2, cp=2)"
+
+
+def test_tensor_parallel_splits_the_activations_inside_attention_and_the_mlp():
+    layers = 2 * 8 * 2 * 16  # layers * s * b * h
+    logits = 2 * 2 * 8 * 10 * 4
+    assert mesh_row(tp_size=2, batch_size=2, seq_len=8).activations == layers * (10 + 24 / 2) * 4 / 2 + logits
+    sp = dataclasses.replace(TP_FACTS, tp=dataclasses.replace(TP_FACTS.tp, sequence_parallel=True,
+                                                               logits_sharded=True))
+    assert mesh_row(sp, tp_size=2, batch_size=2, seq_len=8).activations == layers * 34 / 2 * 4 / 2 + logits / 2
+
+
+def test_data_parallel_sizes_alone_are_ddp_and_fsdp():
+    ddp = mesh_row(dp_replicate_size=2)
+    assert (ddp.params, ddp.transient) == (4 * P, 4 * P) and ddp.strategy == "DDP (dp_replicate=2)"
+    assert mesh_row(dp_shard_size=4).params == by_name(Setup(world=4))["FSDP FULL_SHARD"].params
+
+
+@pytest.mark.parametrize("sizes,fragment", [
+    (dict(world=8, tp_size=2), "= 2 ranks, but --num_processes is 8.*e.g. dp_shard_size 4"),
+    (dict(world=4, dp_replicate_size=2, tp_size=2), "set dp_shard_size > 1"),
+    (dict(world=3, tp_size=3), r"tp_size 3 does not divide num_attention_heads \(4\).*\(1, 2\)"),
+    (dict(world=4, tp_size=4), r"tp_size 4 does not divide num_key_value_heads \(2\)"),
+    (dict(world=2, cp_size=2, seq_len=9), "seq_len 9 is not divisible by cp_size 2.*multiple of 4"),
+    (dict(world=2, tp_size=0), "tp_size must be a positive integer"),
+])
+def test_bad_meshes_name_the_value_and_the_fix(sizes, fragment):
+    with pytest.raises(ConfigError, match=fragment):
+        check_mesh(TP_FACTS, Setup(**sizes))
+
+
+def test_a_model_without_a_plan_cannot_take_tensor_parallel():
+    with pytest.raises(ConfigError, match="has no tensor-parallel plan.*--tp_plan.*or set tp_size 1"):
+        check_mesh(FACTS, Setup(world=2, tp_size=2))
+
+
+def test_the_llama_plan_splits_the_projections_and_leaves_norms_and_embeddings_whole():
+    model, name = build_meta_model(LLAMA)
+    facts = model_facts(model, name)
+    linears = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    split = sum(p.numel() for n, p in model.named_parameters() if n.split(".")[-2] in linears)
+    assert facts.tp.sharded == split and facts.tp.source == "config.base_model_tp_plan"
+    assert facts.params - split == sum(p.numel() for n, p in model.named_parameters()
+                                       if "norm" in n or "embed_tokens" in n or "lm_head" in n)
+    assert facts.kv_heads == 2 and not facts.tp.logits_sharded and not facts.tp.sequence_parallel
+    layer = model.model.layers[0]
+    assert facts.tp.units == ((sum(p.numel() for p in layer.parameters()), split // 2),)
+    # a plan that names the embedding splits it (rowwise: over the vocabulary), and lm_head colwise splits the logits
+    plan = {**model_tp_plan(model), "model.embed_tokens": "rowwise", "lm_head": "colwise"}
+    more = model_facts(model, name, tp_plan=plan).tp
+    assert more.sharded == split + 2 * 64 * 16 and more.logits_sharded and more.source == "the tp_plan passed"
+
+
+def test_estimate_memory_command_prints_the_mesh(capsys):
+    from impel.commands.main import main
+
+    assert main(["estimate-memory", LLAMA, "--dp_shard_size", "2", "--parallelism_config_tp_size", "2",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["setup"]["world"] == 4 and [r["strategy"] for r in out["rows"]] == ["FSDP x TP (dp_shard=2, tp=2)"]
+    assert out["rows"][0]["params_GB"] * 1e9 == (7248 - 5120 / 2) * 4 / 2
+    assert main(["estimate-memory", LLAMA, "--tp_size", "3"]) == 2
+    assert "tp_size 3 does not divide" in capsys.readouterr().err
+    assert main(["estimate-memory", "GPT2Config(n_layer=1, n_embd=16, n_head=2)", "--tp_size", "2",
+                 "--tp_plan", '{"transformer.h.*.mlp.c_fc": "colwise"}', "--json"]) == 0
+    assert "'colwise' on transformer.h.0.mlp.c_fc counted as replicated" in capsys.readouterr().out  # a Conv1D
+    assert main(["estimate-memory", LLAMA, "--tp_size", "2", "--tp_plan", "[1]"]) == 2
+    assert "is not a JSON object" in capsys.readouterr().err
+
+
+def test_a_plain_module_takes_a_user_plan():
+    """nn.Sequential(Linear(6, 16), Tanh, Linear(16, 1)): colwise splits the first weight and bias, rowwise the
+    second weight (its bias stays whole); with no transformer layer the model is the one unit FSDP gathers."""
+    model, name = build_meta_model("helpers:make_mlp")
+    tp = model_facts(model, name, tp_plan={"0": "colwise", "2": "rowwise"}).tp
+    assert tp.sharded == 6 * 16 + 16 + 16 and tp.units == ((6 * 16 + 16 + 16 + 1, 128),)
+    assert dict((size, where) for where, size in tp.split_dims) == {16: "0.weight"}
+    assert mesh_row(model_facts(model, name, tp_plan={"0": "colwise", "2": "rowwise"}), tp_size=2).params == \
+        4 * (1 + 128 / 2)
