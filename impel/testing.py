@@ -84,9 +84,13 @@ def _context() -> Any:
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    # DDP's constructor imports torch._dynamo (seconds); DCP's state_dict helpers are used by every checkpoint
+    # DDP's constructor imports torch._dynamo (seconds); DCP's state_dict helpers are used by every checkpoint;
+    # transformers' model base and its GPT-2 / Llama (what tiny test models are built from) cost each rank ~1.7 s
+    # of CPU to import. A module that is not installed is skipped by the forkserver.
     ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo",
-                                "torch.distributed.checkpoint.state_dict", "impel.accelerator"])
+                                "torch.distributed.checkpoint.state_dict", "impel.accelerator",
+                                "transformers.modeling_utils", "transformers.models.gpt2.modeling_gpt2",
+                                "transformers.models.llama.modeling_llama"])
     return ctx
 
 
