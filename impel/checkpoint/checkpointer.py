@@ -5,7 +5,9 @@ picks a temporary directory -> pre-hooks -> the strategy writes models and optim
 schedulers, counters, dataloader positions, the GradScaler and registered objects -> each rank writes its RNG
 state (each finished file is hashed and fsynced in the background meanwhile) -> the files nobody hashed yet (DCP,
 DeepSpeed, hooks) are hashed by all ranks in parallel -> the leader seals (manifest from those digests, metadata,
-marker, fsync) and renames -> rotation (``total_limit``).
+marker, fsync) and renames -> rotation (``total_limit``). With ``async_save`` the writes up to the RNG state are
+staged in CPU memory instead (``staging``) and everything from the writes on runs on a background thread, its
+collectives on a dedicated gloo group; the next save/load, ``end_training`` and exit wait for it.
 
 load: check in -> the leader finds the directory (newest complete one by default) and verifies sizes and
 checksums -> pre-hooks -> GradScaler, models and optimizers (strategy), schedulers, counters, dataloaders,
@@ -164,8 +166,6 @@ class Checkpointer:
                 shutil.rmtree(temp, ignore_errors=True)
             raise
         self.config.iteration += 1
-        if not asynchronous:
-            trim_host_heap()  # the write's buffers, freed in its threads' arenas, go back to the OS
         return str(final)
 
     def _finish(self, temp: Path, final: Path, leader: bool, write: Callable[[], dict[str, Any]],
@@ -184,8 +184,7 @@ class Checkpointer:
             if leader:
                 shutil.rmtree(temp, ignore_errors=True)
             raise
-        if group is not None:
-            trim_host_heap()
+        trim_host_heap()  # the write's buffers, freed in its threads' arenas, go back to the OS
 
     # --- asynchronous saves -----------------------------------------------------------------------------------
     def async_default(self) -> bool:
