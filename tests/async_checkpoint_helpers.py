@@ -73,7 +73,7 @@ def manifest(path: str) -> dict[str, Any]:
 
 
 def async_equals_sync(root: str, fail_on_rank: int | None = None) -> dict[str, Any]:
-    """Save the same state synchronously and asynchronously (training 3 more steps while the async one is held),
+    """Save the same state synchronously and asynchronously (training on while the async one is written),
     and report both checkpoints' manifests and loaded states. With ``fail_on_rank``, a second async save's
     background write fails there (disk full) and the next save_state's error is reported."""
     from impel.checkpoint import layout
@@ -83,10 +83,14 @@ def async_equals_sync(root: str, fail_on_rank: int | None = None) -> dict[str, A
     acc.save_state(os.path.join(root, "sync"))
     with held_background() as gate:
         returned = acc.save_state(os.path.join(root, "async"), async_save=True)
-        train(acc, model, opt, loader, sched, 7)  # parameters and AdamW states change in place meanwhile
+        train(acc, model, opt, loader, sched, 5)  # parameters and AdamW states change in place before the write
         committed_early = os.path.exists(os.path.join(root, "async"))
         gate.set()
-        waited = acc.wait_for_checkpoint()
+        # ranks wait at different steps: rank 0 now, the others after two more steps, whose collectives on the
+        # default group run while their background writes use the save's own group
+        waited = acc.wait_for_checkpoint() if acc.process_index == 0 else None
+        train(acc, model, opt, loader, sched, 7)
+        waited = waited or acc.wait_for_checkpoint()
     out: dict[str, Any] = {"returned": returned, "waited": waited, "committed_early": committed_early,
                            "again": acc.wait_for_checkpoint(), "manifests": [manifest(os.path.join(root, n))
                                                                              for n in ("sync", "async")]}
