@@ -74,3 +74,15 @@ def test_a_script_that_ends_right_after_an_async_save_leaves_a_complete_checkpoi
     assert proc.stdout.strip() == str(checkpoint)
     assert layout.verify(checkpoint)["optimizer_steps"] == [2]
     assert sorted(p.name for p in checkpoint.parent.iterdir()) == ["checkpoint_0"]
+
+
+def test_async_save_under_deepspeed_raises_with_the_way_out():
+    from types import SimpleNamespace
+
+    from impel import ProjectConfiguration
+    from impel.checkpoint.checkpointer import Checkpointer
+    from impel.config import ConfigError, DistributedType
+
+    checkpointer = Checkpointer(ProjectConfiguration(), SimpleNamespace(distributed_type=DistributedType.DEEPSPEED))
+    with pytest.raises(ConfigError, match=r"not supported under DeepSpeed .* save with async_save=False"):
+        checkpointer._check_async()
