@@ -12,13 +12,13 @@ agreement) run on a dedicated gloo group (:func:`background_group`), created col
 inside the first asynchronous ``save_state``: training's collectives on the default group never interleave with
 them, and since only background threads take part in the dedicated group, a rank whose main thread is busy
 elsewhere (or already waiting for the save) cannot block another's write. At most one save is pending per
-process: the next ``save_state`` / ``load_state`` / ``end_training`` waits for it first.
+process: the next ``save_state`` / ``load_state`` / ``end_training`` waits for it first, and so does the end of
+the script (an exit hook of ``threading``, which runs before ``atexit``).
 """
 from __future__ import annotations
 
 import contextvars
 import functools
-import logging
 import sys
 import threading
 import warnings
@@ -33,7 +33,6 @@ import torch.distributed as dist
 from ..collectives import is_distributed
 from .layout import CheckpointError
 
-logger = logging.getLogger("impel")
 T = TypeVar("T")
 
 
