@@ -2,6 +2,11 @@
 ranks, full (DDP: safetensors + torch files) and sharded (FSDP SHARDED_STATE_DICT: DCP) and FSDP FULL_STATE_DICT,
 against the disk's sequential write bandwidth measured right before each save (a file of the checkpoint's size
 written in 16 MiB blocks and fsynced). Target: save at 50% or more of the disk bandwidth.
+
+Async rows (``async_rows``; ``python benchmarks/checkpoint.py async`` runs only them and merges them into
+``results/checkpoint.json``): the time the training loop is blocked by ``save_state(async_save=True)`` against a
+synchronous save of the same state, DDP and FSDP SHARDED, and the background write's throughput against the disk.
+Target: blocked <= 10% of the synchronous save.
 """
 from __future__ import annotations
 
