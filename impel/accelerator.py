@@ -415,8 +415,10 @@ class Accelerator(ProcessUtilities, RunSettings):
         return skip_first_batches(dataloader, num_batches)
 
     def free_memory(self, *objects: Any) -> list[Any]:
-        """Drop impel's references to prepared objects and release cached device memory."""
+        """Drop impel's references to prepared objects and release cached device memory (and the CPU buffers of
+        asynchronous saves; a pending one still finishes)."""
         self.prepared.clear()
+        self._checkpointer.drop_staging_buffers()
         self.step = 0
         gc.collect()
         if torch.cuda.is_available():

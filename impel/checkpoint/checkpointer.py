@@ -204,14 +204,18 @@ class Checkpointer:
         pending, self.pending = self.pending, None
         return pending.wait() if pending is not None else None
 
+    def drop_staging_buffers(self) -> None:
+        """Free the CPU copies the stager keeps for the next asynchronous save (a pending save keeps its own)."""
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
+
     def close(self) -> None:
         """``end_training``: wait for the pending save, then drop the staging buffers and the background group."""
         try:
             self.wait()
         finally:
-            if self._stager is not None:
-                self._stager.close()
-                self._stager = None
+            self.drop_staging_buffers()
             staging.release_group()
 
     def _prepare(self, final: Path) -> str:
