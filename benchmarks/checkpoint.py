@@ -2,12 +2,20 @@
 ranks, full (DDP: safetensors + torch files) and sharded (FSDP SHARDED_STATE_DICT: DCP) and FSDP FULL_STATE_DICT,
 against the disk's sequential write bandwidth measured right before each save (a file of the checkpoint's size
 written in 16 MiB blocks and fsynced). Target: save at 50% or more of the disk bandwidth.
+
+Async rows (``async_rows``; ``python benchmarks/checkpoint.py async`` runs only them and merges them into
+``results/checkpoint.json``): the time the training loop is blocked by ``save_state(async_save=True)`` against a
+synchronous save of the same state, DDP and FSDP SHARDED, and the background write's throughput against the disk.
+Target: blocked <= 10% of the synchronous save.
 """
 from __future__ import annotations
 
+import json
 import os
 import statistics
+import sys
 import tempfile
+from pathlib import Path
 from typing import Any
 
 import _common
@@ -45,7 +53,58 @@ def run(quick: bool = False) -> dict[str, Any]:
                          "load_GB_s": size / max(r["load_s"] for r in reports) / 1e9,
                          "disk_GB_s": statistics.median(reports[0]["disk_Bps"]) / 1e9,
                          "save/disk": ratio, "target": ">= 0.50", "ok": ratio >= 0.5, "error": None})
-    return {"rows": rows, "environment": _common.environment(), "n_layer": n_layer,
+    return {"rows": rows, "environment": _common.environment(), "n_layer": n_layer, "async": async_rows(quick),
             "summary": ["save/disk: median over 3 saves of checkpoint bytes / the slowest rank's save_state time, "
                         "each over the disk's fsynced sequential write bandwidth measured just before it for a file "
                         "of the same size; first_save_s (one-time imports included) is not in the ratio"]}
+
+
+# --- asynchronous saves (save_state(async_save=True)) ----------------------------------------------------------
+ASYNC_WORKER = str(Path(__file__).resolve().parent / "_async_checkpoint_worker.py")
+ASYNC_FORMATS = {k: v for k, v in FORMATS.items() if k != "FSDP FULL_STATE_DICT"}
+
+
+def async_rows(quick: bool = False) -> dict[str, Any]:
+    """Per format: the time the training loop is blocked by an asynchronous save_state (the call, slowest rank)
+    against a synchronous save of the same state, and the background write's throughput against the disk.
+    Target: blocked <= 10% of the synchronous save."""
+    n_layer = 2 if quick else 14
+    rows = []
+    with tempfile.TemporaryDirectory() as home:
+        for name, flags in ASYNC_FORMATS.items():
+            ckpt = os.path.join(home, name.split()[0])
+            try:
+                reports = launch(flags, [str(n_layer), ckpt], home, malloc_threshold=False, worker=ASYNC_WORKER)
+            except RuntimeError as exc:
+                rows.append({"format": name, "error": str(exc).strip().splitlines()[-1][:100]})
+                continue
+            size = reports[0]["checkpoint_bytes"]
+            slowest = {key: [max(v) for v in zip(*(r[key] for r in reports))]
+                       for key in ("sync_s", "blocked_s", "background_s")}
+            sync, blocked = statistics.median(slowest["sync_s"]), statistics.median(slowest["blocked_s"])
+            background = statistics.median(slowest["background_s"])
+            disk = statistics.median(reports[0]["disk_Bps"])
+            ratio = blocked / sync
+            rows.append({"format": name, "params_M": reports[0]["params"] / 1e6, "size_GB": size / 1e9,
+                         "sync_save_s": sync, "async_blocked_s": blocked, "blocked/sync": ratio,
+                         "first_async_blocked_s": max(r["first_async_blocked_s"] for r in reports),
+                         "background_s": background, "background_GB_s": size / background / 1e9,
+                         "disk_GB_s": disk / 1e9, "background/disk": size / background / disk,
+                         "target": "blocked/sync <= 0.10", "ok": ratio <= 0.10, "error": None})
+    return {"rows": rows, "n_layer": n_layer, "environment": _common.environment(),
+            "summary": ["async: median over 3 saves of the slowest rank; async_blocked_s is the save_state call "
+                        "(check-in, staging copies into reused CPU buffers), sync_save_s a synchronous save_state of "
+                        "the same state, background_s the call to the commit (waited for right away), the disk "
+                        "measured just before each synchronous save; the first asynchronous save (new buffers and "
+                        "the background group) is first_async_blocked_s, not in the ratio"]}
+
+
+if __name__ == "__main__":  # python benchmarks/checkpoint.py async: only the async rows, merged into the results
+    if sys.argv[1:2] == ["async"]:
+        quick = "--quick" in sys.argv
+        result = async_rows(quick)
+        print(_common.format_table(result["rows"]))
+        if not quick:
+            path = _common.RESULTS / f"{NAME}.json"
+            payload = json.loads(path.read_text()) if path.exists() else {"rows": []}  # the other rows kept
+            _common.write_json(NAME, dict(payload, **{"async": result}))

@@ -1,5 +1,8 @@
 """GPU section (runs only when CUDA is present): tokens/s and MFU of a ~1B-parameter GPT in bf16 under FSDP2 on
 one GPU, with and without torch.compile, through the Accelerator. Sized to finish in a few minutes on an H200.
+The async-checkpoint row: the time training is blocked by ``save_state(async_save=True)`` (state staged to pinned
+CPU memory) against a synchronous ``save_state`` of the same state (SHARDED_STATE_DICT), and the step time while
+the background write runs.
 
 MFU = achieved FLOP/s / peak bf16 FLOP/s, with 6 * params * tokens FLOPs per training step (plus attention's
 12 * layers * hidden * seq per token) and the peak taken from ``IMPEL_PEAK_TFLOPS`` or a table of known GPUs.
@@ -69,6 +72,56 @@ def measure(compile_model: bool, steps: int, seq: int, batch: int) -> dict[str, 
     return out
 
 
+def measure_checkpoint(steps: int, seq: int, batch: int) -> dict[str, Any]:
+    """Blocked time of an asynchronous save vs a synchronous one (median of 3 after a warm-up of each), the
+    background write's time to the commit, and the mean step time while it runs."""
+    import shutil
+    import statistics
+    import tempfile
+
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from impel import Accelerator
+    from impel.state import ProcessState
+
+    ProcessState._reset()
+    acc = Accelerator(mixed_precision="bf16")
+    cfg = GPT2Config(n_layer=20, n_embd=2048, n_head=16, vocab_size=32000, n_positions=seq)
+    model = GPT2LMHeadModel(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    model, opt = acc.prepare(model, opt)
+    x = torch.randint(0, cfg.vocab_size, (batch, seq), device=acc.device)
+    _step(acc, model, opt, x)
+    sync, blocked, background, during = [], [], [], []
+    with tempfile.TemporaryDirectory(dir=os.environ.get("IMPEL_BENCH_DIR")) as root:
+        for rep in range(4):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            acc.save_state(os.path.join(root, f"sync{rep}"), async_save=False)
+            sync.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            acc.save_state(os.path.join(root, f"async{rep}"), async_save=True)
+            blocked.append(time.perf_counter() - t0)
+            t1 = time.perf_counter()
+            for _ in range(steps):
+                _step(acc, model, opt, x)
+            torch.cuda.synchronize()
+            during.append((time.perf_counter() - t1) / steps)
+            acc.wait_for_checkpoint()
+            background.append(time.perf_counter() - t0)
+            for name in (f"sync{rep}", f"async{rep}"):
+                shutil.rmtree(os.path.join(root, name))
+    acc.end_training()
+    del model, opt
+    torch.cuda.empty_cache()
+    ratio = statistics.median(blocked[1:]) / statistics.median(sync[1:])
+    return {"checkpoint": "async vs sync (SHARDED_STATE_DICT)", "sync_save_s": statistics.median(sync[1:]),
+            "async_blocked_s": statistics.median(blocked[1:]), "blocked/sync": ratio,
+            "background_s": statistics.median(background[1:]), "step_s_during_write": statistics.mean(during[1:]),
+            "target": "blocked/sync <= 0.10", "ok": ratio <= 0.10}
+
+
 def run(quick: bool = False) -> dict[str, Any]:
     import torch
 
@@ -80,4 +133,7 @@ def run(quick: bool = False) -> dict[str, Any]:
                       IMPEL_CONFIG='{"distributed_type": "FSDP"}')
     steps = 3 if quick else 20
     rows = [measure(c, steps, seq=2048, batch=8) for c in (False, True)]
+    os.environ["IMPEL_CONFIG"] = ('{"distributed_type": "FSDP", "fsdp_config": '
+                                  '{"fsdp_state_dict_type": "SHARDED_STATE_DICT"}}')
+    rows.append(measure_checkpoint(3 if quick else 10, seq=2048, batch=8))
     return {"rows": rows, "environment": _common.environment(), "gpu": torch.cuda.get_device_name()}

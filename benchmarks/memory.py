@@ -29,14 +29,15 @@ STRATEGIES = {
 }
 
 
-def launch(flags: list[str], args: list[str], home: str, malloc_threshold: bool = True) -> list[dict[str, Any]]:
+def launch(flags: list[str], args: list[str], home: str, malloc_threshold: bool = True,
+           worker: str = WORKER) -> list[dict[str, Any]]:
     """Run the worker on 2 ranks; ``malloc_threshold``: return freed memory to the OS (for honest RSS figures;
     throughput benchmarks leave glibc's default, as users do)."""
     impel = str(Path(sys.executable).parent / "impel")
     env = dict(os.environ, OMP_NUM_THREADS="1", HOME=home, IMPEL_CONFIG_FILE=os.path.join(home, "none.yaml"))
     if malloc_threshold:
         env["MALLOC_MMAP_THRESHOLD_"] = "131072"
-    cmd = [impel, "launch", "--cpu", "--num_processes", "2", *flags, WORKER, *args]
+    cmd = [impel, "launch", "--cpu", "--num_processes", "2", *flags, worker, *args]
     proc = subprocess.run(cmd, env=env, cwd=home, capture_output=True, text=True, timeout=1800, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")

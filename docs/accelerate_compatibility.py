@@ -113,7 +113,8 @@ LIMITS = {
                   "objects wherever they live); other keywords go to DeepSpeed's engine.load_checkpoint under "
                   "DeepSpeed and raise elsewhere; load_kwargs weights_only=False raises",
     "save_state": "extra keywords go to DeepSpeed's engine.save_checkpoint (as in Accelerate); elsewhere they raise "
-                  "instead of being ignored",
+                  "instead of being ignored; impel's `async_save=True` returns once the state is staged and writes "
+                  "in the background (docs/checkpoints.md, \"Asynchronous saves\")",
     "gradient_accumulation_steps": "settable; raises under DeepSpeed (its engine fixes it) or mid-group",
     "save": "main process only (each node's with save_on_each_node); safetensors for a dict of tensors",
     "dispatch_batches": "always False: impel never dispatches batches from rank 0 "

@@ -118,7 +118,7 @@ class Accelerator(ProcessUtilities, RunSettings):
         self.prepared = Prepared()  # handed to the checkpointer, the resilience logic and the Trainer
         run = TrainingRun(self.prepared, self.strategy, self.gradient_state, self.state, self.distributed_type,
                           self.config.mixed_precision)
-        self._checkpointer = Checkpointer(self.project_configuration, run)
+        self._checkpointer = Checkpointer(self.project_configuration, run, async_save=self.config.async_save)
         # None unless auto_resume or nonfinite_loss is on
         self._resilience = Resilience.create(self.config, self.project_configuration, run, self._checkpointer)
 
@@ -372,11 +372,19 @@ class Accelerator(ProcessUtilities, RunSettings):
         self.gradient_state.step = int(value)
 
     def save_state(self, output_dir: str | os.PathLike[str] | None = None, safe_serialization: bool = True,
-                   **save_model_func_kwargs: Any) -> str:
+                   async_save: bool | None = None, **save_model_func_kwargs: Any) -> str:
         """Save everything an exact resume needs, atomically; collective (call on every rank). Returns the path.
+        ``async_save=True`` returns once the state is staged in CPU memory and writes it in the background (None:
+        ``ProjectConfiguration.async_save`` or the ``async_save`` config key); ``wait_for_checkpoint()``, the next
+        ``save_state``/``load_state``, ``end_training`` and exit wait for it and raise its failure.
         Extra keyword arguments go to DeepSpeed's ``engine.save_checkpoint`` (elsewhere they raise)."""
         options = save_options(save_model_func_kwargs, self.distributed_type == DistributedType.DEEPSPEED)
-        return self._checkpointer.save(output_dir, safe_serialization, options)
+        return self._checkpointer.save(output_dir, safe_serialization, options, async_save=async_save)
+
+    def wait_for_checkpoint(self) -> str | None:
+        """impel: block until the pending ``save_state(async_save=True)`` is committed; returns its path (None when
+        none is pending). Its failure raises here, on every rank that calls. Not collective."""
+        return self._checkpointer.wait()
 
     def load_state(self, input_dir: str | os.PathLike[str] | None = None, load_kwargs: dict[str, Any] | None = None,
                    **load_model_func_kwargs: Any) -> str:
@@ -407,8 +415,10 @@ class Accelerator(ProcessUtilities, RunSettings):
         return skip_first_batches(dataloader, num_batches)
 
     def free_memory(self, *objects: Any) -> list[Any]:
-        """Drop impel's references to prepared objects and release cached device memory."""
+        """Drop impel's references to prepared objects and release cached device memory (and the CPU buffers of
+        asynchronous saves; a pending one still finishes)."""
         self.prepared.clear()
+        self._checkpointer.drop_staging_buffers()
         self.step = 0
         gc.collect()
         if torch.cuda.is_available():
@@ -439,7 +449,9 @@ class Accelerator(ProcessUtilities, RunSettings):
 
     def end_training(self) -> None:
         """Close the trackers, stop impel's signal handling, tear down the strategy, wait for every rank and destroy
-        the process group impel created (as Accelerate does): collectives after this raise."""
+        the process group impel created (as Accelerate does): collectives after this raise. A pending asynchronous
+        save is waited for first (its failure raises here)."""
+        self._checkpointer.close()
         self._tracking.finish()
         if self._resilience is not None:
             self._resilience.uninstall()

@@ -302,6 +302,8 @@ class RunConfig(Freezable):
     debug: bool = option(False, "bool", "accepted for Accelerate files; impel always checks gather shapes")
     auto_resume: bool = option(False, "bool", "load the newest complete checkpoint when training starts, and on "
                                "SIGTERM save one and exit 75 (needs a project_dir with automatic checkpoint naming)")
+    async_save: bool = option(False, "bool", "save_state() returns once the state is staged in CPU memory; the "
+                              "checkpoint is written and committed in the background")
     nonfinite_loss: str = option("ignore", "str", "a NaN/inf loss: 'error' stops naming the step, 'skip' skips "
                                  "that optimizer step on every rank", choices=("ignore", "error", "skip"))
     auto_model: str | None = option(None, "str", "distributed_type AUTO: the model to estimate (a transformers "

@@ -179,7 +179,9 @@ class ProjectConfiguration:
     (the oldest are deleted after each save). iteration: the number the next automatic save gets (restored by
     ``load_state``). save_on_each_node: every node's local main process writes (for node-local disks).
     automatic_resume: load the newest complete checkpoint when training starts and save one on SIGTERM (see
-    :mod:`impel.resilience`; the same as ``impel launch --auto_resume``).
+    :mod:`impel.resilience`; the same as ``impel launch --auto_resume``). async_save: ``save_state()`` returns once
+    the state is staged in CPU memory and writes the checkpoint in the background (the default of its
+    ``async_save`` argument; the same as the ``async_save`` config key; see docs/checkpoints.md).
 
     Example::
 
@@ -194,9 +196,10 @@ class ProjectConfiguration:
     iteration: int = 0
     save_on_each_node: bool = False
     automatic_resume: bool = False
+    async_save: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("automatic_checkpoint_naming", "save_on_each_node", "automatic_resume"):
+        for name in ("automatic_checkpoint_naming", "save_on_each_node", "automatic_resume", "async_save"):
             _check_bool("ProjectConfiguration", name, getattr(self, name))
         limit = self.total_limit
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):

@@ -109,7 +109,7 @@ class Resilience:
         if not self.handle_preemption or not self.run.gradient_state.sync_gradients:
             return  # mid-group: the boundary is after the group's optimizer step
         if _any_rank(self.preempt_requested, self.run.device):
-            path = self.checkpointer.save()
+            path = self.checkpointer.save(async_save=False)  # the process exits right after
             if self.run.is_main_process:
                 print(f"impel: preempted; saved {path}; exiting with code {PREEMPTED_EXIT_CODE} (relaunch the same "
                       "command to continue)", flush=True)

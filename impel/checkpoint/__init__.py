@@ -5,6 +5,7 @@ writers: safetensors, ``torch.load(weights_only=True)``), ``state`` (RNG, counte
 objects), ``collective`` (every rank must call; errors shared), ``full`` (model/optimizer as full files: single
 device, DDP, FSDP FULL_STATE_DICT), ``sharded`` (DCP: FSDP SHARDED_STATE_DICT, resharding), ``hf`` (Hugging Face
 weight layout), ``merge`` (any checkpoint to full weights), ``checkpointer`` (save_state/load_state in order),
+``staging`` (asynchronous saves: the state staged at the call, written and committed on a background thread),
 ``accelerate_format`` / ``accelerate_weights`` (loading a directory written by Accelerate's save_state) and
 ``restricted`` (its pickles, unpickled through an allowlist).
 """

@@ -5,7 +5,9 @@ picks a temporary directory -> pre-hooks -> the strategy writes models and optim
 schedulers, counters, dataloader positions, the GradScaler and registered objects -> each rank writes its RNG
 state (each finished file is hashed and fsynced in the background meanwhile) -> the files nobody hashed yet (DCP,
 DeepSpeed, hooks) are hashed by all ranks in parallel -> the leader seals (manifest from those digests, metadata,
-marker, fsync) and renames -> rotation (``total_limit``).
+marker, fsync) and renames -> rotation (``total_limit``). With ``async_save`` the writes up to the RNG state are
+staged in CPU memory instead (``staging``) and everything from the writes on runs on a background thread, its
+collectives on a dedicated gloo group; the next save/load, ``end_training`` and exit wait for it.
 
 load: check in -> the leader finds the directory (newest complete one by default) and verifies sizes and
 checksums -> pre-hooks -> GradScaler, models and optimizers (strategy), schedulers, counters, dataloaders,
@@ -22,7 +24,8 @@ import pickle
 import platform
 import shutil
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,9 +35,9 @@ from torch.utils.hooks import RemovableHandle
 from ..config import ConfigError
 from ..memory import trim_host_heap
 from ..plugins import ProjectConfiguration
-from . import accelerate_format, collective, layout
+from . import accelerate_format, collective, layout, staging
 from .digests import sealing, share_digests
-from .files import read_torch, write_torch
+from .files import crc32_off, read_torch, write_torch
 from .full import suffix
 from .options import DEFAULT_LOAD, DEFAULT_SAVE, LoadOptions, SaveOptions
 from .state import (
@@ -69,13 +72,26 @@ def resolve_project_configuration(project_dir: Any,
     return config
 
 
+@contextmanager
+def _storable(what: str) -> Iterator[None]:
+    """A registered object's state that torch.save (or staging's deep copy) cannot take: one message."""
+    try:
+        yield
+    except (pickle.PicklingError, AttributeError, TypeError) as exc:
+        raise layout.CheckpointError(f"cannot save {what}: its state_dict() holds something torch.save cannot "
+                                     f"store ({exc}); return tensors, numbers, strings, lists and dicts") from None
+
+
 class Checkpointer:
     """Saves and loads one training run (:class:`impel.prepared.TrainingRun`, handed over by the Accelerator) under
     its project configuration; holds the state hooks."""
 
-    def __init__(self, config: ProjectConfiguration, run: TrainingRun) -> None:
+    def __init__(self, config: ProjectConfiguration, run: TrainingRun, async_save: bool = False) -> None:
         self.config = config
         self.run = run
+        self.async_configured = async_save  # the run config's async_save key
+        self.pending: staging.PendingSave | None = None
+        self._stager: Any = None  # DCP's stager, created by the first asynchronous save
         self.save_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
         self.load_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
 
@@ -114,12 +130,19 @@ class Checkpointer:
         return run.is_main_process or (self.config.save_on_each_node and run.is_local_main_process)
 
     # --- save -------------------------------------------------------------------------------------------------
-    def save(self, output_dir: Any = None, safe_serialization: bool = True,
-             options: SaveOptions = DEFAULT_SAVE) -> str:
+    def save(self, output_dir: Any = None, safe_serialization: bool = True, options: SaveOptions = DEFAULT_SAVE,
+             async_save: bool | None = None) -> str:
+        """One sequence for both kinds of save: the blocking part here (check-in, target, hooks, and the state
+        written, or with ``async_save`` staged in CPU memory), then :meth:`_finish` (files, digests, the leader's
+        commit) now, or on a background thread (``staging``). ``async_save=None``: the configured default."""
+        asynchronous = self.async_default() if async_save is None else bool(async_save)
+        self.wait()  # a pending save first: its failure raises here, on every rank
         collective.arrive("save_state", self.run.process.timeout)
         options = dataclasses.replace(options, shared_dir=not self.config.save_on_each_node)
         final = self._save_target(output_dir)
         collective.agree(str(final), "the save_state output directory")
+        if asynchronous:
+            self._check_async()
         leader = self._leader()
         prepared = collective.on_leader(lambda: self._prepare(final), "preparing the checkpoint directory", leader)
         assert prepared is not None  # rank 0 always leads, and every rank gets rank 0's result
@@ -128,20 +151,74 @@ class Checkpointer:
             temp.mkdir(parents=True, exist_ok=True)
         collective.barrier()
         try:
-            with sealing(temp) as sealer:
-                strategy_meta = collective.run_shared(
-                    lambda: self._write(temp, leader, safe_serialization, options), "save_state")
-                known = collective.run_shared(sealer.entries, "save_state")
-            known = share_digests(temp, known, shared_dir=not self.config.save_on_each_node)
-            collective.run_shared(lambda: self._commit(temp, final, strategy_meta, known) if leader else None,
-                                  "committing the checkpoint")
+            if not asynchronous:
+                write = lambda: self._metadata(self._write(temp, leader, safe_serialization, options))  # noqa: E731
+                self._finish(temp, final, leader, write, group=None)
+            else:
+                group = staging.background_group(self.run.process.timeout)  # collective the first time
+                if self._stager is None:
+                    self._stager = staging.new_stager()
+                with staging.deferring(self._stager, group) as deferred:
+                    metadata = self._metadata(collective.run_shared(
+                        lambda: self._write(temp, leader, safe_serialization, options), "save_state"))
+                self.pending = staging.PendingSave(str(final), lambda: self._finish(
+                    temp, final, leader, lambda: deferred.run(metadata), group))
         except BaseException:
             if leader:
                 shutil.rmtree(temp, ignore_errors=True)
             raise
         self.config.iteration += 1
-        trim_host_heap()  # the write's buffers, freed in its threads' arenas, go back to the OS
         return str(final)
+
+    def _finish(self, temp: Path, final: Path, leader: bool, write: Callable[[], dict[str, Any]],
+                group: Any) -> None:
+        """The part of a save that can run later, on every rank in the same order: ``write`` (the files; returns
+        the checkpoint metadata) while they are hashed, the digests shared, then the leader's commit. ``group``: the
+        process group of its collectives (None: the default group, on the main thread)."""
+        try:
+            with sealing(temp) as sealer, crc32_off():
+                metadata = collective.run_shared(write, "save_state", group)
+                known = collective.run_shared(sealer.entries, "save_state", group)
+            known = share_digests(temp, known, shared_dir=not self.config.save_on_each_node, group=group)
+            collective.run_shared(lambda: self._commit(temp, final, metadata, known) if leader else None,
+                                  "committing the checkpoint", group)
+        except BaseException:
+            if leader:
+                shutil.rmtree(temp, ignore_errors=True)
+            raise
+        trim_host_heap()  # the write's buffers, freed in its threads' arenas, go back to the OS
+
+    # --- asynchronous saves -----------------------------------------------------------------------------------
+    def async_default(self) -> bool:
+        """``save_state()``'s default: ``ProjectConfiguration.async_save`` or the run config's ``async_save``."""
+        return bool(self.config.async_save or self.async_configured)
+
+    def _check_async(self) -> None:
+        if self.run.distributed_type == "DEEPSPEED":
+            raise ConfigError("save_state(async_save=True) is not supported under DeepSpeed (its engine writes its "
+                              "own checkpoint files synchronously); save with async_save=False, or turn off "
+                              "ProjectConfiguration(async_save=...) / the async_save config key")
+
+    def wait(self) -> str | None:
+        """Wait for the pending asynchronous save (not collective); its path, None when none was pending. Its
+        failure raises here as a CheckpointError naming the directory and the cause (on every rank: a failure on
+        one rank fails the save on all)."""
+        pending, self.pending = self.pending, None
+        return pending.wait() if pending is not None else None
+
+    def drop_staging_buffers(self) -> None:
+        """Free the CPU copies the stager keeps for the next asynchronous save (a pending save keeps its own)."""
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
+
+    def close(self) -> None:
+        """``end_training``: wait for the pending save, then drop the staging buffers and the background group."""
+        try:
+            self.wait()
+        finally:
+            self.drop_staging_buffers()
+            staging.release_group()
 
     def _prepare(self, final: Path) -> str:
         final.parent.mkdir(parents=True, exist_ok=True)
@@ -173,13 +250,19 @@ class Checkpointer:
 
     @staticmethod
     def _write_registered(index: int, obj: Any, path: Path) -> None:
-        """Write a registered object's state and read it back safely now, not at resume time."""
+        """Write a registered object's state and read it back safely now, not at resume time (an asynchronous save
+        stages it now and writes and reads it back in the background)."""
         what = f"registered object {index}, {describe(obj)}"
-        try:
-            write_torch(obj.state_dict(), path)
-        except (pickle.PicklingError, AttributeError, TypeError) as exc:
-            raise layout.CheckpointError(f"cannot save {what}: its state_dict() holds something torch.save cannot "
-                                         f"store ({exc}); return tensors, numbers, strings, lists and dicts") from None
+        with _storable(what):
+            state = obj.state_dict()
+            deferred = staging.defer(Checkpointer._store_registered, state, what, path)
+        if not deferred:
+            Checkpointer._store_registered(state, what, path)
+
+    @staticmethod
+    def _store_registered(state: Any, what: str, path: Path) -> None:
+        with _storable(what):
+            write_torch(state, path)
         read_torch(path, what)
 
     def _run_save_hooks(self, temp: Path) -> frozenset[int]:
@@ -198,12 +281,12 @@ class Checkpointer:
         remaining = {id(w) for w in weights}
         return frozenset(i for i, w in enumerate(ids) if w not in remaining)
 
-    def _commit(self, temp: Path, final: Path, strategy_meta: dict[str, Any], known: dict[str, Any]) -> None:
+    def _metadata(self, strategy_meta: dict[str, Any]) -> dict[str, Any]:
+        """The checkpoint's metadata, taken when the save is called (an asynchronous save commits it later)."""
         from .. import __version__
 
         run = self.run
-
-        metadata = {
+        return {
             "impel_version": __version__, "torch_version": torch.__version__,
             "python_version": platform.python_version(),
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -213,12 +296,15 @@ class Checkpointer:
             "mixed_precision": run.mixed_precision, "strategy": dict(strategy_meta, name=run.strategy.name),
             "counts": run.prepared.counts(),
         }
+
+    def _commit(self, temp: Path, final: Path, metadata: dict[str, Any], known: dict[str, Any]) -> None:
         layout.commit(temp, final, metadata, known)
         if self.config.automatic_checkpoint_naming:
             layout.rotate(final.parent, self.config.total_limit)
 
     # --- load -------------------------------------------------------------------------------------------------
     def load(self, input_dir: Any = None, options: LoadOptions = DEFAULT_LOAD) -> str:
+        self.wait()
         collective.arrive("load_state", self.run.process.timeout)
         if input_dir is not None:
             collective.agree(os.fspath(input_dir), "the load_state input directory")

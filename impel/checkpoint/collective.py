@@ -63,8 +63,9 @@ def agree(value: str, what: str) -> None:
         raise CheckpointError(f"ranks disagree on {what} ({listed}); pass the same value on every rank")
 
 
-def run_shared(fn: Callable[[], T], what: str) -> T:
-    """Run ``fn`` on every rank; if it raises anywhere, raise on every rank (the original error where it happened)."""
+def run_shared(fn: Callable[[], T], what: str, group: Any = None) -> T:
+    """Run ``fn`` on every rank; if it raises anywhere, raise on every rank (the original error where it happened).
+    ``group``: the process group to agree on (an asynchronous save's background group; default: the default one)."""
     error: BaseException | None = None
     result: Any = None
     try:
@@ -72,8 +73,8 @@ def run_shared(fn: Callable[[], T], what: str) -> T:
     except Exception as exc:  # noqa: BLE001 - re-raised below on this rank, reported on the others
         error = exc
     if is_distributed():
-        messages: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(messages, None if error is None else f"{type(error).__name__}: {error}")
+        messages: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(messages, None if error is None else f"{type(error).__name__}: {error}", group=group)
         failed = {r: m for r, m in enumerate(messages) if m is not None}
         if failed and error is None:
             listed = "; ".join(f"rank {r}: {m}" for r, m in failed.items())

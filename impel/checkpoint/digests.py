@@ -185,19 +185,20 @@ def seal(path: Path) -> None:
         fsync_file(path)
 
 
-def share_digests(root: Path, known: dict[str, Entry], shared_dir: bool) -> dict[str, Entry]:
+def share_digests(root: Path, known: dict[str, Entry], shared_dir: bool, group: Any = None) -> dict[str, Entry]:
     """Collective: every rank's known digests, plus those of the files nobody hashed yet, whose 64 MiB blocks are
     dealt round-robin to the ranks (each rank also fsyncs the files it read). Every returned file is fsynced.
 
     ``shared_dir``: all ranks see the same directory (otherwise each node commits its own copy and only this
-    rank's entries are returned; the committer hashes the rest itself). Should the ranks list the directory
+    rank's entries are returned; the committer hashes the rest itself). ``group``: the process group (an
+    asynchronous save's background group; default: the default group). Should the ranks list the directory
     differently, a file left out here is hashed by the committer (``layout.build_manifest``).
     """
     if not (is_distributed() and shared_dir):
         return dict(known)
-    world, rank = dist.get_world_size(), dist.get_rank()
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
     everyone: list[Any] = [None] * world
-    dist.all_gather_object(everyone, known)
+    dist.all_gather_object(everyone, known, group=group)
     merged: dict[str, Entry] = {}
     for entries in everyone:
         merged.update(entries)
@@ -213,7 +214,7 @@ def share_digests(root: Path, known: dict[str, Entry], shared_dir: bool) -> dict
         error: BaseException | None = None
     except OSError as exc:
         payload, error = f"{type(exc).__name__}: {exc}", exc
-    dist.all_gather_object(everyone, payload)
+    dist.all_gather_object(everyone, payload, group=group)
     if error is not None:
         raise error
     blocks: dict[str, dict[int, str]] = {}

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from . import staging
 from .digests import appending, seal
 from .layout import CheckpointError
 
@@ -58,6 +59,8 @@ def write_safetensors(tensors: Mapping[str, torch.Tensor], path: Path) -> None:
     """Write tensors (tied ones once, the alias recorded in the metadata) and fsync."""
     from safetensors.torch import save_file
 
+    if staging.defer(write_safetensors, tensors, path):  # save_state(async_save=True): staged, written later
+        return
     kept, aliases = dedupe_aliases(tensors)
     metadata = {"format": "pt"}
     if aliases:
@@ -89,6 +92,8 @@ def write_torch(obj: Any, path: Path) -> None:
 
     The zip records' crc32 is not computed: the manifest's sha256 covers every byte, and crc32 costs a pass.
     """
+    if staging.defer(write_torch, obj, path):  # save_state(async_save=True): staged, written later
+        return
     with crc32_off(), appending(path) as f:
         torch.save(obj, f)
 

@@ -27,6 +27,7 @@ from .digests import appending
 from .files import crc32_off
 from .full import optimizer_state, pair_optimizers, suffix
 from .layout import CheckpointError
+from .staging import deferrable_dcp_save
 
 FORMAT = "sharded"
 
@@ -122,15 +123,16 @@ def save_sharded(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.O
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     no_dist = not is_distributed()
+    save = deferrable_dcp_save(dcp.save)  # save_state(async_save=True): staged now, saved in the background
     with crc32_off():
         for i, model in enumerate(models):
             if i not in skip_models:
-                _dcp(dcp.save, {"model": get_model_state_dict(model, options=options)},
+                _dcp(save, {"model": get_model_state_dict(model, options=options)},
                      storage_writer=_writer(directory / model_dir(i)), no_dist=no_dist)
         fresh = []
         for i, (opt, owner) in enumerate(zip(optimizers, pair_optimizers(models, optimizers))):
             fresh.append(not opt.state)
-            _dcp(dcp.save, {"optimizer": optimizer_state(models[owner], opt, options)},
+            _dcp(save, {"optimizer": optimizer_state(models[owner], opt, options)},
                  storage_writer=_writer(directory / optimizer_dir(i)), no_dist=no_dist)
     return {"format": FORMAT, "models": [model_dir(i) for i in range(len(models))],
             "optimizers": [optimizer_dir(i) for i in range(len(optimizers))], "fresh_optimizers": fresh}

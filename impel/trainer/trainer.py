@@ -387,7 +387,7 @@ class Trainer:
         state.loss_sum, state.loss_count = float(window[0]), round(float(window[1]))
         note_save(state, next_checkpoint_path(acc))
         state.stateful_callbacks = export_states(self.callback_handler.callbacks)
-        state.last_checkpoint = acc.save_state()
+        state.last_checkpoint = acc.save_state(async_save=False)  # rotation below reads the committed one
         rotate_checkpoints(state, acc, self.args.save_total_limit, self.args.save_on_each_node)
         self._event("on_save")
 

@@ -68,28 +68,31 @@ def test_save_state_on_one_rank_only_raises_instead_of_hanging(tmp_path):
     assert not (tmp_path / "checkpoints" / "checkpoint_0").exists()
 
 
-def _train_then_die_while_saving(project: str, snapshot_file: str) -> None:
+def _train_then_die_while_saving(project: str, snapshot_file: str, async_save: bool) -> None:
     import signal
+    import threading
 
-    from impel.checkpoint import checkpointer
+    from impel.checkpoint import checkpointer, files
 
     acc, model, opt, loader, sched = make_run(project)
     train(acc, model, opt, loader, sched, 3, save_at=[3])
     if acc.is_main_process:
         torch.save(acc.unwrap_model(model).state_dict(), snapshot_file)
     train(acc, model, opt, loader, sched, 5)
-    real_write = checkpointer.write_torch
+    real_write = files.write_torch
 
     def write_half_then_die(obj, path):
-        if path.name.startswith("random_states"):  # after rank 0 wrote model, optimizer and the rest
-            real_write(obj, path)
+        real_write(obj, path)  # async_save: at the call only staged (and recorded through files.write_torch)
+        writing = threading.current_thread() is not threading.main_thread() if async_save else True
+        if path.name.startswith("random_states") and writing:  # after rank 0 wrote model, optimizer and the rest
             data = path.read_bytes()
             path.write_bytes(data[: len(data) // 2])
             os.kill(os.getpid(), signal.SIGKILL)
-        real_write(obj, path)
 
-    checkpointer.write_torch = write_half_then_die
-    acc.save_state()
+    checkpointer.write_torch = files.write_torch = write_half_then_die
+    acc.save_state(async_save=async_save)
+    train(acc, model, opt, loader, sched, 7)  # async_save: training goes on while the background write dies
+    acc.wait_for_checkpoint()
 
 
 def _load_latest(project: str) -> tuple[str, dict[str, torch.Tensor], int]:
@@ -99,10 +102,11 @@ def _load_latest(project: str) -> tuple[str, dict[str, torch.Tensor], int]:
     return loaded, state, acc.save_iteration
 
 
-def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path):
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(async_save, tmp_path):
     project, snapshot_file = str(tmp_path), str(tmp_path / "at_step_3.pt")
     with pytest.raises(RankFailed, match="exited with code -9"):
-        run_on_ranks(_train_then_die_while_saving, 2, args=(project, snapshot_file), timeout=TIMEOUT)
+        run_on_ranks(_train_then_die_while_saving, 2, args=(project, snapshot_file, async_save), timeout=TIMEOUT)
     partial = [p for p in (tmp_path / "checkpoints").iterdir() if p.name != "checkpoint_0"]
     assert len(partial) == 1 and partial[0].name.startswith(".impel-tmp-checkpoint_1")
     assert (partial[0] / "model.safetensors").exists()  # the kill came after real files were written

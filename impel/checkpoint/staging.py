@@ -1,0 +1,189 @@
+"""Asynchronous ``save_state``: the state staged in CPU memory at call time, written by one background thread.
+
+``save_state(async_save=True)`` runs the ordinary save sequence (``checkpointer``) with deferral on: every write
+impel's writers would do (``files.write_torch``, ``files.write_safetensors``, DCP's ``save`` in ``sharded``) is
+recorded instead, with its state copied to CPU memory by DCP's stager (``DefaultStager``: pinned memory where CUDA
+exists, a plain copy on the CPU, where training then changes the parameters in place). The call returns once
+every rank has staged. :class:`PendingSave` then replays the recorded writes on a background thread, in the order
+they were recorded, followed by the rest of the synchronous sequence (digests, the leader's commit).
+
+Collectives of that background part (DCP's planning, the shared errors, the digest exchange, the commit's
+agreement) run on a dedicated gloo group (:func:`background_group`), created collectively on the default group
+inside the first asynchronous ``save_state``: training's collectives on the default group never interleave with
+them, and since only background threads take part in the dedicated group, a rank whose main thread is busy
+elsewhere (or already waiting for the save) cannot block another's write. At most one save is pending per
+process: the next ``save_state`` / ``load_state`` / ``end_training`` waits for it first, and so does the end of
+the script (an exit hook of ``threading``, which runs before ``atexit``).
+"""
+from __future__ import annotations
+
+import contextvars
+import functools
+import sys
+import threading
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from ..collectives import is_distributed
+from .layout import CheckpointError
+
+T = TypeVar("T")
+
+
+class Deferred:
+    """The writes one ``save_state`` recorded instead of doing them, each with its state already staged."""
+
+    def __init__(self, stager: Any, group: Any) -> None:
+        self.stager = stager
+        self.group = group  # the process group the recorded DCP saves coordinate on
+        self.writes: list[Callable[[], Any]] = []
+
+    def record(self, fn: Callable[..., Any], state: Any, *args: Any, **kwargs: Any) -> None:
+        staged = self.stager.stage(state) if state is not None else None
+        self.writes.append(functools.partial(fn, staged, *args, **kwargs))
+
+    def run(self, result: T) -> T:
+        """Do the recorded writes in order (on the background thread; the staged copies are dropped as they go),
+        then return ``result``."""
+        while self.writes:
+            self.writes.pop(0)()
+        return result
+
+
+_active: contextvars.ContextVar[Deferred | None] = contextvars.ContextVar("impel_deferred", default=None)
+
+
+@contextmanager
+def deferring(stager: Any, group: Any) -> Iterator[Deferred]:
+    """While active (on this thread), impel's writers record their writes in the yielded :class:`Deferred`."""
+    deferred = Deferred(stager, group)
+    token = _active.set(deferred)
+    try:
+        yield deferred
+    finally:
+        _active.reset(token)
+
+
+def defer(fn: Callable[..., Any], state: Any, *args: Any, **kwargs: Any) -> bool:
+    """Under :func:`deferring`: stage ``state`` now and record ``fn(staged, *args, **kwargs)``; True. Else False
+    (the caller writes now)."""
+    deferred = _active.get()
+    if deferred is None:
+        return False
+    deferred.record(fn, state, *args, **kwargs)
+    return True
+
+
+def deferrable_dcp_save(save: Callable[..., Any]) -> Callable[..., Any]:
+    """``dcp.save`` itself, or under :func:`deferring` a stand-in that stages the state dict (DTensors' local shards
+    copied by DCP's stager) and records the save, run later on the dedicated group."""
+    deferred = _active.get()
+    if deferred is None:
+        return save
+
+    def record(state_dict: Any, **kwargs: Any) -> None:
+        deferred.record(_dcp_save, state_dict, save, process_group=deferred.group, **kwargs)
+
+    return record
+
+
+def _dcp_save(state_dict: Any, save: Callable[..., Any], **kwargs: Any) -> None:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        save(state_dict, **kwargs)
+
+
+def new_stager() -> Any:
+    """DCP's stager: CPU copies (pinned where CUDA exists), their buffers reused from one save to the next."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    return DefaultStager(StagingOptions(use_pinned_memory=torch.cuda.is_available(), use_shared_memory=False,
+                                        use_async_staging=False, use_non_blocking_copy=False))
+
+
+# --- the dedicated process group -------------------------------------------------------------------------------
+_group: list[Any] = []  # [default group, its gloo group for background saves] once created
+
+
+def background_group(timeout: timedelta) -> Any:
+    """The gloo group background saves coordinate on (None on one process). Collective on the default group the
+    first time (and after the default group changed): every rank calls it at the same point of ``save_state``."""
+    if not is_distributed():
+        return None
+    default = dist.distributed_c10d._get_default_group()
+    if not _group or _group[0] is not default:
+        _group[:] = [default, dist.new_group(backend="gloo", timeout=timeout)]
+    return _group[1]
+
+
+def release_group() -> None:
+    """Forget the dedicated group (the default group's destruction destroys it): its gloo threads can then be joined
+    at exit (:mod:`impel.teardown`)."""
+    _group.clear()
+
+
+# --- the background write --------------------------------------------------------------------------------------
+class PendingSave:
+    """One save being written on a background thread; :meth:`wait` joins it and raises what it raised."""
+
+    def __init__(self, final: str, job: Callable[[], None]) -> None:
+        self.final = final
+        self.error: BaseException | None = None
+        # a script that ends right after save_state still leaves the complete checkpoint: _wait_at_exit joins it
+        # (and reports a failure); not a daemon, so nothing ends it halfway
+        self.thread = threading.Thread(target=self._run, args=(job,), name="impel-async-save", daemon=False)
+        _pending.add(self)
+        _register_exit_wait()
+        self.thread.start()
+
+    def _run(self, job: Callable[[], None]) -> None:
+        try:
+            job()
+        except BaseException as exc:  # noqa: BLE001 - kept for wait(), raised on the caller's thread
+            self.error = exc
+
+    def done(self) -> bool:
+        return not self.thread.is_alive()
+
+    def wait(self) -> str:
+        """Block until the save is committed; the checkpoint's path, or a CheckpointError naming it and the cause."""
+        self.thread.join()
+        _pending.discard(self)
+        if self.error is not None:
+            cause = self.error
+            raise CheckpointError(
+                f"the asynchronous save_state() to {self.final} failed: {type(cause).__name__}: {cause}. Nothing "
+                "was committed there (the newest complete checkpoint is still the previous one); fix the cause "
+                "and save again") from cause
+        return self.final
+
+
+_pending: set[PendingSave] = set()
+
+
+_exit_wait_registered: list[bool] = []
+
+
+def _register_exit_wait() -> None:
+    # threading's exit hooks run when the main thread has finished, newest first and before concurrent.futures
+    # refuses new work (the background write's hashing pools need it) and before any atexit handler (impel's
+    # process-group teardown among them)
+    if not _exit_wait_registered:
+        threading._register_atexit(_wait_at_exit)  # type: ignore[attr-defined]
+        _exit_wait_registered.append(True)
+
+
+def _wait_at_exit() -> None:
+    """At exit: finish every pending save (normally already joined by the interpreter) and report a failure."""
+    for pending in list(_pending):
+        try:
+            pending.wait()
+        except CheckpointError as exc:
+            print(f"impel: {exc}", file=sys.stderr, flush=True)
+    release_group()
