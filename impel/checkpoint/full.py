@@ -19,7 +19,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from . import cooperative
+from . import cooperative, staging
 from .files import read_safetensors, read_torch, write_safetensors, write_torch
 from .layout import CheckpointError
 
@@ -89,7 +89,7 @@ def save_full(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Opti
             continue
         if cooperative_rank is not None and safe_serialization:
             shards = cast(dict[str, torch.Tensor], get_model_state_dict(model))  # DTensors: this rank's shards
-            cooperative.write(shards, directory / names["models"][i], {}, cooperative_rank)
+            _write_cooperatively(shards, directory / names["models"][i], {}, cooperative_rank)
             continue
         weights = cast(dict[str, torch.Tensor], get_model_state_dict(model, options=options))  # full: tensors only
         if writer:
@@ -99,12 +99,19 @@ def save_full(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Opti
         packed = cooperative.optimizer_tensors(optimizer_state(models[owner], opt)) if coop else None
         if packed is not None and cooperative_rank is not None:  # the same answer on every rank (same structure)
             names["optimizers"][i] = optimizer_file(i, cooperative=True)
-            cooperative.write(packed[0], directory / names["optimizers"][i], packed[1], cooperative_rank)
+            _write_cooperatively(packed[0], directory / names["optimizers"][i], packed[1], cooperative_rank)
             continue
         state = optimizer_state(models[owner], opt, options)
         if writer:
             write_torch(state, directory / names["optimizers"][i])
     return {"format": FORMAT, **names}
+
+
+def _write_cooperatively(tensors: Mapping[str, torch.Tensor], path: Path, metadata: Mapping[str, str],
+                         rank: int) -> None:
+    """This rank's share of a full file, now, or under save_state(async_save=True) staged now and written later."""
+    if not staging.defer(cooperative.write, tensors, path, metadata, rank):
+        cooperative.write(tensors, path, metadata, rank)
 
 
 def read_optimizer(path: Path, what: str) -> Any:

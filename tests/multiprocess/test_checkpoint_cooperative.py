@@ -2,8 +2,9 @@
 (checkpoint/cooperative.py). On 2 ranks, with a tied embedding and a row count that does not split evenly: the
 model file equals the gathered full state dict bit for bit (read back with safetensors' own reader), the optimizer
 file equals the full optimizer state dict (tensors bit for bit, hyper-parameters equal, AdamW's betas still a
-tuple in the file), the gathered path (``save_on_each_node``) writes the same model bytes, and a run resumed from the
-cooperative checkpoint (on the same 2 ranks, and on one process without FSDP) continues bit for bit."""
+tuple in the file), an asynchronous save writes the same bytes (the state at the call, though the parameters
+change before the write ends), the gathered path (``save_on_each_node``) writes the same model bytes, and a run
+resumed from the cooperative checkpoint (on the same 2 ranks, and on one process without FSDP) continues bit for bit."""
 from __future__ import annotations
 
 import json
@@ -40,6 +41,7 @@ def _job(root: str) -> dict:
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
+    from async_checkpoint_helpers import held_background
     from impel import Accelerator
     from impel.checkpoint.full import read_optimizer
 
@@ -49,6 +51,17 @@ def _job(root: str) -> dict:
     model, opt = acc.prepare(model, opt)
     _steps(acc, model, opt, 0, 2)
     acc.save_state(os.path.join(root, "coop"))
+    with held_background() as gate:  # the background write waits until the parameters changed
+        acc.save_state(os.path.join(root, "coop_async"), async_save=True)  # staged at the call, written later
+        kept = [p.detach().clone() for p in model.parameters()]
+        with torch.no_grad():
+            for p in model.parameters():
+                p.zero_()  # what training does to the parameters while the background write runs
+        gate.set()
+        acc.wait_for_checkpoint()
+    with torch.no_grad():
+        for p, k in zip(model.parameters(), kept):
+            p.copy_(k)
     full = {k: v.clone() for k, v in acc.get_state_dict(model).items()}
     full_opt = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if acc.is_main_process:  # cpu_offload: only rank 0 holds the gathered state; its step tensors are the live ones
@@ -69,6 +82,8 @@ def _job(root: str) -> dict:
         out["opt_diff"] = sorted(f"{p}/{k}" for p, s in full_opt["state"].items() for k, v in s.items()
                                  if not torch.equal(saved_opt["state"][p][k], v))
         out["gathered_files"] = sorted(os.listdir(os.path.join(root, "gathered")))
+        out["async_differs"] = [f for f in ("model.safetensors", "optimizer.safetensors") if open(
+            os.path.join(root, "coop", f), "rb").read() != open(os.path.join(root, "coop_async", f), "rb").read()]
     acc.end_training()
     out["after"] = after
     return out
@@ -97,6 +112,7 @@ def test_ranks_write_their_shards_into_the_full_files(tmp_path):
     assert "optimizer.pt" in main["gathered_files"]  # save_on_each_node: gathered on the writer as before
     assert main["model_vs_full"] == [] and main["missing"] == [] and main["coop_vs_gathered"] == []
     assert main["groups_equal"] and main["opt_diff"] == []
+    assert main["async_differs"] == []  # save_state(async_save=True): the same bytes, from the call-time state
     resumed = run_on_ranks(_resume, 2, args=(str(tmp_path),), timeout=90, env=env)[0]
     assert all(torch.equal(resumed["state"][k], main["after"][k]) for k in main["after"])  # bit for bit
     assert [list(b) for b in resumed["betas"]] == [[0.8, 0.99]]  # (FSDP's loader makes any tuple a list)
