@@ -150,6 +150,12 @@ def _plans_job() -> dict:
     parallelize_module(split, bare.torch_device_mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
     before = [id(p) for p in split.parameters()]
     out["kept"] = [id(p) for p in bare.prepare(split).parameters()] == before
+    tied = _llama(1)  # tied input / output embeddings: one parameter, split once
+    tied.lm_head.weight = tied.model.embed_tokens.weight
+    ids = _data().tensors[0][:GLOBAL]
+    tied = bare.prepare(tied)
+    out["tied"] = (tied.lm_head.weight is tied.model.embed_tokens.weight,
+                   float(tied(input_ids=ids, labels=ids).loss.detach()))
     return out
 
 
@@ -221,6 +227,10 @@ def test_tp_and_fsdp_x_tp_match_one_process_and_checkpoints_cross_meshes(tmp_pat
     assert "tp_handler=TorchTensorParallelConfig(tp_plan={'module.path': 'colwise' | 'rowwise'" in plans["no_plan"]
     assert "candidates: '0', '2'" in plans["no_plan"]
     assert plans["kept"]
+    tied = _llama(1)
+    tied.lm_head.weight = tied.model.embed_tokens.weight
+    ids = _data().tensors[0][:GLOBAL]
+    assert plans["tied"][0] and abs(plans["tied"][1] - float(tied(input_ids=ids, labels=ids).loss.detach())) < TOL
 
 
 def _hsdp_job() -> dict:
