@@ -337,4 +337,12 @@ def settle(section: ParallelismSection | None, given: ParallelismConfig | None, 
     for dim, name in (("tp", "tp_handler"), ("cp", "cp_handler")):
         if settled._sizes[dim] == 1 and handlers.get(name) is not None:
             logger.warning("ParallelismConfig.%s is set but %s_size is 1: it has no effect", name, dim)
-    return settled
+    if given is None:
+        return settled
+    # as Accelerate: the object passed in is the run's (settled in place; its get_device_mesh gives the run's mesh)
+    if given.device_mesh is not None and given.sizes() != settled.sizes():
+        given.device_mesh = None
+    for name in (*SIZES, "cp_backend", "sp_backend", "tp_handler", "cp_handler"):
+        setattr(given, name, getattr(settled, name))
+    given._sizes = dict(settled._sizes)
+    return given

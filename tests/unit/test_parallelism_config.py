@@ -237,8 +237,10 @@ def test_resolve_settles_the_sizes_against_the_world_size():
         _record(4, parallelism_config=ParallelismConfig(tp_size=2))
     assert str(err.value).startswith("parallelism_config: dp_replicate_size=1, dp_shard_size=1, tp_size=2, cp_size=1, "
                                      "sp_size=1 multiply to 2, but WORLD_SIZE=4")
-    plain = _record(4, parallelism_config=ParallelismConfig())  # all 1: every rank data parallel, as Accelerate
+    given = ParallelismConfig()
+    plain = _record(4, parallelism_config=given)  # all 1: every rank data parallel, as Accelerate
     assert plain.parallelism.dp_replicate_size == 4 and plain.parallelism.active_mesh_dims == ["dp_replicate"]
+    assert plain.parallelism is given  # the object passed in is the run's, settled in place (as Accelerate's)
 
 
 def test_settle_checks_the_fsdp_sharding_strategy():
