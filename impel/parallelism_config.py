@@ -258,11 +258,30 @@ class ParallelismConfig:
             return None
         names, shape = mesh
         device_mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+        flattened = {}
         for flat, dims in (("dp", self.dp_dim_names), ("dp_shard_cp", self.dp_shard_cp_dim_names),
                            ("dp_cp", self.dp_cp_dim_names)):
             if dims:
-                device_mesh[tuple(dims)]._flatten(flat)
+                flattened[flat] = device_mesh[tuple(dims)]._flatten(flat)
+        self.__dict__["_flattened"] = (device_mesh, flattened)  # torch asks callers to keep flattened meshes
         return device_mesh
+
+    def submesh(self, *names: str) -> Any:
+        """The sub-mesh over ``names`` (impel's): a flattened one (``dp``, ``dp_shard_cp``, ``dp_cp``) as built,
+        since torch deprecates slicing those from the root mesh; others sliced (``submesh("tp")``)."""
+        mesh = self.get_device_mesh()
+        root, flattened = self.__dict__.get("_flattened", (None, {}))
+        if len(names) == 1 and names[0] in flattened and root is mesh:
+            return flattened[names[0]]
+        return mesh[names[0] if len(names) == 1 else tuple(names)]
+
+    @property
+    def fsdp_mesh_dim_names(self) -> list[str]:
+        """The mesh dims FSDP shards over without a flattened dim where none is needed (no context parallelism):
+        ``dp_shard`` (with ``dp_replicate`` first: HSDP); with ``cp``, :attr:`fsdp_dim_names`."""
+        if self.cp_enabled:
+            return self.fsdp_dim_names
+        return (["dp_replicate"] if self.dp_replicate_enabled else []) + ["dp_shard"]
 
     def get_device_mesh(self, device_type: str | None = None) -> Any:
         """The mesh, built on first call for ``device_type`` ('cuda', 'cpu'); a later call for another type raises."""

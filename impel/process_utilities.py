@@ -71,7 +71,7 @@ class ProcessUtilities(ProcessControl):
             return None
         if pc.data_parallel_size == 1:
             return collectives.SELF
-        return self.torch_device_mesh["dp"].get_group()
+        return pc.submesh("dp").get_group()
 
     def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
         return collectives.reduce(tensor, reduction, scale)

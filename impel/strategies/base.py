@@ -92,7 +92,7 @@ class Strategy:
         plan = pc.tp_handler.tp_plan if pc.tp_handler is not None else None
         matched: set[str] = set()
         for model in models:
-            matched |= parallelize(model, self.device_mesh["tp"], plan, self.replacements)
+            matched |= parallelize(model, pc.submesh("tp"), plan, self.replacements)
         check_user_plan(plan, matched, models)
 
     def wrap_model(self, model: nn.Module, device_placement: bool) -> nn.Module:

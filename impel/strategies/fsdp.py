@@ -107,10 +107,10 @@ class FSDPStrategy(Strategy):
 
     @property
     def mesh(self) -> Any:
-        """The mesh FSDP shards over: the parallelism config's ``dp_shard_cp`` (with ``dp_replicate``: HSDP), else
-        the sharding strategy's own."""
+        """The mesh FSDP shards over: the parallelism config's ``dp_shard`` x ``cp`` (with ``dp_replicate`` first:
+        HSDP), else the sharding strategy's own."""
         if self._mesh is None and self.parallelism is not None and self.device_mesh is not None:
-            self._mesh = self.device_mesh[tuple(self.parallelism.fsdp_dim_names)]
+            self._mesh = self.parallelism.submesh(*self.parallelism.fsdp_mesh_dim_names)
         if self._mesh is None:
             from torch.distributed.device_mesh import init_device_mesh
 

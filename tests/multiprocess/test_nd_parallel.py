@@ -90,7 +90,7 @@ def _train_and_check(sizes: dict[str, int], fsdp: bool, layers: int = 2, save: s
 
     assert AcceleratorState().device_mesh is mesh and AcceleratorState().parallelism_config is pc
     assert pc.get_device_mesh() is mesh  # the ParallelismConfig passed in is the run's (as Accelerate's)
-    dp_rank = mesh["dp"].get_local_rank() if pc.dp_dim_names else 0
+    dp_rank = pc.submesh("dp").get_local_rank() if pc.dp_dim_names else 0
     out = {"norms": norms, "first": first, "gathered": gathered, "tp_rank": acc.tensor_parallel_rank,
            "dp": (dp_rank, pc.data_parallel_coordinates(acc.process_index)[0]), "mesh": mesh.mesh_dim_names,
            "state": {k: v.detach().clone() for k, v in acc.get_state_dict(model).items()}}
