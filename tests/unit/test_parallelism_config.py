@@ -290,3 +290,26 @@ def _fsdp():
     from impel import FullyShardedDataParallelPlugin
 
     return FullyShardedDataParallelPlugin()
+
+
+def test_a_launched_section_reaches_a_script_that_passes_none():
+    launched = {"distributed_type": "FSDP", "parallelism_config": {"parallelism_config_dp_shard_size": 2,
+                                                                   "parallelism_config_tp_size": 2}}
+    record = resolve(launched, RunArguments(cpu=True),
+                     Topology(rank=3, world_size=4, master_addr="127.0.0.1", master_port=1))
+    assert record.parallelism.sizes()["dp_shard_size"] == 2 and record.parallelism.tp_size == 2
+    assert record.parallelism.data_parallel_coordinates(3) == (1, 2)
+
+
+def test_one_process_ranks_and_mesh():
+    from impel import Accelerator
+
+    acc = Accelerator(cpu=True)
+    assert acc.parallelism_config is None and acc.torch_device_mesh is None
+    with pytest.raises(RuntimeError, match="Tensor parallelism is not configured; pass Accelerator"):
+        acc.tensor_parallel_rank  # noqa: B018 - Accelerate's property raises the same way
+    acc = Accelerator(cpu=True, parallelism_config=ParallelismConfig())
+    assert acc.torch_device_mesh is None and acc.parallelism_config.total_size == 1
+    assert (acc.tensor_parallel_rank, acc.data_parallel_rank, acc.data_parallel_shard_rank) == (0, 0, 0)
+    with pytest.raises(NotImplementedError):
+        acc.pipeline_parallel_rank  # noqa: B018
