@@ -18,7 +18,6 @@ from impel.accelerator import Accelerator as IAcc
 # --- reasons for names impel does not have, or has with limits ------------------------------------------------
 MISSING = {
     # top level
-    "ParallelismConfig": "N-D parallelism (ParallelismConfig) is a separate open task in issue 14",
     "cpu_offload": "big-model inference (dispatch / offload hooks) is not in impel's scope: impel trains",
     "cpu_offload_with_hook": "big-model inference is not in impel's scope",
     "disk_offload": "big-model inference is not in impel's scope",
@@ -32,9 +31,7 @@ MISSING = {
     "MegatronLMPlugin": "impel does not drive Megatron-LM",
     "MegatronLMDummyScheduler": "impel does not drive Megatron-LM",
     "MegatronLMDummyDataLoader": "impel does not drive Megatron-LM",
-    "TorchTensorParallelPlugin": "tensor parallelism is part of the N-D parallelism task",
-    "TorchTensorParallelConfig": "tensor parallelism is part of the N-D parallelism task",
-    "TorchContextParallelConfig": "context parallelism is part of the N-D parallelism task",
+    "TorchTensorParallelPlugin": "deprecated in Accelerate; use ParallelismConfig(tp_size=...)",
     "DeepSpeedSequenceParallelConfig": "sequence parallelism is not supported",
     "BnbQuantizationConfig": "quantised loading is not in impel's scope",
     "load_and_quantize_model": "quantised loading is not in impel's scope",
@@ -48,10 +45,8 @@ MISSING = {
     "load_fsdp_model": "use accelerator.load_state", "save_fsdp_model": "use accelerator.save_state",
     "load_fsdp_optimizer": "use accelerator.load_state", "save_fsdp_optimizer": "use accelerator.save_state",
     # Accelerator members
-    "context_parallel_rank": "N-D parallelism task", "data_parallel_rank": "N-D parallelism task",
-    "data_parallel_shard_rank": "N-D parallelism task", "tensor_parallel_rank": "N-D parallelism task",
-    "pipeline_parallel_rank": "N-D parallelism task", "parallelism_config": "N-D parallelism task",
-    "torch_device_mesh": "N-D parallelism task", "maybe_context_parallel": "N-D parallelism task",
+    "maybe_context_parallel": "context parallelism (CUDA only) is a separate task of issue 17",
+    "arg:torch_tp_plugin": "deprecated in Accelerate; use parallelism_config=ParallelismConfig(tp_size=...)",
     "deepspeed_ulysses_dl_adapter": "sequence parallelism is not supported",
     "fp8_backend": "impel has no fp8 mode (fp8_enabled is False)", "has_fp8_handler": "impel has no fp8 mode",
     "ao_recipe_handler": "impel has no fp8 mode", "te_recipe_handler": "impel has no fp8 mode",
@@ -59,7 +54,6 @@ MISSING = {
     "delayed_fp8_autocast": "impel has no fp8 mode",
     "lomo_backward": "LOMO optimizers are not supported", "has_lomo_optimizer": "LOMO optimizers are not supported",
     "trigger_sync_in_backward": "not provided yet; use accelerator.no_sync / accumulate",
-    "should_save_model": "N-D parallelism task (impel saves from the main process)",
     "arg:mixed_precision": None,
     "arg:dispatch_batches": "removed from Accelerate's signature long ago; DataLoaderConfiguration holds it",
 }
@@ -172,6 +166,22 @@ LIMITS = {
     "state": "an AcceleratorState (PartialState plus distributed_type, mixed_precision, deepspeed_plugin, fsdp_plugin)",
     "deepspeed_plugin": "the plugin passed in code, else one built from the launched config; "
                         "DeepSpeedPlugin.deepspeed_config (the resolved JSON) is not exposed",
+    "ParallelismConfig": "Accelerate's fields, properties and mesh (dims dp_replicate, dp_shard, cp, tp; flattened dp, "
+                         "dp_shard_cp, dp_cp); the sizes are checked against the world size when the Accelerator is "
+                         "built (and by impel launch). Differences: tensor parallelism is applied at prepare from the "
+                         "model's transformers plan or TorchTensorParallelConfig(tp_plan=...) (Accelerate only takes "
+                         "models transformers already split); sp_size > 1 (DeepSpeed Ulysses) raises; all sizes 1 "
+                         "under FSDP shard over every rank (Accelerate raises). See docs/parallelism.md",
+    "TorchTensorParallelConfig": "enable_async_tp=True raises (Accelerate ignores it with a warning); tp_plan is "
+                                 "impel's: a plan for models without one",
+    "TorchContextParallelConfig": "cp_comm_strategy as Accelerate's (allgather / alltoall)",
+    "gather_for_metrics": "under tensor / context parallelism, one copy per data-parallel rank (Accelerate 1.15 "
+                          "gathers the TP ranks' copies too)",
+    "tensor_parallel_rank": "the rank along the mesh's tp dim (RuntimeError without a parallelism_config, as "
+                            "Accelerate)",
+    "context_parallel_rank": "the rank along the mesh's cp dim (Accelerate raises NotImplementedError)",
+    "pipeline_parallel_rank": "NotImplementedError, as Accelerate",
+    "should_save_model": "True on every rank, as Accelerate 1.15 (saving is collective)",
     "GradientState": "impel keeps one per Accelerator: GradientState() without a plugin raises, naming "
                      "accelerator.gradient_state",
 }
@@ -241,7 +251,7 @@ for a_mod, i_mod, names in paths:
 lines += ["| `accelerate.utils` | `impel.utils` supported | see below | |", ""]
 lines += section("Top-level names (`import accelerate`)", top, lambda n: has(impel, n))
 lines += section("`accelerate.utils` names scripts use", UTILS_USED, lambda n: has(iu, n))
-lines += section("`Accelerator` members", members, lambda n: hasattr(acc_i, n))
+lines += section("`Accelerator` members", members, lambda n: n in dir(acc_i))  # listed, not read (some raise)
 a_params = [p for p in inspect.signature(accelerate.Accelerator.__init__).parameters if p != "self"]
 i_params = set(inspect.signature(IAcc.__init__).parameters)
 lines += ["## `Accelerator(...)` arguments", "", "| argument | impel | notes |", "|---|---|---|"]

@@ -22,6 +22,7 @@ _EXPORTS = {
     "AutocastKwargs": "impel.plugins",
     "FullyShardedDataParallelPlugin": "impel.plugins",
     "DeepSpeedPlugin": "impel.plugins",
+    "ParallelismConfig": "impel.parallelism_config",
     "DummyOptim": "impel.strategies.deepspeed_config",
     "DummyScheduler": "impel.strategies.deepspeed_config",
     "ProjectConfiguration": "impel.plugins",

@@ -37,6 +37,7 @@ from .data import DataLoaderShard, shard_dataloader, skip_first_batches
 from .ddp_hooks import refuse_hook_without_ddp
 from .model import ForwardContext, is_prepared, patch_forward
 from .optimizer import AcceleratedOptimizer, AcceleratedScheduler
+from .parallelism_config import ParallelismConfig
 from .plugins import (
     DataLoaderConfiguration,
     DeepSpeedPlugin,
@@ -82,14 +83,15 @@ class Accelerator(ProcessUtilities, RunSettings):
                  fsdp_plugin: FullyShardedDataParallelPlugin | None = None,
                  deepspeed_plugin: DeepSpeedPlugin | None = None, nonfinite_loss: str | None = None,
                  log_with: Any = None, rng_types: Sequence[str] | None = None,
-                 dynamo_backend: Any = None, dynamo_plugin: TorchDynamoPlugin | None = None) -> None:
+                 dynamo_backend: Any = None, dynamo_plugin: TorchDynamoPlugin | None = None,
+                 parallelism_config: ParallelismConfig | None = None) -> None:
         # resolve: every value settled (launch config, these arguments, plugins, DeepSpeed JSON) before any object
         args = RunArguments(mixed_precision=mixed_precision, cpu=cpu,
                             gradient_accumulation_steps=gradient_accumulation_steps,
                             gradient_accumulation_plugin=gradient_accumulation_plugin, nonfinite_loss=nonfinite_loss,
                             fsdp_plugin=fsdp_plugin, deepspeed_plugin=deepspeed_plugin,
                             dynamo_backend=dynamo_backend, dynamo_plugin=dynamo_plugin,
-                            kwargs_handlers=kwargs_handlers)
+                            kwargs_handlers=kwargs_handlers, parallelism_config=parallelism_config)
         self.record = resolve(env.read_launch_config(), args, current_topology())
         self.config: RunConfig = self.record.config  # read-only from here on
         self.handlers = self.record.handlers
@@ -244,7 +246,8 @@ class Accelerator(ProcessUtilities, RunSettings):
         if isinstance(data_loader, DataLoaderShard):
             return data_loader
         place = self.device_placement if device_placement is None else device_placement
-        shard = shard_dataloader(data_loader, world=self.num_processes, rank=self.process_index,
+        rank, world = self._data_parallel()  # TP / CP ranks of one data-parallel rank read the same batches
+        shard = shard_dataloader(data_loader, world=world, rank=rank,
                                  device=self.device if place else None, config=self.dataloader_config,
                                  gradient_state=self.gradient_state, rng_types=self.rng_types)
         shard.hooks = self._resilience
@@ -257,11 +260,12 @@ class Accelerator(ProcessUtilities, RunSettings):
         scheduler = self.strategy.resolve_scheduler(scheduler)
         target = getattr(scheduler, "optimizer", None)
         opts = [o for o in self.prepared.optimizers if o is target or o.optimizer is target]
-        # As Accelerate: N ranks consume N batches per step, so the scheduler steps N times (scripts size it so).
+        # As Accelerate: N data-parallel ranks consume N batches per step, so the scheduler steps N times (scripts
+        # size it so); TP / CP ranks share their batches (Accelerate 1.15 counts them too, which shortens schedules).
         per_process = (self.step_scheduler_per_process and not self.dataloader_config.split_batches
                        and self.strategy.scheduler_steps_per_process)
         wrapped = AcceleratedScheduler(scheduler, opts, self.gradient_state, self.step_scheduler_with_optimizer,
-                                       self.num_processes if per_process else 1)
+                                       self._data_parallel()[1] if per_process else 1)
         self.prepared.schedulers.append(wrapped)
         return wrapped
 

@@ -37,45 +37,57 @@ def recursively_apply(fn: Callable[[torch.Tensor], Any], data: Any, error_on_oth
                     "tensors (use gather_object for other Python objects)")
 
 
-def _gather_one(tensor: torch.Tensor) -> torch.Tensor:
+SELF = "self"  # a ``group`` of this process alone (a data-parallel group of one: tensor parallelism only)
+
+
+def _size(group: Any) -> int:
+    """Members of ``group`` (None: every rank) taking part in a collective; 1 means none runs."""
+    if group == SELF or not is_distributed():
+        return 1
+    return dist.get_world_size(group)
+
+
+def _gather_one(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
     if tensor.ndim == 0:
         tensor = tensor[None]
-    if not is_distributed():
+    size = _size(group)
+    if size == 1:
         return tensor
     tensor = tensor.contiguous()
-    out = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, tensor)
+    out = [torch.empty_like(tensor) for _ in range(size)]
+    dist.all_gather(out, tensor, group=group)
     return torch.cat(out, dim=0)
 
 
-def gather(data: Any) -> Any:
-    """Concatenate each tensor across ranks along dim 0 (0-d tensors become 1-d); shapes must match."""
-    if is_distributed():
-        _check_same_shapes(data)
-    return recursively_apply(_gather_one, data)
+def gather(data: Any, group: Any = None) -> Any:
+    """Concatenate each tensor across ranks along dim 0 (0-d tensors become 1-d); shapes must match. ``group``: a
+    process group (default every rank) or :data:`SELF`."""
+    if _size(group) > 1:
+        _check_same_shapes(data, group)
+    return recursively_apply(lambda t: _gather_one(t, group), data)
 
 
-def _check_same_shapes(data: Any) -> None:
+def _check_same_shapes(data: Any, group: Any = None) -> None:
     """One tiny all_gather of a shape fingerprint; the detailed (pickled) exchange only when they differ."""
     shapes: list[Any] = []
     recursively_apply(lambda t: shapes.append(tuple(t.shape)), data)
     mine = torch.tensor([hash(tuple(shapes)) & (2**62 - 1)], dtype=torch.int64)
-    prints = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(prints, mine)
+    prints = [torch.empty_like(mine) for _ in range(_size(group))]
+    dist.all_gather(prints, mine, group=group)
     if all(torch.equal(p, mine) for p in prints):
         return
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, shapes)
+    everyone: list[Any] = [None] * _size(group)
+    dist.all_gather_object(everyone, shapes, group=group)
     raise ValueError(f"gather needs the same shapes on every rank, got {everyone}; call "
                      "pad_across_processes first")
 
 
-def gather_object(obj: Any) -> list[Any]:
+def gather_object(obj: Any, group: Any = None) -> list[Any]:
     """Gather picklable objects; lists are flattened one level (as Accelerate does)."""
-    if not is_distributed():
+    if _size(group) == 1:
         return list(obj) if isinstance(obj, list) else [obj]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    out: list[Any] = [None] * _size(group)
+    dist.all_gather_object(out, obj, group=group)
     if all(isinstance(o, list) for o in out):
         return [x for o in out for x in o]
     return out

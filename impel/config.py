@@ -15,6 +15,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 from .compile_config import DynamoConfig
+from .parallelism_section import ParallelismSection, check_strategy, check_world_size, total_size
 from .schema import (  # noqa: F401 - re-exported: impel.config is where the rest of impel imports them from
     FALSE_WORDS,
     TRUE_WORDS,
@@ -241,7 +242,7 @@ class DeepSpeedConfig(Freezable):
 
 
 SECTIONS: dict[str, type[Section]] = {"fsdp_config": FSDPConfig, "deepspeed_config": DeepSpeedConfig,
-                                      "dynamo_config": DynamoConfig}
+                                      "dynamo_config": DynamoConfig, "parallelism_config": ParallelismSection}
 
 
 NOT_YET = {"fsdp_ignored_modules": "is not supported yet: impel does not exclude modules from FSDP2 sharding; "
@@ -313,6 +314,7 @@ class RunConfig(Freezable):
     fsdp_config: FSDPConfig | None = field(default=None, metadata={"section": FSDPConfig})
     deepspeed_config: DeepSpeedConfig | None = field(default=None, metadata={"section": DeepSpeedConfig})
     dynamo_config: DynamoConfig | None = field(default=None, metadata={"section": DynamoConfig})
+    parallelism_config: ParallelismSection | None = field(default=None, metadata={"section": ParallelismSection})
 
     def __post_init__(self) -> None:
         self.explicit: dict[str, Any] = {}
@@ -347,6 +349,11 @@ class RunConfig(Freezable):
         if kind == "AUTO" and not self.auto_model:
             raise ConfigError("distributed_type AUTO (--strategy auto) needs the model to estimate: pass --auto_model "
                               "(a transformers directory, 'GPT2Config(n_layer=12)' or module:callable)")
+        if self.parallelism_config is not None:  # N-D parallelism: the sizes against the strategy and the world
+            sizes = self.parallelism_config.sizes()
+            check_strategy(sizes, kind)
+            if self.num_processes is not None and total_size(sizes) > 1:
+                check_world_size(sizes, self.num_processes, "num_processes")
         if kind == "NO" and self.num_processes not in (None, 1):
             raise ConfigError(f"distributed_type='NO' runs one process, not num_processes={self.num_processes}; "
                               "set distributed_type to MULTI_CPU/MULTI_GPU/FSDP/DEEPSPEED or num_processes: 1")

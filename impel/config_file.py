@@ -33,7 +33,6 @@ INERT_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
     "ipex_config": (_OFF_NONE, "Intel Extension for PyTorch, not supported"),
     "mpirun_config": (_OFF_NONE, "mpirun launching; impel launches with torchrun"),
     "fp8_config": (_OFF_NONE, "FP8 training, not supported"),
-    "parallelism_config": (_OFF_NONE, "tensor/context parallelism, not supported"),
     "use_mps_device": (_OFF_NONE, "MPS is picked automatically when present"),
 }
 _DEEPSPEED_INERT = {

@@ -48,6 +48,9 @@ def convert(explicit: Mapping[str, Any], target: str) -> tuple[dict[str, Any], l
     base = {k: v for k, v in explicit.items() if k not in ("fsdp_config", "deepspeed_config")}
     base["distributed_type"] = want
     notes: list[str] = []
+    if want == "DEEPSPEED" and base.pop("parallelism_config", None):
+        notes.append("parallelism_config: impel runs no tensor / context parallelism or HSDP mesh under DeepSpeed; the "
+                     "section is dropped and ZeRO partitions over every rank (keep FSDP for N-D parallelism)")
     section = _fsdp_to_deepspeed(source, explicit.get("fsdp_config") or {}, notes) if want == "DEEPSPEED" \
         else _deepspeed_to_fsdp(source, base, notes)
     base["deepspeed_config" if want == "DEEPSPEED" else "fsdp_config"] = section

@@ -117,6 +117,13 @@ def config_to_read(named: str | None = None, environ: Mapping[str, str] | None =
     return (theirs, True) if os.path.isfile(theirs) else (own, False)
 
 
+def parallelism_variables(names: list[str]) -> dict[str, str]:
+    """Accelerate's launcher variables for ``ParallelismConfig`` (``PARALLELISM_CONFIG_TP_SIZE`` for ``tp_size``),
+    by field name: only those set and not empty."""
+    found = {name: os.environ.get("PARALLELISM_CONFIG_" + name.upper(), "") for name in names}
+    return {name: value for name, value in found.items() if value.strip()}
+
+
 def launch_environment(config: Mapping[str, Any], threads: int | None, gpu_ids: str | None,
                        ranks_per_machine: int = 1) -> dict[str, str]:
     """The variables ``impel launch`` sets for its ranks (merged into a copy of this process's environment).

@@ -38,25 +38,40 @@ class ProcessUtilities(ProcessControl):
     dataloader_config: Any
     prepared: Prepared
     flag_tensor: Any = None  # set_trigger's flag (a 0-d tensor once set)
+    parallelism_config: Any  # RunSettings' properties: the settled ParallelismConfig and its mesh
+    torch_device_mesh: Any
 
     # --- collectives ------------------------------------------------------------------------------------------
     def gather(self, tensor: Any) -> Any:
         return collectives.gather(tensor)
 
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
-        """Gather across ranks and drop the samples ``even_batches`` duplicated in the last batch."""
+        """Gather across the data-parallel ranks (one copy per batch: the TP / CP ranks of one data-parallel rank
+        hold the same samples, which Accelerate 1.15 gathers again) and drop the samples ``even_batches``
+        duplicated in the last batch."""
+        group = self._data_parallel_group()
         as_objects = use_gather_object
         if not as_objects:
             try:
-                data = collectives.gather(input_data)
+                data = collectives.gather(input_data, group)
             except TypeError:
                 as_objects = True
         if as_objects:
-            data = collectives.gather_object(input_data)
+            data = collectives.gather_object(input_data, group)
         remainder = self.gradient_state.remainder
         if remainder < 0:
             return data
         return data[:remainder] if as_objects else collectives.truncate(data, remainder)
+
+    def _data_parallel_group(self) -> Any:
+        """The ranks that read different batches: every rank (None) without tensor / context parallelism, else the
+        mesh's ``dp`` group (:data:`collectives.SELF` when there is one data-parallel rank)."""
+        pc = self.parallelism_config
+        if pc is None or pc.non_data_parallel_size == 1:
+            return None
+        if pc.data_parallel_size == 1:
+            return collectives.SELF
+        return pc.submesh("dp").get_group()
 
     def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
         return collectives.reduce(tensor, reduction, scale)

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from .compile import TorchDynamoPlugin, dynamo_code_arguments, settle_dynamo
 from .config import ConfigError, DistributedType, RunConfig, merge_code_arguments
+from .parallelism_config import ParallelismConfig, requested, settle
 from .plugins import DeepSpeedPlugin, FullyShardedDataParallelPlugin, GradientAccumulationPlugin, Handlers
 from .state import live_device, pick_device
 from .strategies.deepspeed_config import Resolved, settle_deepspeed
@@ -45,6 +46,7 @@ class RunArguments:
     dynamo_backend: Any = None
     dynamo_plugin: TorchDynamoPlugin | None = None
     kwargs_handlers: Sequence[Any] | None = None
+    parallelism_config: ParallelismConfig | None = None
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,7 @@ class RunRecord:
     deepspeed: Resolved | None = None
     deepspeed_plugin: DeepSpeedPlugin | None = None  # the one given in code (its dict JSON stays in the process)
     fsdp_plugin: FullyShardedDataParallelPlugin | None = None
+    parallelism: ParallelismConfig | None = None  # the mesh sizes, settled against the world size
 
     @property
     def cpu_only(self) -> bool:
@@ -69,7 +72,8 @@ class RunRecord:
 
 def resolve(launched: Mapping[str, Any] | None, args: RunArguments, topology: Topology) -> RunRecord:
     """Settle every value from the launched config, the code's arguments and plugins, and the DeepSpeed JSON."""
-    code = _code_arguments(args)
+    asked = requested(args.parallelism_config)  # the code's, or Accelerate's launcher variables
+    code = {**_code_arguments(args), **(asked.code_arguments() if asked is not None else {})}
     config = merge_code_arguments(launched, code)
     handlers = Handlers.collect(args.kwargs_handlers)
     cpu_only = _cpu_only(config)
@@ -82,9 +86,11 @@ def resolve(launched: Mapping[str, Any] | None, args: RunArguments, topology: To
         config = config.with_values(**decided)  # what the JSON decides (accumulation steps, precision)
     accumulation = args.gradient_accumulation_plugin or GradientAccumulationPlugin(config.gradient_accumulation_steps)
     dynamo = settle_dynamo(config, args.dynamo_plugin, device, distributed_type)
+    fsdp_strategy = config.fsdp.resolved_sharding_strategy if distributed_type == DistributedType.FSDP else None
+    parallelism = settle(config.parallelism_config, asked, topology.world_size, str(distributed_type), fsdp_strategy)
     config.freeze()
     return RunRecord(config, handlers, topology, device, distributed_type, accumulation, dynamo, deepspeed,
-                     args.deepspeed_plugin, args.fsdp_plugin)
+                     args.deepspeed_plugin, args.fsdp_plugin, parallelism)
 
 
 def _cpu_only(config: RunConfig) -> bool:

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 
     from .accumulation import GradientState
     from .config import RunConfig
+    from .parallelism_config import ParallelismConfig
     from .plugins import (
         AutocastKwargs,
         DataLoaderConfiguration,
@@ -42,6 +43,7 @@ class RunSettings:
     record: RunRecord
     distributed_type: DistributedType
     state: Any  # impel.state.AcceleratorState
+    strategy: Any  # impel.strategies.base.Strategy
 
     # --- this process (read from the state) -------------------------------------------------------------------
     @property
@@ -209,6 +211,61 @@ class RunSettings:
         return FullyShardedDataParallelPlugin(
             mixed_precision_policy=self.config.mixed_precision,
             **{attr: getattr(section, name) for attr, name in _FSDP_KEYS.items()})
+
+    # --- N-D parallelism (ParallelismConfig) ----------------------------------------------------------------
+    @property
+    def parallelism_config(self) -> ParallelismConfig | None:
+        """The settled ``ParallelismConfig`` (sizes checked against the world size); None when none was asked for."""
+        return self.record.parallelism
+
+    @property
+    def torch_device_mesh(self) -> Any:
+        """The ``DeviceMesh`` built from ``parallelism_config`` (dims ``dp_replicate``, ``dp_shard``, ``cp``, ``tp``
+        and the flattened ``dp``, ``dp_shard_cp``, ``dp_cp``); None without one, or on one process."""
+        return self.strategy.device_mesh
+
+    def _mesh_rank(self, dim: str, what: str) -> int:
+        pc = self.parallelism_config
+        if pc is None:
+            raise RuntimeError(f"{what} parallelism is not configured; pass Accelerator(parallelism_config=...) or "
+                               "launch with --parallelism_config_* flags")
+        if pc._sizes[dim] == 1 or self.torch_device_mesh is None:
+            return 0  # a dim of size 1 is not in the mesh: every rank is its only member
+        return int(self.torch_device_mesh.get_local_rank(dim))
+
+    @property
+    def tensor_parallel_rank(self) -> int:
+        return self._mesh_rank("tp", "Tensor")
+
+    @property
+    def context_parallel_rank(self) -> int:
+        return self._mesh_rank("cp", "Context")
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """This rank's index along ``dp_replicate`` (Accelerate's meaning; 0 when it is 1)."""
+        return self._mesh_rank("dp_replicate", "Data")
+
+    @property
+    def data_parallel_shard_rank(self) -> int:
+        return self._mesh_rank("dp_shard", "Shard-based data")
+
+    @property
+    def pipeline_parallel_rank(self) -> int:
+        raise NotImplementedError("pipeline parallelism is not supported (nor in Accelerate)")
+
+    @property
+    def should_save_model(self) -> bool:
+        """True on every rank, as Accelerate 1.15: saving is collective (each rank writes its shards)."""
+        return True
+
+    def _data_parallel(self) -> tuple[int, int]:
+        """(rank, size) over the ranks that read different batches: TP / CP ranks of one data-parallel rank share
+        theirs (the whole world without a parallelism_config)."""
+        pc = self.parallelism_config
+        if pc is None:
+            return self.process_index, self.num_processes
+        return pc.data_parallel_coordinates(self.process_index)
 
     @staticmethod
     def verify_device_map(model: nn.Module) -> bool:

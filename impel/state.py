@@ -285,3 +285,13 @@ class AcceleratorState(PartialState):
     @property
     def is_fsdp2(self) -> bool:
         return self.distributed_type == DistributedType.FSDP
+
+    @property
+    def parallelism_config(self) -> Any:
+        """The settled ``ParallelismConfig`` (None without one)."""
+        return self._accelerator("parallelism_config").parallelism_config
+
+    @property
+    def device_mesh(self) -> Any:
+        """The ``DeviceMesh`` built from it (``accelerator.torch_device_mesh``)."""
+        return self._accelerator("device_mesh").torch_device_mesh

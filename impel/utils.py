@@ -22,6 +22,8 @@ _EXPORTS = {
         "FullyShardedDataParallelPlugin", "GradScalerKwargs", "GradientAccumulationPlugin", "InitProcessGroupKwargs",
         "KwargsHandler", "ProjectConfiguration")},
     "ProfileKwargs": "impel.profiling",
+    **{name: "impel.parallelism_config" for name in (
+        "ParallelismConfig", "TorchTensorParallelConfig", "TorchContextParallelConfig")},
     **{name: "impel.compile" for name in (
         "TorchDynamoPlugin", "DynamoBackend", "is_compiled_module", "has_compiled_regions")},
     "DDPCommunicationHookType": "impel.ddp_hooks",

@@ -22,6 +22,8 @@ BAD_FILES = {
     "tpu_setting_on": ("downcast_bf16: 'yes'\n", ["downcast_bf16='yes' is a TPU setting", "remove the key"]),
     "orig_params_off": ("distributed_type: FSDP\nfsdp_config:\n  fsdp_use_orig_params: false\n",
                         ["fsdp_use_orig_params=false has no FSDP2 equivalent"]),
+    "mesh_product": ("num_processes: 4\nuse_cpu: true\nparallelism_config:\n  parallelism_config_tp_size: 3\n",
+                     ["tp_size=3, cp_size=1, sp_size=1 multiply to 3, but num_processes=4"]),
 }
 
 BAD_FLAGS = {
@@ -35,6 +37,9 @@ BAD_FLAGS = {
                         ["num_processes=3 is not a multiple of num_machines=2"]),
     "machines_without_ip": (["--num_machines", "2"], ["needs main_process_ip"]),
     "cpu_and_multi_gpu": (["--cpu", "--multi_gpu"], ["use_cpu=true contradicts distributed_type='MULTI_GPU'"]),
+    "tp_under_replication": (["--num_processes", "4", "--parallelism_config_dp_replicate_size", "2",
+                              "--parallelism_config_tp_size", "2"],
+                             ["dp_replicate_size=2 with dp_shard_size=1 and tp_size=2", "set dp_shard_size=2"]),
     "missing_config_file": (["--config_file", "nowhere.yaml"], ["config file 'nowhere.yaml' does not exist",
                                                                  "impel config"]),
 }

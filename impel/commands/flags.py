@@ -41,7 +41,8 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
     groups = {None: parser.add_argument_group("run config (flag > --config_file > defaults)"),
               "fsdp_config": parser.add_argument_group("FSDP (with --use_fsdp)"),
               "deepspeed_config": parser.add_argument_group("DeepSpeed (with --use_deepspeed)"),
-              "dynamo_config": parser.add_argument_group("torch.compile of prepared models (impel.compile)")}
+              "dynamo_config": parser.add_argument_group("torch.compile of prepared models (impel.compile)"),
+              "parallelism_config": parser.add_argument_group("N-D parallelism (ParallelismConfig: device mesh sizes)")}
     groups[None].add_argument("--config_file", default=None, metavar="FILE",
                               help="YAML config (default: $IMPEL_CONFIG_FILE or ~/.cache/impel/default_config.yaml)")
     for flag, kind in list(_SHORTCUTS.items())[:3]:  # --use_auto is spelled --strategy auto
@@ -50,6 +51,10 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
     groups[None].add_argument("--strategy", choices=("auto",), default=argparse.SUPPRESS,
                               help="auto: pick the cheapest strategy that fits from a memory estimate of "
                                    "--auto_model (distributed_type: AUTO)")
+    groups["parallelism_config"].add_argument(
+        "--use_parallelism_config", action="store_true", default=argparse.SUPPRESS,
+        help="accepted for Accelerate's command lines: the parallelism_config_* flags (or the YAML section) set the "
+             "mesh; without them every rank is data parallel, as Accelerate's default ParallelismConfig()")
     for section, key, flag, meta in config_fields():
         # a bool flag alone means true; `--flag false` is joined into `--flag=false` by bool_values_joined
         groups[section].add_argument(f"--{flag}", dest=f"{_DEST}{section or ''}__{key}", default=argparse.SUPPRESS,

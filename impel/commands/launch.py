@@ -145,10 +145,20 @@ def plan_launch(ns: argparse.Namespace) -> LaunchPlan:
         nproc = _count_devices(config)
     else:
         nproc = config.num_processes // config.num_machines
+    _check_mesh(config, nproc * config.num_machines)
     plan = LaunchPlan(config, explicit, nproc, command, notes=notes, agent_args=_agent_arguments(ns),
                       quiet=bool(getattr(ns, "quiet", False)))
     plan.torchrun_args = torchrun_arguments(plan)
     return plan
+
+
+def _check_mesh(config: RunConfig, world: int) -> None:
+    """The parallelism_config sizes multiply to the number of processes this launch starts (before any starts)."""
+    from ..parallelism_section import check_world_size, total_size
+
+    section = config.parallelism_config
+    if section is not None and total_size(section.sizes()) > 1:
+        check_world_size(section.sizes(), world, "num_processes")
 
 
 def _agent_arguments(ns: argparse.Namespace) -> list[str]:

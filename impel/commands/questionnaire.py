@@ -13,7 +13,8 @@ from dataclasses import fields
 from typing import Any, NoReturn, TextIO
 
 from ..config import ConfigError, DeepSpeedConfig, FSDPConfig, RunConfig
-from ..schema import Section, coerce
+from ..parallelism_section import ParallelismSection, check_strategy, check_world_size
+from ..schema import Section, coerce, option
 
 _LEAVE = object()  # "leave it to the script": the key is not written
 
@@ -97,7 +98,34 @@ def run_questionnaire(prompter: Prompter, default_processes: Callable[[str], int
         answers["fsdp_config"] = _fsdp_questions(prompter)
     elif kind == "DEEPSPEED":
         answers["deepspeed_config"] = _deepspeed_questions(prompter)
+    if kind in ("FSDP", "MULTI_CPU", "MULTI_GPU") and answers.get("num_processes", 1) > 1:
+        mesh = _parallelism_questions(prompter, kind, answers["num_processes"])
+        if mesh:
+            answers["parallelism_config"] = mesh
     return answers
+
+
+_USE_MESH = option(False, "bool", "N-D parallelism", question="Use N-D parallelism (ParallelismConfig: tensor "
+                   "parallel, FSDP x TP, HSDP)").metadata
+
+
+def _parallelism_questions(prompter: Prompter, kind: str, processes: int) -> dict[str, Any]:
+    """Accelerate asks whether to use the parallelism config, then the sizes: every ParallelismSection field with a
+    question, in field order; the sizes must multiply to the number of processes."""
+    while prompter.ask("use_parallelism_config", _USE_MESH, False):
+        out: dict[str, Any] = {}
+        ask = _section_asker(prompter, ParallelismSection, out)
+        sizes = {f.name: ask(f.name) for f in fields(ParallelismSection) if f.metadata["question"]}
+        try:
+            ParallelismSection(**sizes).validate()
+            check_strategy(sizes, kind)
+            check_world_size(sizes, processes, "num_processes")
+            return out
+        except ConfigError as exc:
+            if not prompter.interactive:
+                raise
+            prompter.stdout.write(f"  {exc}\n")
+    return {}
 
 
 def _fail(message: str) -> NoReturn:

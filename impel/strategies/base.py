@@ -20,6 +20,8 @@ from torch import nn
 from ..checkpoint.options import DEFAULT_LOAD, DEFAULT_SAVE, LoadOptions, SaveOptions
 from ..config import ConfigError
 from ..precision import Precision, make_precision
+from .fsdp_loading import ParamReplacements
+from .tensor_parallel import check_user_plan, clip_by_total_norm, has_dtensor, is_dtensor, parallelize
 
 if TYPE_CHECKING:
     from ..accumulation import GradientState
@@ -52,6 +54,10 @@ class Strategy:
         self.device: torch.device = state.device
         self.precision: Precision = make_precision(self.config.mixed_precision, state.device, self.handlers.autocast,
                                                    self.handlers.scaler)
+        # N-D parallelism: the mesh of the settled ParallelismConfig (None without one, or on one process)
+        self.parallelism = record.parallelism
+        self.device_mesh: Any = self.parallelism.get_device_mesh(self.device.type) if self.parallelism else None
+        self.replacements = ParamReplacements()  # parameters TP / FSDP replaced, to re-point optimizers
 
     # --- wrapping -------------------------------------------------------------------------------------------
     def init_context(self) -> contextlib.AbstractContextManager[Any]:
@@ -74,7 +80,20 @@ class Strategy:
         ``device_placement[i]`` says whether model i is moved to the device.
         """
         wrapped = [self.wrap_model(m, place) for m, place in zip(models, device_placement)]
+        self.apply_tensor_parallel(wrapped)  # tp_size > 1 (no DDP wrapper then: the world is tensor parallel)
         return wrapped, [self.wrap_optimizer(o) for o in optimizers]
+
+    def apply_tensor_parallel(self, models: Sequence[nn.Module]) -> None:
+        """Split each model over the mesh's ``tp`` dim by its plan (:mod:`.tensor_parallel`); a no-op unless
+        ``tp_size > 1``."""
+        pc = self.parallelism
+        if pc is None or not pc.tp_enabled or not models:
+            return
+        plan = pc.tp_handler.tp_plan if pc.tp_handler is not None else None
+        matched: set[str] = set()
+        for model in models:
+            matched |= parallelize(model, pc.submesh("tp"), plan, self.replacements)
+        check_user_plan(plan, matched, models)
 
     def wrap_model(self, model: nn.Module, device_placement: bool) -> nn.Module:
         if device_placement:
@@ -82,6 +101,7 @@ class Strategy:
         return model
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        self.replacements.repoint(optimizer)  # onto the DTensor parameters tensor parallelism put in place
         return optimizer
 
     def unwrap_model(self, model: nn.Module) -> nn.Module:
@@ -103,7 +123,10 @@ class Strategy:
                         optimizers: Sequence[torch.optim.Optimizer]) -> torch.Tensor:
         for opt in optimizers:
             self.unscale_gradients(opt)
-        return torch.nn.utils.clip_grad_norm_(list(parameters), max_norm, norm_type=norm_type)
+        params = list(parameters)
+        if not any(is_dtensor(p.grad) for p in params):
+            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+        return clip_by_total_norm(params, max_norm, norm_type)
 
     def clip_grad_value_(self, parameters: Iterable[torch.Tensor], clip_value: float,
                          optimizers: Sequence[torch.optim.Optimizer]) -> None:
@@ -128,8 +151,14 @@ class Strategy:
 
     # --- state ----------------------------------------------------------------------------------------------
     def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """A full state dict of ordinary tensors (gathered where sharded)."""
-        return self.unwrap_model(model).state_dict()
+        """A full state dict of ordinary tensors (gathered where sharded: tensor parallel DTensors)."""
+        inner = self.unwrap_model(model)
+        if not has_dtensor(inner):
+            return inner.state_dict()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(inner, options=StateDictOptions(full_state_dict=True))
+        return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
 
     def save_checkpoint(self, models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
                         directory: Path, *, writer: bool, safe_serialization: bool,
@@ -142,6 +171,10 @@ class Strategy:
         checkpoint metadata; it must hold ``format`` (the key ``merge_weights`` dispatches on) and ``models``.
         Base (single device, DDP): full ``model*.safetensors`` and ``optimizer*.pt`` written by the writer.
         """
+        if any(has_dtensor(self.unwrap_model(m)) for m in models):  # tensor parallel: every rank its shards, DCP
+            from ..checkpoint.sharded import save_sharded
+
+            return save_sharded(models, optimizers, directory, skip_models=skip_models)
         from ..checkpoint.full import save_full
 
         return save_full(models, optimizers, directory, writer=writer, safe_serialization=safe_serialization,
@@ -163,8 +196,10 @@ class Strategy:
         if metadata.get("format") == sharded.FORMAT:
             sharded.load_sharded(models, optimizers, directory, metadata, skip_models=skip_models,
                                  options=state_options)
-        else:
-            full.load_full(models, optimizers, directory, metadata, skip_models=skip_models, options=state_options)
+        else:  # full files into DTensor (tensor-parallel) parameters: each rank keeps its slice
+            split = any(has_dtensor(self.unwrap_model(m)) for m in models)
+            full.load_full(models, optimizers, directory, metadata, skip_models=skip_models,
+                           options=StateDictOptions(strict=options.strict, full_state_dict=split))
 
     def teardown(self) -> None:
         return None

@@ -40,6 +40,8 @@ class DDPStrategy(Strategy):
         model = super().wrap_model(model, device_placement)
         if not any(p.requires_grad for p in model.parameters()):
             return model  # a frozen model (teacher, EMA) has nothing to reduce
+        if self.parallelism is not None and self.parallelism.tp_enabled:
+            return model  # every rank is tensor parallel (replication needs dp_shard, i.e. FSDP): nothing to reduce
         kwargs = self.handlers.ddp.to_kwargs() if self.handlers.ddp else {}
         if self.device.type == "cuda":
             kwargs.setdefault("device_ids", [self.device.index])

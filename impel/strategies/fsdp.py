@@ -45,6 +45,7 @@ from .fsdp_loading import (
     upcast_low_precision,
 )
 from .fsdp_wrap import check_requested, checkpoint_units, select_units
+from .tensor_parallel import clip_by_total_norm
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule
@@ -79,7 +80,6 @@ class FSDPStrategy(Strategy):
         self.compiler = Compiler(record.dynamo_plugin, self.name)  # torch.compile per block, before sharding
         self.sharding_strategy = self.fsdp.resolved_sharding_strategy
         self._mesh: Any = None
-        self._replacements = ParamReplacements()
         self._upcast = False
         state.ensure_process_group()  # one process: FSDP2 still needs a (1-rank) process group
         if self.fsdp.cpu_ram_efficient_loading:
@@ -107,6 +107,10 @@ class FSDPStrategy(Strategy):
 
     @property
     def mesh(self) -> Any:
+        """The mesh FSDP shards over: the parallelism config's ``dp_shard`` x ``cp`` (with ``dp_replicate`` first:
+        HSDP), else the sharding strategy's own."""
+        if self._mesh is None and self.parallelism is not None and self.device_mesh is not None:
+            self._mesh = self.parallelism.submesh(*self.parallelism.fsdp_mesh_dim_names)
         if self._mesh is None:
             from torch.distributed.device_mesh import init_device_mesh
 
@@ -130,12 +134,16 @@ class FSDPStrategy(Strategy):
         plans = [select_units(m, self.fsdp) for m in models]
         matched: set[str] = set().union(*(names for _, names in plans)) if plans else set()
         check_requested(self.fsdp.transformer_layer_cls_to_wrap, list(models), matched)
+        if self.parallelism is not None and self.parallelism.tp_enabled and self.fsdp.cpu_ram_efficient_loading:
+            raise ConfigError("fsdp_cpu_ram_efficient_loading is not supported with tp_size > 1 yet (tensor "
+                              "parallelism splits real weights); build the model with real weights on every rank, or "
+                              "load it split with transformers' from_pretrained(tp_plan=...)")
         if not all(device_placement) and self.device.type != "cpu":
             logger.warning("device_placement=False has no effect under FSDP: fully_shard places the shards on %s",
                            self.device)
         wrapped = [self._shard(model, units) for model, (units, _) in zip(models, plans)]
         for optimizer in optimizers:
-            self._replacements.repoint(optimizer)
+            self.replacements.repoint(optimizer)
         return wrapped, list(optimizers)
 
     def _shard(self, model: nn.Module, units: list[nn.Module]) -> nn.Module:
@@ -151,7 +159,8 @@ class FSDPStrategy(Strategy):
             upcast_low_precision(model)
             self._upcast = True
         full_state = rank0_state(model, dist.get_rank()) if sync else {}
-        owners = ParamReplacements.owners(model)
+        owners = ParamReplacements.owners(model)  # before TP and FSDP replace them: optimizers hold these
+        self.apply_tensor_parallel([model])  # 2-D / 3-D: tensor parallel first, then FSDP over dp_shard_cp
         if self.fsdp.activation_checkpointing:
             units = checkpoint_units(model, units)
         self.compiler.before_shard(model)  # torch.compile per block, before sharding (as torchtitan)
@@ -164,7 +173,7 @@ class FSDPStrategy(Strategy):
         if sync:
             broadcast_from_rank0(model, full_state)
         del full_state
-        self._replacements.record(owners)
+        self.replacements.record(owners)
         self._set_prefetch(sharded_root, sharded_units)
         return model
 
@@ -190,11 +199,7 @@ class FSDPStrategy(Strategy):
         """Clip by the norm over all shards (a plain tensor, equal on every rank)."""
         for opt in optimizers:
             self.unscale_gradients(opt)
-        params = [p for p in parameters if p.grad is not None]
-        total = global_grad_norm([p.grad for p in params if p.grad is not None], float(norm_type))
-        if params:
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
-        return total
+        return clip_by_total_norm(parameters, max_norm, norm_type)
 
     # --- state ------------------------------------------------------------------------------------------------
     def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
@@ -260,22 +265,3 @@ class FSDPStrategy(Strategy):
         return PrecisionReport(strategy=f"FSDP {self.sharding_strategy}", mixed_precision=self.precision.mode,
                                stored_params=stored, compute=compute, gradients=grads, reduction=reduction,
                                optimizer_states=states, note=note)
-
-
-def global_grad_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
-    """The norm over every rank's shards: DTensor gradients are reduced across the mesh, plain ones are local
-    (replicated); the two parts combine like one vector."""
-    from torch.distributed.tensor import DTensor
-
-    parts = []
-    sharded = [g for g in grads if isinstance(g, DTensor)]
-    plain = [g for g in grads if not isinstance(g, DTensor)]
-    if sharded:
-        norm = torch.nn.utils.get_total_norm(sharded, norm_type)
-        parts.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    if plain:
-        parts.append(torch.nn.utils.get_total_norm(plain, norm_type))
-    if not parts:
-        return torch.tensor(0.0)
-    stacked = torch.stack([p.float().to(parts[0].device) for p in parts])
-    return stacked.max() if norm_type == float("inf") else torch.linalg.vector_norm(stacked, norm_type)

@@ -11,7 +11,7 @@ from cli_helpers import FIXTURES, SCRIPTS, clean_env, impel
 
 # distribution, machines (1), processes, cpu only, precision, accumulation (leave it to the script), then FSDP's:
 # sharding, offload, wrap policy, layer class, backward prefetch, forward prefetch, state dict, RAM-efficient
-# loading, activation checkpointing
+# loading, activation checkpointing; N-D parallelism (no)
 FSDP_ANSWERS = """fsdp
 
 2
@@ -27,6 +27,7 @@ BACKWARD_POST
 FULL_STATE_DICT
 
 yes
+no
 """
 
 
@@ -45,7 +46,7 @@ def test_piped_answers_write_an_fsdp_config(tmp_path):
 
 
 def test_piped_answers_then_launch_runs_with_them(tmp_path):
-    answers = "MULTI_CPU\n1\n2\nbf16\n2\n"  # distribution, machines, processes, precision, accumulation
+    answers = "MULTI_CPU\n1\n2\nbf16\n2\n\n"  # distribution, machines, processes, precision, accumulation, mesh
     res = impel(["config"], tmp_path, stdin=answers)
     assert res.returncode == 0, res.output
     assert (tmp_path / "cache" / "impel" / "default_config.yaml").is_file()

@@ -25,6 +25,20 @@ def test_two_cpu_ranks_see_their_rank_and_world_size(tmp_path):
     assert reports[0]["omp"] == "1" and "OMP_NUM_THREADS" not in res.stderr
 
 
+def test_parallelism_flags_reach_the_ranks_as_one_mesh_and_a_wrong_product_stops_the_launch(tmp_path):
+    res = impel(["launch", "--cpu", "--num_processes", "2", "--use_parallelism_config",
+                 "--parallelism_config_tp_size", "2", REPORT, "accelerator"], tmp_path)
+    assert res.returncode == 0, res.output
+    reports = res.reports()
+    assert [(r["mesh"], r["tp_rank"]) for r in reports] == [(["tp"], 0), (["tp"], 1)]
+    assert reports[0]["launched"]["parallelism_config"] == {"parallelism_config_tp_size": 2}
+    marker = tmp_path / "started"
+    res = impel(["launch", "--cpu", "--num_processes", "2", "--parallelism_config_tp_size", "4", REPORT,
+                 "--touch", str(marker)], tmp_path)
+    assert res.returncode == 2 and not marker.exists()
+    assert "tp_size=4, cp_size=1, sp_size=1 multiply to 4, but num_processes=2" in res.stderr
+
+
 def test_one_process_runs_the_script_directly(tmp_path):
     res = impel(["launch", "--mixed_precision", "bf16", REPORT, "accelerator"], tmp_path)
     assert res.returncode == 0, res.output

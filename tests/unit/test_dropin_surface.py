@@ -82,8 +82,8 @@ def test_every_supported_row_of_the_compatibility_table_resolves():
             assert hasattr(utils, name), name
         elif "arguments" in section:
             assert name in params, name
-        else:
-            assert hasattr(acc, name), name
+        else:  # listed, not read: some properties raise without their setting (tensor_parallel_rank), as Accelerate's
+            assert name in dir(acc), name
 
 
 def test_accelerate_top_level_names_exist_or_are_listed_as_missing():

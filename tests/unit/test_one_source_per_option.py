@@ -29,6 +29,8 @@ from impel.config import (
     plugin_keyword,
 )
 from impel.convert import convert
+from impel.parallelism_config import ParallelismConfig, TorchContextParallelConfig
+from impel.parallelism_section import ParallelismSection
 from impel.trainer import distributed as trainer_distributed
 
 SECTIONS = {FSDPConfig: ("fsdp_config", "FSDP", "--use_fsdp"),
@@ -261,3 +263,32 @@ def test_defaults_of_generated_plugin_keywords_mean_not_set():
         for f in fields(plugin_cls):
             if "config" in f.metadata:
                 assert f.default is None and f.default_factory is MISSING
+
+
+# --- N-D parallelism: the parallelism_config section --------------------------------------------------------------
+def _mesh_sample(f: Any) -> Any:
+    """A value valid on its own for a ParallelismSection field (sizes: 2, except sp_size, which must stay 1)."""
+    if f.metadata["kind"] == "int":
+        return 2 if f.name != "sp_size" else 1
+    return f.metadata["choices"][-1]
+
+
+@pytest.mark.parametrize("f", _params(ParallelismSection))
+def test_every_parallelism_option_arrives_the_same_through_every_spelling(f):
+    value = _mesh_sample(f)
+    key, shard = ParallelismSection.PREFIX + f.name, ParallelismSection.PREFIX + "dp_shard_size"
+    via_file = RunConfig.from_dict({"distributed_type": "FSDP", "parallelism_config": {shard: 2, key: value}})
+    explicit = explicit_from_flags_list(["--use_fsdp", f"--{shard}", "2", f"--{key}", as_text(value)])
+    assert getattr(via_file.parallelism_config, f.name) == value
+    assert getattr(RunConfig.from_dict(explicit).parallelism_config, f.name) == value
+    code = (ParallelismConfig(dp_shard_size=2, cp_handler=TorchContextParallelConfig(value))
+            if f.name == "cp_comm_strategy" else ParallelismConfig(**{"dp_shard_size": 2, f.name: value}))
+    cfg = merge_code_arguments(None, {"distributed_type": "FSDP", **code.code_arguments()})
+    assert key in cfg.explicit["parallelism_config"]  # it arrives as set, not as a default
+    assert getattr(cfg.parallelism_config, f.name) == value
+
+
+def test_parallelism_config_keywords_are_generated_from_the_section():
+    generated = {f.name: f.metadata["config"] for f in fields(ParallelismConfig) if "config" in f.metadata}
+    assert generated == {kw: f.name for f in fields(ParallelismSection) if (kw := plugin_keyword(f)) is not None}
+    assert {f.name for f in fields(ParallelismConfig)} - set(generated) == {"tp_handler", "cp_handler", "sp_handler"}

@@ -18,6 +18,9 @@ if mode == "accelerator":
     acc = Accelerator()
     out.update(rank=acc.process_index, world=acc.num_processes, distributed_type=str(acc.distributed_type),
                config=acc.config.to_dict())
+    if acc.parallelism_config is not None:  # N-D parallelism: the mesh this rank built
+        mesh = acc.torch_device_mesh
+        out.update(mesh=list(mesh.mesh_dim_names) if mesh is not None else None, tp_rank=acc.tensor_parallel_rank)
     acc.end_training()
 else:
     topo = env.read_topology()
