@@ -45,7 +45,6 @@ MISSING = {
     "load_fsdp_model": "use accelerator.load_state", "save_fsdp_model": "use accelerator.save_state",
     "load_fsdp_optimizer": "use accelerator.load_state", "save_fsdp_optimizer": "use accelerator.save_state",
     # Accelerator members
-    "maybe_context_parallel": "context parallelism (CUDA only) is a separate task of issue 17",
     "arg:torch_tp_plugin": "deprecated in Accelerate; use parallelism_config=ParallelismConfig(tp_size=...)",
     "deepspeed_ulysses_dl_adapter": "sequence parallelism is not supported",
     "fp8_backend": "impel has no fp8 mode (fp8_enabled is False)", "has_fp8_handler": "impel has no fp8 mode",

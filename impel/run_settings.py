@@ -224,6 +224,17 @@ class RunSettings:
         and the flattened ``dp``, ``dp_shard_cp``, ``dp_cp``); None without one, or on one process."""
         return self.strategy.device_mesh
 
+    def maybe_context_parallel(self, buffers: list[Any] | None = None, buffer_seq_dims: list[int] | None = None,
+                               no_restore_buffers: set[Any] | None = None) -> Any:
+        """Accelerate's context manager: inside it ``buffers`` hold this rank's part of the sequence and attention
+        runs as ring attention over the cp ranks (``impel.context_parallel``; CUDA only, refused on CPU naming
+        torch's limit); a no-op without a cp dimension, so loops call it unconditionally, once per step."""
+        from .context_parallel import context_parallel
+
+        pc = self.parallelism_config
+        return context_parallel(self.torch_device_mesh, buffers, buffer_seq_dims, no_restore_buffers,
+                                getattr(pc, "cp_handler", None))
+
     def _mesh_rank(self, dim: str, what: str) -> int:
         pc = self.parallelism_config
         if pc is None:

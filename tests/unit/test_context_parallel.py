@@ -86,3 +86,15 @@ def test_buffers_are_checked_before_torch_splits_them(world_of_4):
         _check_buffers(mesh, [q], [2, 1], set())
     with pytest.raises(ConfigError, match="subset of buffers"):
         _check_buffers(mesh, [q], [2], {torch.zeros(1)})
+
+
+def test_the_accelerator_s_maybe_context_parallel_is_a_no_op_without_a_cp_dimension():
+    import torch
+
+    from impel import Accelerator
+
+    acc = Accelerator(cpu=True)
+    ids = torch.arange(8).reshape(1, 8)
+    with acc.maybe_context_parallel(buffers=[ids], buffer_seq_dims=[1], no_restore_buffers={ids}):
+        assert ids.shape == (1, 8)  # nothing split: no parallelism_config, no cp mesh
+    assert ids.tolist() == [list(range(8))]
