@@ -46,7 +46,7 @@ class TensorParallelFacts:
     dimension and rowwise the vocabulary); every other parameter (norms, and embeddings unless the plan names them)
     is replicated on every tp rank."""
 
-    source: str  # where the plan came from: "config.base_model_tp_plan" or "the tp_plan passed"
+    source: str  # where the plan came from: "the model's tp plan" or "the tp_plan passed"
     sharded: int  # parameters the plan splits over the tp ranks (tied weights once)
     units: tuple[tuple[int, int], ...] = ()  # (parameters, of which split) of each distinct unit FSDP gathers
     split_dims: tuple[tuple[str, int], ...] = ()  # (a parameter, the size of the dimension the plan splits)

@@ -84,17 +84,12 @@ def _count(module: Any) -> int:
 
 
 def model_tp_plan(model: Any) -> dict[str, Any] | None:
-    """The tensor-parallel plan a transformers model carries: its config's ``base_model_tp_plan`` (module patterns
-    relative to the base model, ``*`` for a layer index) with the base model's prefix put in front, so the keys are
-    paths in ``model``. The task head (``lm_head``) is not in it and stays replicated. None without a plan."""
-    import torch
+    """The tensor-parallel plan a transformers model carries, with full module paths: the one impel's tensor
+    parallel applies (``strategies.tensor_parallel.model_plan``: the model's merged plan, task head included,
+    else its config's ``base_model_tp_plan`` under the base model's prefix). None without a plan."""
+    from ..strategies.tensor_parallel import model_plan
 
-    plan = getattr(getattr(model, "config", None), "base_model_tp_plan", None)
-    if not plan:
-        return None
-    prefix = getattr(model, "base_model_prefix", "")
-    prefix = f"{prefix}." if prefix and isinstance(getattr(model, prefix, None), torch.nn.Module) else ""
-    return {prefix + key: style for key, style in plan.items()}
+    return model_plan(model)
 
 
 # transformers' style names (transformers.distributed.tensor_parallel) and torch's ParallelStyle classes
@@ -173,7 +168,7 @@ def model_facts(model: Any, name: str, tp_plan: dict[str, Any] | None = None) ->
 
     def pick(*names: str) -> int | None:
         return next((getattr(cfg, n) for n in names if isinstance(getattr(cfg, n, None), int)), None)
-    plan, source = (tp_plan, "the tp_plan passed") if tp_plan else (model_tp_plan(model), "config.base_model_tp_plan")
+    plan, source = (tp_plan, "the tp_plan passed") if tp_plan else (model_tp_plan(model), "the model's tp plan")
     return ModelFacts(name=name, params=params, largest_unit=max(units) if units else params,
                       layers=pick("num_hidden_layers", "n_layer"), hidden=pick("hidden_size", "n_embd"),
                       heads=pick("num_attention_heads", "n_head"), vocab=pick("vocab_size"),

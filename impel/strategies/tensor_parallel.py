@@ -162,8 +162,26 @@ def parallelize(model: nn.Module, tp_mesh: Any, plan: Mapping[str, Any] | None,
     parallelize_module(model, tp_mesh, concrete)
     _replicate_rest(model, tp_mesh)
     _retie(owners)
+    _grads_like_params(model)
     replacements.record(owners)
     return matched if plan is not None else set()
+
+
+def _grads_like_params(model: nn.Module) -> None:
+    """A gradient that arrives in another layout than its parameter (a tied embedding split by the head's plan:
+    the lookup's gradient is replicated, the head's sharded) is put back in the parameter's layout after each
+    accumulation: it then takes the parameter's memory, not the full tensor's, and the optimizer sees matching
+    shards. (FSDP, applied after tensor parallel, replaces the parameters and reduces their gradients itself.)"""
+    from torch.distributed.tensor import DTensor
+
+    def like_param(param: torch.Tensor) -> None:
+        grad = param.grad
+        if isinstance(param, DTensor) and isinstance(grad, DTensor) and grad.placements != param.placements:
+            param.grad = grad.redistribute(param.device_mesh, param.placements)
+
+    for param in {id(p): p for p in model.parameters()}.values():
+        if isinstance(param, DTensor) and param.requires_grad:
+            param.register_post_accumulate_grad_hook(like_param)
 
 
 def _replicate_rest(model: nn.Module, tp_mesh: Any) -> None:

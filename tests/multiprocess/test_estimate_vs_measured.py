@@ -97,40 +97,29 @@ def test_estimate_matches_measured_bytes(case):
 
 # --- tensor parallel: TP=2 (2 ranks) and FSDP x TP (2 x 2, 4 ranks) on a tiny Llama ------------------------------
 def prepare_on_mesh(model: torch.nn.Module, dp_shard_size: int, tp_size: int):
-    """THE ONE PLACE that builds the N-D layout; returns (model, AdamW optimizer) on a (dp_shard, tp) mesh.
+    """impel's own N-D layout: ``Accelerator(parallelism_config=...)`` (tensor parallel from the model config's
+    ``base_model_tp_plan``, then FSDP2 over dp_shard when it is > 1); returns (accelerator, model, AdamW)."""
+    import json
+    import os
 
-    Until ``Accelerator(parallelism_config=ParallelismConfig(dp_shard_size=..., tp_size=...))`` exists, this is what
-    it is to do, with torch's own pieces: a device mesh in Accelerate's dimension order, tensor parallel from the
-    config's ``base_model_tp_plan`` (colwise -> ColwiseParallel, rowwise -> RowwiseParallel), then FSDP2 over
-    dp_shard (each decoder layer, then the root). Switch to the Accelerator here, and only here, once it lands."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from impel import Accelerator, ParallelismConfig
 
-    dist.init_process_group("gloo")
-    shape = {"dp_shard": dp_shard_size, "tp": tp_size}
-    shape = {k: v for k, v in shape.items() if v > 1}
-    mesh = init_device_mesh("cpu", tuple(shape.values()), mesh_dim_names=tuple(shape))
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-    plan = {key: styles[style]() for key, style in model.config.base_model_tp_plan.items()}
-    parallelize_module(model.model, mesh["tp"], plan)  # the plan's keys are relative to the base model
-    if dp_shard_size > 1:
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh["dp_shard"])
-        fully_shard(model, mesh=mesh["dp_shard"])
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+    fsdp = {"distributed_type": "FSDP", "use_cpu": True} if dp_shard_size > 1 else {"use_cpu": True}
+    os.environ["IMPEL_CONFIG"] = json.dumps(fsdp)
+    acc = Accelerator(parallelism_config=ParallelismConfig(dp_shard_size=dp_shard_size, tp_size=tp_size))
+    model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    return acc, model, opt
 
 
 def _measure_on_mesh(dp_shard_size: int, tp_size: int) -> dict[str, int]:
     from tiny_transformers import tiny_llama
 
-    model, opt = prepare_on_mesh(tiny_llama(), dp_shard_size, tp_size)
+    acc, model, opt = prepare_on_mesh(tiny_llama(), dp_shard_size, tp_size)
     g = torch.Generator().manual_seed(0)  # the same batch on every rank (tp ranks must see the same one)
     for _ in range(3):
         x = torch.randint(0, 64, (2, 8), generator=g)
         opt.zero_grad(set_to_none=True)
-        model(input_ids=x, labels=x).loss.backward()
+        acc.backward(model(input_ids=x, labels=x).loss)
         opt.step()
     params = list({id(p): p for p in model.parameters()}.values())
     states = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]

@@ -193,21 +193,26 @@ def test_a_model_without_a_plan_cannot_take_tensor_parallel():
         check_mesh(FACTS, Setup(world=2, tp_size=2))
 
 
-def test_the_llama_plan_splits_the_projections_and_leaves_norms_and_embeddings_whole():
+def test_the_llama_plan_is_the_one_tensor_parallel_applies():
+    """The model's own plan (transformers merges the head's into the base model's): projections colwise/rowwise,
+    the embedding split over the vocabulary, lm_head colwise with its logits gathered; the norms stay whole."""
+    from impel.strategies.tensor_parallel import model_plan
+
     model, name = build_meta_model(LLAMA)
     facts = model_facts(model, name)
+    assert model_tp_plan(model) == model_plan(model)  # the planner counts what prepare() does
     linears = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-    split = sum(p.numel() for n, p in model.named_parameters() if n.split(".")[-2] in linears)
-    assert facts.tp.sharded == split and facts.tp.source == "config.base_model_tp_plan"
-    assert facts.params - split == sum(p.numel() for n, p in model.named_parameters()
-                                       if "norm" in n or "embed_tokens" in n or "lm_head" in n)
+    in_layers = sum(p.numel() for n, p in model.named_parameters() if n.split(".")[-2] in linears)
+    split = in_layers + 2 * 64 * 16  # + embed_tokens and lm_head (not tied here)
+    assert facts.tp.sharded == split and facts.tp.source == "the model's tp plan"
+    assert facts.params - split == sum(p.numel() for n, p in model.named_parameters() if "norm" in n)
     assert facts.kv_heads == 2 and not facts.tp.logits_sharded and not facts.tp.sequence_parallel
     layer = model.model.layers[0]
-    assert facts.tp.units == ((sum(p.numel() for p in layer.parameters()), split // 2),)
-    # a plan that names the embedding splits it (rowwise: over the vocabulary), and lm_head colwise splits the logits
-    plan = {**model_tp_plan(model), "model.embed_tokens": "rowwise", "lm_head": "colwise"}
+    assert facts.tp.units == ((sum(p.numel() for p in layer.parameters()), in_layers // 2),)
+    # a plan whose lm_head is plain colwise leaves the logits split over the tp ranks
+    plan = {**model_tp_plan(model), "lm_head": "colwise"}
     more = model_facts(model, name, tp_plan=plan).tp
-    assert more.sharded == split + 2 * 64 * 16 and more.logits_sharded and more.source == "the tp_plan passed"
+    assert more.sharded == split and more.logits_sharded and more.source == "the tp_plan passed"
 
 
 def test_estimate_memory_command_prints_the_mesh(capsys):
@@ -217,7 +222,7 @@ def test_estimate_memory_command_prints_the_mesh(capsys):
                  "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["setup"]["world"] == 4 and [r["strategy"] for r in out["rows"]] == ["FSDP x TP (dp_shard=2, tp=2)"]
-    assert out["rows"][0]["params_GB"] * 1e9 == (7248 - 5120 / 2) * 4 / 2
+    assert out["rows"][0]["params_GB"] * 1e9 == (7248 - 7168 / 2) * 4 / 2
     assert main(["estimate-memory", LLAMA, "--tp_size", "3"]) == 2
     assert "tp_size 3 does not divide" in capsys.readouterr().err
     assert main(["estimate-memory", "GPT2Config(n_layer=1, n_embd=16, n_head=2)", "--tp_size", "2",
