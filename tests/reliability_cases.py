@@ -131,7 +131,7 @@ def collect(work: Path) -> list[Row]:
 
 def render(rows: list[Row], work: Path) -> str:
     def clean(text: str) -> str:
-        text = text.replace(str(work), "<dir>").replace("|", "\\|")
+        text = text.replace(str(work), "&lt;dir&gt;").replace("|", "\\|")
         return re.sub(r"sha256 [0-9a-f]{6,}\.*", "sha256 …", text)
 
     lines = ["# What impel does with bad input", "",
