@@ -4,8 +4,9 @@ for 10 AdamW steps with clipping, the first 5 plain and the last 5 accumulating 
 1e-5 of the same steps on one process over the same global batches (the clip norms too). The same runs check that
 the TP ranks of one data-parallel rank read the same batches, that ``gather_for_metrics`` returns each sample once,
 and that a checkpoint saved under FSDP x TP (DCP) loads under plain FSDP on 2 ranks and on one process within 1e-6
-(weights and AdamW state), as does a TP=2 one; ``merge_weights`` gives the same full tensors. A plain module takes
-a user plan; one without a plan raises naming what to pass; a model already split is kept as is."""
+(weights and AdamW state), as does a TP=2 one, and one saved under HSDP x TP loads under plain FSDP;
+``merge_weights`` gives the same full tensors. A plain module takes a user plan; one without a plan raises naming
+what to pass; a model already split is kept as is."""
 from __future__ import annotations
 
 import pytest
@@ -107,12 +108,12 @@ def _fsdp_x_tp_job(save: str) -> dict:
     return _train_and_check({"dp_shard_size": 2, "tp_size": 2}, fsdp=True, save=save)
 
 
-def _load_job(path: str, fsdp: bool) -> dict:
+def _load_job(path: str, fsdp: bool, layers: int = 2) -> dict:
     """Load a checkpoint into a fresh run of this world (plain FSDP on 2 ranks, or one process)."""
     from impel import Accelerator, FullyShardedDataParallelPlugin
 
     acc = Accelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin() if fsdp else None)
-    model, opt, _, _ = _prepared(acc, 2)
+    model, opt, _, _ = _prepared(acc, layers)
     acc.load_state(path)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
@@ -237,11 +238,16 @@ def test_tp_and_fsdp_x_tp_match_one_process_and_checkpoints_cross_meshes(tmp_pat
     assert plans["tied"][0] and abs(plans["tied"][1] - float(tied(input_ids=ids, labels=ids).loss.detach())) < TOL
 
 
-def _hsdp_job() -> dict:
-    return _train_and_check({"dp_replicate_size": 2, "dp_shard_size": 2, "tp_size": 2}, fsdp=True, layers=1)
+def _hsdp_job(save: str) -> dict:
+    return _train_and_check({"dp_replicate_size": 2, "dp_shard_size": 2, "tp_size": 2}, fsdp=True, layers=1,
+                            save=save)
 
 
-def test_hsdp_x_tp_matches_one_process():
-    ranks = run_on_ranks(_hsdp_job, 8, timeout=JOB_TIMEOUT)
+def test_hsdp_x_tp_matches_one_process_and_its_checkpoint_loads_under_plain_fsdp(tmp_path):
+    path = str(tmp_path / "hsdp_x_tp")
+    ranks = run_on_ranks(_hsdp_job, 8, args=(path,), timeout=JOB_TIMEOUT)
     assert ranks[0]["mesh"] == ("dp_replicate", "dp_shard", "tp")
     _check_run(ranks, _reference(1), tp=2)
+    for res in run_on_ranks(_load_job, 2, args=(path, True, 1), timeout=JOB_TIMEOUT):  # HSDP x TP -> FSDP
+        assert _max_diff(res["state"], ranks[0]["state"]) < LOAD_TOL
+        _check_optimizer(res["optimizer"], ranks[0]["optimizer"])
