@@ -4,7 +4,8 @@ model file equals the gathered full state dict bit for bit (read back with safet
 file equals the full optimizer state dict (tensors bit for bit, hyper-parameters equal, AdamW's betas still a
 tuple in the file), an asynchronous save writes the same bytes (the state at the call, though the parameters
 change before the write ends), the gathered path (``save_on_each_node``) writes the same model bytes, and a run
-resumed from the cooperative checkpoint (on the same 2 ranks, and on one process without FSDP) continues bit for bit."""
+resumed from the cooperative checkpoint (on the same 2 ranks, and on one process without FSDP) continues bit for
+bit. On 4 ranks, FSDP x TP: shards of shards land where the full tensors have them."""
 from __future__ import annotations
 
 import json
@@ -121,3 +122,44 @@ def test_ranks_write_their_shards_into_the_full_files(tmp_path):
 
     saved = load_file(str(tmp_path / "coop" / "model.safetensors"))
     assert all(torch.equal(one["state"][k], saved[k]) for k in saved)
+
+
+def _fsdp_x_tp_job(root: str) -> dict | None:
+    """FSDP x TP (2 x 2): FSDP's shards of tensor-parallel shards (torch's _StridedShard) are still boxes of the full
+    tensor; the cooperative files must equal the gathered state, model and optimizer."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    from impel import Accelerator, FullyShardedDataParallelPlugin, ParallelismConfig
+    from impel.checkpoint.full import read_optimizer
+    from tiny_transformers import tiny_llama
+
+    acc = Accelerator(cpu=True, parallelism_config=ParallelismConfig(dp_shard_size=2, tp_size=2),
+                      fsdp_plugin=FullyShardedDataParallelPlugin(state_dict_type="FULL_STATE_DICT"))
+    model = tiny_llama()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = acc.prepare(model, opt)
+    for step in range(2):
+        ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(step))
+        acc.backward(model(input_ids=ids, labels=ids).loss)
+        opt.step()
+        opt.zero_grad()
+    acc.save_state(root)
+    full = {k: v.clone() for k, v in acc.get_state_dict(model).items()}
+    full_opt = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    out = None
+    if acc.is_main_process:
+        saved = load_file(os.path.join(root, "model.safetensors"))
+        saved_opt = read_optimizer(Path(root, "optimizer.safetensors"), "optimizer")
+        out = {"model_diff": [k for k in full if not torch.equal(saved[k], full[k])], "count": len(full),
+               "opt_diff": [f"{p}/{k}" for p, s in full_opt["state"].items() for k, v in s.items()
+                            if not torch.equal(saved_opt["state"][p][k], v)]}
+    acc.end_training()
+    return out
+
+
+def test_fsdp_x_tp_shards_land_where_the_full_tensors_have_them(tmp_path):
+    main = run_on_ranks(_fsdp_x_tp_job, 4, args=(str(tmp_path / "ckpt"),), timeout=120)[0]
+    assert main["count"] > 10 and main["model_diff"] == [] and main["opt_diff"] == []
