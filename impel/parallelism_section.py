@@ -81,7 +81,7 @@ def check_sizes(sizes: dict[str, int]) -> None:
         raise ConfigError(f"dp_replicate_size={replicate} with dp_shard_size=1 and tp_size={tp}, cp_size={cp} is not "
                           "a valid mesh: tensor/context parallelism composes with FSDP, not with plain replication "
                           f"(DDP); set dp_shard_size={replicate} and dp_replicate_size=1 for FSDP x TP (2-D), or "
-                          "dp_shard_size > 1 with dp_replicate_size > 1 for HSDP x TP (3-D)")
+                          "set dp_shard_size > 1 with dp_replicate_size > 1 for HSDP x TP (3-D)")
 
 
 def check_world_size(sizes: dict[str, int], world_size: int, where: str = "WORLD_SIZE") -> None:

@@ -19,6 +19,7 @@ The manifest's digests of these files are computed after the write, their 64 MiB
 """
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -52,11 +53,7 @@ class _Part:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * _element_size(self.dtype)
-
-
-def _element_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 def runs(shape: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Iterator[tuple[int, int, int]]:
@@ -73,22 +70,11 @@ def runs(shape: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...
         return
     run = math.prod(sizes[split - 1:])  # the first partial dim's extent times the whole dims after it
     strides = [math.prod(shape[d + 1:]) for d in range(n)]
-    outer = sizes[:split - 1]
     local_at = 0
-    for index in _indices(outer):
+    for index in itertools.product(*(range(extent) for extent in sizes[:split - 1])):
         start = sum((offsets[d] + index[d]) * strides[d] for d in range(split - 1))
-        start += offsets[split - 1] * strides[split - 1]
-        yield start, local_at, run
+        yield start + offsets[split - 1] * strides[split - 1], local_at, run
         local_at += run
-
-
-def _indices(sizes: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
-    if not sizes:
-        yield ()
-        return
-    for first in range(sizes[0]):
-        for rest in _indices(sizes[1:]):
-            yield (first, *rest)
 
 
 def _part(name: str, value: torch.Tensor, rank: int) -> _Part:
@@ -153,7 +139,7 @@ def write(tensors: Mapping[str, torch.Tensor], path: Path, metadata: Mapping[str
                 continue
             data = part.local.to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
             view = data.data  # numpy's memoryview of the bytes: no copy
-            size = _element_size(part.dtype)
+            size = part.dtype.itemsize
             base = len(header) + starts[part.name]
             for at, local_at, count in runs(part.shape, part.offsets, tuple(part.local.shape)):
                 _pwrite_all(fd, view[local_at * size:(local_at + count) * size], base + at * size)

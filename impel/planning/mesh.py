@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 
+from ..parallelism_section import check_sizes
 from ..schema import ConfigError
 from .estimate import DTYPE_BYTES, OPTIMIZER_STATES, Estimate, ModelFacts, Setup, activation_bytes
 
@@ -54,11 +55,7 @@ def check_mesh(facts: ModelFacts, setup: Setup) -> None:
         raise ConfigError(f"dp_replicate_size {r} x dp_shard_size {d} x tp_size {t} x cp_size {c} = {product} ranks, "
                           f"but --num_processes is {setup.world}: the product must equal the number of processes "
                           f"({fix})")
-    if r > 1 and d == 1 and (t > 1 or c > 1):
-        raise ConfigError(f"dp_replicate_size {r} with dp_shard_size 1 and tp/cp_size > 1 is pure data parallelism "
-                          "under tensor/context parallelism, which Accelerate's ParallelismConfig refuses: set "
-                          f"dp_shard_size > 1 (HSDP x TP/CP), or dp_shard_size {r} and dp_replicate_size 1 (FSDP x "
-                          "TP/CP)")
+    check_sizes(sizes)  # the combinations no mesh can hold: the launcher's and the Accelerator's own rule
     if t > 1:
         if facts.tp is None:
             raise ConfigError(f"tp_size {t}: {facts.name} has no tensor-parallel plan (its config has no "
