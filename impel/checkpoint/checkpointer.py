@@ -27,7 +27,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -35,7 +35,7 @@ from torch.utils.hooks import RemovableHandle
 from ..config import ConfigError
 from ..memory import trim_host_heap
 from ..plugins import ProjectConfiguration
-from . import accelerate_format, collective, layout, staging
+from . import accelerate_format, collective, layout, staging, storage
 from .digests import sealing, share_digests
 from .files import crc32_off, read_torch, write_torch
 from .full import suffix
@@ -53,6 +53,7 @@ if TYPE_CHECKING:
     from ..prepared import TrainingRun
 
 logger = logging.getLogger("impel")
+T = TypeVar("T")
 
 TRAINING_STATE_FILE = "training_state.pt"
 
@@ -148,7 +149,7 @@ class Checkpointer:
         assert prepared is not None  # rank 0 always leads, and every rank gets rank 0's result
         temp = Path(prepared)
         if leader:
-            temp.mkdir(parents=True, exist_ok=True)
+            self._storing(final, temp, lambda: temp.mkdir(parents=True, exist_ok=True))()
         collective.barrier()
         try:
             if not asynchronous:
@@ -177,11 +178,11 @@ class Checkpointer:
         process group of its collectives (None: the default group, on the main thread)."""
         try:
             with sealing(temp) as sealer, crc32_off():
-                metadata = collective.run_shared(write, "save_state", group)
-                known = collective.run_shared(sealer.entries, "save_state", group)
+                metadata = collective.run_shared(self._storing(final, temp, write), "save_state", group)
+                known = collective.run_shared(self._storing(final, temp, sealer.entries), "save_state", group)
             known = share_digests(temp, known, shared_dir=not self.config.save_on_each_node, group=group)
-            collective.run_shared(lambda: self._commit(temp, final, metadata, known) if leader else None,
-                                  "committing the checkpoint", group)
+            commit = self._storing(final, temp, lambda: self._commit(temp, final, metadata, known) if leader else None)
+            collective.run_shared(commit, "committing the checkpoint", group)
         except BaseException:
             if leader:
                 shutil.rmtree(temp, ignore_errors=True)
@@ -220,16 +221,33 @@ class Checkpointer:
             self.drop_staging_buffers()
             staging.release_group()
 
+    def _storing(self, final: Path, temp: Path, fn: Callable[[], T]) -> Callable[[], T]:
+        """``fn`` with a full disk or a read-only target raised as one line naming ``final`` (``storage``)."""
+        def run() -> T:
+            with storage.translated(final, temp, self._needed_bytes):
+                return fn()
+        return run
+
+    def _needed_bytes(self) -> int:
+        return storage.state_bytes(self.run.prepared.models, self.run.prepared.inner_optimizers())
+
     def _prepare(self, final: Path) -> str:
-        final.parent.mkdir(parents=True, exist_ok=True)
-        layout.clean_incomplete(final.parent)
+        temp = layout.temp_dir_for(final)
+        self._storing(final, temp, lambda: self._clean_parent(final))()
         if self.config.automatic_checkpoint_naming and final.exists():
             raise layout.CheckpointError(
                 f"{final} already exists (ProjectConfiguration.iteration={self.config.iteration}); set "
                 f"accelerator.project_configuration.iteration = {layout.next_free_iteration(final.parent)} or "
                 "call load_state() first, which sets it")
         layout.check_target(final)
-        return str(layout.temp_dir_for(final))
+        storage.check_room(final, self._needed_bytes())  # before anything is written
+        return str(temp)
+
+    @staticmethod
+    def _clean_parent(final: Path) -> None:
+        storage.check_room(final, 0)  # writable, before mkdir names a parent the user did not give
+        final.parent.mkdir(parents=True, exist_ok=True)
+        layout.clean_incomplete(final.parent)
 
     def _write(self, temp: Path, leader: bool, safe_serialization: bool, options: SaveOptions) -> dict[str, Any]:
         run, prepared = self.run, self.run.prepared

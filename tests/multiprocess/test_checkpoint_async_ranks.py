@@ -30,8 +30,8 @@ def test_async_save_on_two_ranks_is_the_call_time_state(kind, tmp_path):
         assert_same_state(*out["loaded"])
         if fail_on is None:
             continue
-        cause = "OSError: [Errno 28] No space left on device"
-        where = cause if rank == fail_on else f"CheckpointError: save_state failed on another rank (rank 1: {cause})"
+        cause = f"OSError: [Errno 28] no space left on {tmp_path / 'failed'}: the checkpoint needs "
+        where = cause if rank == fail_on else f"CheckpointError: save_state failed on another rank (rank 1: {cause}"
         assert out["error"].startswith(f"the asynchronous save_state() to {tmp_path / 'failed'} failed: {where}")
         assert "failed" not in out["failed_listing"]  # never committed; the leader deletes its temporary directory:
         assert rank == 1 or out["failed_listing"] == ["async", "sync"]

@@ -24,7 +24,7 @@ def test_async_save_is_the_call_time_state_and_a_background_failure_raises_at_th
     assert sync == asynchronous  # every file byte-identical (sizes and block digests)
     assert_same_state(*out["loaded"])
     assert out["error"].startswith(f"the asynchronous save_state() to {tmp_path / 'failed'} failed: OSError: "
-                                   "[Errno 28] No space left on device")
+                                   f"[Errno 28] no space left on {tmp_path / 'failed'}: the checkpoint needs ")
     assert out["failed_listing"] == ["async", "sync"]  # the half-written temporary directory is gone
     assert out["retry"] == str(tmp_path / "next")
 
