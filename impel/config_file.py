@@ -93,16 +93,51 @@ def _normalise_deepspeed(ds: dict[str, Any], top: dict[str, Any], source: str) -
     return ds
 
 
+class DuplicateKey(Exception):
+    """A mapping of a YAML file names the same key twice."""
+
+    def __init__(self, key: Any, first: int, second: int) -> None:
+        super().__init__(f"{key!r} at lines {first} and {second}")
+        self.key, self.first, self.second = key, first, second
+
+
+def unique_key_loader() -> Any:
+    """PyYAML's SafeLoader, refusing a key given twice in one mapping (PyYAML keeps the last silently)."""
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+            if isinstance(node, yaml.MappingNode):
+                seen: dict[Any, int] = {}
+                for key_node, _ in node.value:
+                    if key_node.tag == "tag:yaml.org,2002:merge":
+                        continue  # `<<: *anchor` merges: the keys beside it override them, as YAML means
+                    key = self.construct_object(key_node, deep=True)
+                    line = key_node.start_mark.line + 1
+                    if isinstance(key, (str, int, float, bool)) and key in seen:
+                        raise DuplicateKey(key, seen[key], line)
+                    seen[key] = line
+            return super().construct_mapping(node, deep=deep)
+
+    return UniqueKeyLoader
+
+
 def read_config_file(path: str) -> dict[str, Any]:
     """The explicitly set keys of a YAML (or JSON) config file, validated; raises ConfigError naming the file."""
     import yaml
 
+    if os.path.isdir(path):
+        raise ConfigError(f"config file {path!r} is a directory, not a file; pass the YAML file itself to "
+                          "--config_file (impel config writes default_config.yaml)")
     if not os.path.isfile(path):
         raise ConfigError(f"config file {path!r} does not exist; run `impel config` to write one or pass an "
                           "existing file to --config_file")
     try:
         with open(path, encoding="utf-8") as fh:
-            data = yaml.safe_load(fh)
+            data = yaml.load(fh, Loader=unique_key_loader())  # noqa: S506 - a SafeLoader subclass
+    except DuplicateKey as exc:
+        raise ConfigError(f"config file {path!r} sets {exc.key!r} twice (line {exc.first} and line {exc.second}); "
+                          "keep one (YAML would silently take the last)") from None
     except yaml.YAMLError as exc:
         where = getattr(exc, "problem_mark", None)
         at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""

@@ -71,6 +71,7 @@ def _fsdp_to_deepspeed(cfg: RunConfig, given: Mapping[str, Any], notes: list[str
     strategy = fsdp.resolved_sharding_strategy
     stage = _zero_stage(strategy)
     out: dict[str, Any] = {"zero_stage": stage}
+    notes.append(f"fsdp_sharding_strategy={strategy} -> zero_stage={stage}")
     if strategy.startswith("HYBRID"):
         notes.append(f"fsdp_sharding_strategy={strategy} (replicate across nodes, shard within) has no launch-config "
                      f"counterpart: ZeRO-{stage} shards over all ranks; DeepSpeed's hpZ (zero_hpz_partition_size in a "
@@ -104,6 +105,7 @@ def _deepspeed_to_fsdp(cfg: RunConfig, base: dict[str, Any], notes: list[str]) -
     ds = _effective_deepspeed(cfg, base, notes)
     stage = ds.get("zero_stage", 2)
     out: dict[str, Any] = {"fsdp_sharding_strategy": _TO_SHARDING[stage]}
+    notes.append(f"zero_stage={stage} -> fsdp_sharding_strategy={_TO_SHARDING[stage]}")
     if stage == 1:
         notes.append("ZeRO-1 shards only optimizer states; FSDP has no such mode: SHARD_GRAD_OP also shards gradients")
     devices = {ds.get("offload_optimizer_device") or "none", ds.get("offload_param_device") or "none"}
@@ -149,11 +151,20 @@ def _effective_deepspeed(cfg: RunConfig, base: dict[str, Any], notes: list[str])
                  "zero3_save_16bit_model": zero.get("stage3_gather_16bit_weights_on_model_save"),
                  "gradient_clipping": data.get("gradient_clipping")}
     for key, value in from_json.items():
-        if value is not None and value != "auto":
-            ds.setdefault(key, value)
-    for dtype, mode in (("bf16", "bf16"), ("fp16", "fp16")):
+        if value is not None and value != "auto" and key not in ds:
+            ds[key] = value
+            notes.append(f"{key}={value!r}: taken from {path}")
+    for dtype in ("bf16", "fp16"):
         if (data.get(dtype) or {}).get("enabled") is True and "mixed_precision" not in base:
-            base["mixed_precision"] = mode
-    notes.append(f"read {path}: zero_optimization, offload, gradient_clipping and bf16/fp16 were translated; its other "
-                 "settings (buckets, optimizer, scheduler) have no FSDP counterpart")
+            base["mixed_precision"] = dtype
+            notes.append(f"mixed_precision={dtype!r}: taken from {dtype}.enabled=true in {path}")
+    steps = data.get("gradient_accumulation_steps")
+    if isinstance(steps, int) and not isinstance(steps, bool) and "gradient_accumulation_steps" not in base:
+        base["gradient_accumulation_steps"] = steps
+        notes.append(f"gradient_accumulation_steps={steps}: taken from {path}")
+    for key in ("train_micro_batch_size_per_gpu", "train_batch_size"):
+        if data.get(key) not in (None, "auto"):
+            notes.append(f"{key}={data[key]!r} in {path} has no config key: FSDP takes the batch size from the "
+                         "prepared DataLoader (batch_size per rank)")
+    notes.append(f"read {path}: its other settings (buckets, optimizer, scheduler) have no FSDP counterpart")
     return ds

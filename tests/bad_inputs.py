@@ -22,6 +22,8 @@ BAD_FILES = {
     "tpu_setting_on": ("downcast_bf16: 'yes'\n", ["downcast_bf16='yes' is a TPU setting", "remove the key"]),
     "orig_params_off": ("distributed_type: FSDP\nfsdp_config:\n  fsdp_use_orig_params: false\n",
                         ["fsdp_use_orig_params=false has no FSDP2 equivalent"]),
+    "duplicate_key": ("num_processes: 2\nmixed_precision: bf16\nnum_processes: 4\n",
+                      ["sets 'num_processes' twice (line 1 and line 3); keep one"]),
     "mesh_product": ("num_processes: 4\nuse_cpu: true\nparallelism_config:\n  parallelism_config_tp_size: 3\n",
                      ["tp_size=3, cp_size=1, sp_size=1 multiply to 3, but num_processes=4"]),
 }
@@ -40,6 +42,29 @@ BAD_FLAGS = {
     "tp_under_replication": (["--num_processes", "4", "--parallelism_config_dp_replicate_size", "2",
                               "--parallelism_config_tp_size", "2"],
                              ["dp_replicate_size=2 with dp_shard_size=1 and tp_size=2", "set dp_shard_size=2"]),
+    "config_file_is_a_directory": (["--config_file", "."], ["config file '.' is a directory, not a file",
+                                                            "pass the YAML file itself"]),
     "missing_config_file": (["--config_file", "nowhere.yaml"], ["config file 'nowhere.yaml' does not exist",
                                                                  "impel config"]),
+}
+
+# `impel config validate` / `impel config convert --to fsdp` of DS_YAML, whose DeepSpeed JSON (ds.json) is missing
+# (None), broken, or contradicts itself or the YAML: name -> (ds.json's text, fragments of the one-line error)
+DS_YAML = ("distributed_type: DEEPSPEED\nnum_processes: 2\ngradient_accumulation_steps: 4\ndeepspeed_config:\n"
+           "  deepspeed_config_file: ds.json\n")
+BAD_DEEPSPEED_JSON = {
+    "missing": (None, ["deepspeed_config_file='ds.json' does not exist or is not a file"]),
+    "broken": ('{"zero_optimization": {', ["deepspeed_config_file='ds.json' is not valid JSON (Expecting property",
+                                           "fix the file"]),
+    "bf16_and_fp16": ('{"bf16": {"enabled": true}, "fp16": {"enabled": true}}',
+                      ["the DeepSpeed JSON 'ds.json' enables both bf16 and fp16; enable at most one"]),
+    "batch_product": ('{"train_batch_size": 7, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4}',
+                      ["train_batch_size=7 in the DeepSpeed JSON 'ds.json' is not train_micro_batch_size_per_gpu * "
+                       "gradient_accumulation_steps * world size (2 * 4 * 2 = 16)"]),
+    "batch_not_divisible": ('{"train_batch_size": 6}', ["train_batch_size=6 in the DeepSpeed JSON 'ds.json' is not "
+                                                        "a multiple of gradient_accumulation_steps=4 * world size 2 "
+                                                        "(= 8)"]),
+    "accumulation": ('{"gradient_accumulation_steps": 1}',
+                     ["gradient_accumulation_steps=4 contradicts gradient_accumulation_steps=1 in the DeepSpeed JSON "
+                      "'ds.json'"]),
 }

@@ -99,7 +99,9 @@ def show(ns: argparse.Namespace) -> int:
 def convert_file(ns: argparse.Namespace) -> int:
     from ..convert import convert
 
-    translated, notes = convert(read_config_file(ns.file), ns.to)
+    explicit = read_config_file(ns.file)
+    _check_deepspeed_json(RunConfig.from_dict(explicit))  # a contradiction is an error, not a value to translate
+    translated, notes = convert(explicit, ns.to)
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
     if ns.output:
@@ -112,8 +114,18 @@ def convert_file(ns: argparse.Namespace) -> int:
 def validate(ns: argparse.Namespace) -> int:
     explicit = read_config_file(ns.file)
     cfg = RunConfig.from_dict(explicit)
+    _check_deepspeed_json(cfg)
     summary = ", ".join(f"{k}={getattr(cfg, k)}" for k in ("distributed_type", "num_processes", "num_machines",
                                                            "mixed_precision") if k in explicit)
     print(f"{ns.file}: valid" + (f" ({summary})" if summary else ""))
     return 0
 
+
+
+def _check_deepspeed_json(cfg: RunConfig) -> None:
+    """What impel launch checks before any rank starts: the DeepSpeed JSON exists, parses, agrees with itself
+    (one of bf16/fp16, the batch sizes) and with the config (stage, precision, accumulation, offload)."""
+    if cfg.distributed_type == "DEEPSPEED":
+        from ..strategies.deepspeed_config import check_before_launch
+
+        check_before_launch(cfg)

@@ -410,4 +410,28 @@ def check_before_launch(config: RunConfig) -> None:
     launched settings (batch sizes and placeholders are only known at prepare)."""
     path = config.deepspeed.deepspeed_config_file
     ds, name = load_json(path)
-    resolve_static(ds, name, config, json_given=path is not None)
+    resolved, _ = resolve_static(ds, name, config, json_given=path is not None)
+    world = config.num_processes if "num_processes" in config.explicit else None
+    check_batch_sizes(resolved.ds, name, world)
+
+
+def check_batch_sizes(ds: Mapping[str, Any], source: str, world: int | None) -> None:
+    """train_batch_size = train_micro_batch_size_per_gpu * gradient_accumulation_steps * world size (DeepSpeed's
+    rule), as far as the concrete values tell before prepare; ``world`` None: not known yet."""
+    total, micro, gas = (get(ds, k) for k in ("train_batch_size", "train_micro_batch_size_per_gpu",
+                                              "gradient_accumulation_steps"))
+    concrete = [isinstance(v, int) and not isinstance(v, bool) for v in (total, micro, gas)]
+    if not concrete[0] or not concrete[2]:
+        return
+    if concrete[1] and world is not None:
+        if total != micro * gas * world:
+            raise ConfigError(f"train_batch_size={total} in {source} is not train_micro_batch_size_per_gpu * "
+                              f"gradient_accumulation_steps * world size ({micro} * {gas} * {world} = "
+                              f"{micro * gas * world}); fix one of them, or write \"auto\" for train_batch_size")
+        return
+    step = gas * (micro if concrete[1] else 1) * (world or 1)
+    if total % step:
+        known = f"gradient_accumulation_steps={gas}" + (f" * train_micro_batch_size_per_gpu={micro}" if concrete[1]
+                                                        else "") + (f" * world size {world}" if world else "")
+        raise ConfigError(f"train_batch_size={total} in {source} is not a multiple of {known} (= {step}); fix one "
+                          "of them, or write \"auto\" for train_batch_size")

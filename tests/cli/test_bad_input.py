@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bad_inputs import BAD_FILES, BAD_FLAGS
+from bad_inputs import BAD_DEEPSPEED_JSON, BAD_FILES, BAD_FLAGS, DS_YAML
 from cli_helpers import SCRIPTS, impel
 from impel.commands import launch
 from impel.commands.main import main
@@ -75,3 +75,27 @@ def test_deepspeed_json_contradicting_a_flag_fails_before_launch(tmp_path):
     res = impel(["launch", "--use_deepspeed", "--zero_stage", "2", "--deepspeed_config_file", "ds.json", REPORT,
                  "--touch", str(marker)], tmp_path)
     _assert_clean_failure(res, ["zero_stage=2 contradicts zero_optimization.stage=3 in the DeepSpeed JSON"], marker)
+
+
+@pytest.mark.parametrize("command", [["config", "validate"], ["config", "convert", "--to", "fsdp"]])
+@pytest.mark.parametrize("name", sorted(BAD_DEEPSPEED_JSON))
+def test_a_bad_deepspeed_json_fails_validate_and_convert(name, command, tmp_path, monkeypatch, capsys):
+    text, fragments = BAD_DEEPSPEED_JSON[name]
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ds.yaml").write_text(DS_YAML)
+    if text is not None:
+        (tmp_path / "ds.json").write_text(text)
+    code = main([*command, "ds.yaml"])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "", (out, err)
+    assert err.startswith("impel config: error:") and err.count("\n") == 1, err
+    for fragment in fragments:
+        assert fragment in err, err
+
+
+def test_a_consistent_deepspeed_json_validates(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ds.yaml").write_text(DS_YAML)
+    (tmp_path / "ds.json").write_text('{"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2, '
+                                      '"gradient_accumulation_steps": "auto", "bf16": {"enabled": "auto"}}')
+    assert main(["config", "validate", "ds.yaml"]) == 0, capsys.readouterr().err

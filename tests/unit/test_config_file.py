@@ -122,3 +122,15 @@ def test_flags_override_the_file_key_by_key():
     assert merged == {"mixed_precision": "bf16", "distributed_type": "FSDP", "num_processes": 2,
                       "fsdp_config": {"fsdp_sharding_strategy": "NO_SHARD", "fsdp_offload_params": True}}
     assert notes == []
+
+
+def test_duplicate_keys_are_refused_but_yaml_merge_keys_still_override():
+    import yaml
+
+    from impel.config_file import DuplicateKey, unique_key_loader
+
+    text = "a: &x {p: 1}\nb:\n  <<: *x\n  p: 2\n"
+    assert yaml.load(text, Loader=unique_key_loader()) == {"a": {"p": 1}, "b": {"p": 2}}  # noqa: S506
+    with pytest.raises(DuplicateKey) as info:
+        yaml.load("top:\n  p: 1\n  q: 2\n  p: 3\n", Loader=unique_key_loader())  # noqa: S506
+    assert (info.value.key, info.value.first, info.value.second) == ("p", 2, 4)

@@ -98,3 +98,18 @@ def test_non_sharded_configs_are_rejected():
         convert({"distributed_type": "MULTI_GPU"}, "fsdp")
     with pytest.raises(ConfigError, match="use 'deepspeed' or 'fsdp'"):
         convert(fsdp(), "zero")
+
+
+def test_every_value_taken_from_the_deepspeed_json_is_noted(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 2}, "fp16": {"enabled": True},
+                                "gradient_accumulation_steps": 4, "train_micro_batch_size_per_gpu": 8}))
+    out, notes = convert(ds(deepspeed_config_file=str(path)), "fsdp")
+    assert out["gradient_accumulation_steps"] == 4 and out["mixed_precision"] == "fp16"  # carried, not dropped
+    assert out["fsdp_config"] == {"fsdp_sharding_strategy": "SHARD_GRAD_OP"}
+    for note in (f"zero_stage=2: taken from {path}", "zero_stage=2 -> fsdp_sharding_strategy=SHARD_GRAD_OP",
+                 f"mixed_precision='fp16': taken from fp16.enabled=true in {path}",
+                 f"gradient_accumulation_steps=4: taken from {path}",
+                 f"train_micro_batch_size_per_gpu=8 in {path} has no config key"):
+        assert any(n.startswith(note) for n in notes), (note, notes)
+    RunConfig.from_dict(out)
