@@ -9,6 +9,8 @@ epoch; the real samples always come first, so ``gather_for_metrics`` drops the d
 from __future__ import annotations
 
 import copy
+import itertools
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -56,8 +58,7 @@ class _ShardLayout:
     """
 
     def __init__(self, world: int, rank: int, drop_last: bool, even_batches: bool) -> None:
-        self.world = world
-        self.rank = rank
+        self.world, self.rank = world, rank
         self.drop_last = drop_last
         self.even_batches = even_batches
         self.skip = 0
@@ -338,6 +339,8 @@ class DataLoaderShard:
         finished = False
         try:
             it, current = self._begin_pass()
+            if current is _END and self.position == 0:
+                _warn_empty(self)
             while current is not _END:
                 if hooks is not None:
                     hooks.before_batch(self)  # preemption: a step boundary, before this batch counts as drawn
@@ -383,9 +386,17 @@ class DataLoaderShard:
         self._resume_rng = dict(rng) or None
 
 
+def _warn_empty(loader: DataLoaderShard) -> None:  # an empty dataset, or every batch dropped by drop_last
+    world, data = getattr(loader.shard, "world", 1), loader.dataset
+    if world == 1 or loader.shard.even_batches:  # else another rank may have the batches: nothing is wrong
+        count = f"{len(data)} samples" if hasattr(data, "__len__") else "no length (an iterable)"
+        warnings.warn(f"a prepared DataLoader gave this rank no batch: its dataset has {count}, batch_size="
+                      f"{loader.batch_size} per process on {world} process(es), drop_last={loader.original.drop_last}"
+                      "; the loop runs no step: check the dataset, or lower batch_size / drop_last=False", stacklevel=3)
+
+
 def _check_loader(loader: DataLoader) -> None:
-    if isinstance(loader.sampler, DistributedSampler) or isinstance(getattr(loader, "batch_sampler", None),
-                                                                    DistributedSampler):
+    if any(isinstance(s, DistributedSampler) for s in (loader.sampler, getattr(loader, "batch_sampler", None))):
         raise ConfigError("the DataLoader already uses a DistributedSampler; impel shards data itself, so build "
                           "the DataLoader with shuffle=True/False instead of a DistributedSampler")
     if loader.batch_size is None and loader.batch_sampler is None:
@@ -466,16 +477,13 @@ def shard_dataloader(loader: DataLoader, *, world: int, rank: int, device: torch
 
 class _SkipBatchSampler(Sampler[list[int]]):
     def __init__(self, batch_sampler: Any, skip: int) -> None:
-        self.batch_sampler = batch_sampler
-        self.skip_count = skip
+        self.batch_sampler, self.skip_count = batch_sampler, skip
 
     def __len__(self) -> int:
         return max(0, len(self.batch_sampler) - self.skip_count)
 
     def __iter__(self) -> Iterator[list[int]]:
-        for i, batch in enumerate(self.batch_sampler):
-            if i >= self.skip_count:
-                yield batch
+        yield from itertools.islice(self.batch_sampler, self.skip_count, None)
 
 
 def skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:

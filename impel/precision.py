@@ -75,12 +75,16 @@ class ScaledPrecision(AutocastPrecision):
         kw = (scaler_kwargs or GradScalerKwargs()).to_kwargs()
         self.scaler = torch.amp.GradScaler(device.type, **kw)
         self._unscaled: set[int] = set()
+        self._scaled = False  # no loss scaled yet: no gradient is scaled, nothing to unscale
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        self._scaled = True
         self.scaler.scale(loss).backward(**kwargs)
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        if id(optimizer) not in self._unscaled:
+        # before any backward torch's scaler has no scale yet and asserts; Accelerate's clip_grad_norm_ then
+        # returns 0 (there are no gradients), and so does impel's
+        if self._scaled and id(optimizer) not in self._unscaled:
             self.scaler.unscale_(optimizer)
             self._unscaled.add(id(optimizer))
 

@@ -138,6 +138,11 @@ class Checkpointer:
         commit) now, or on a background thread (``staging``). ``async_save=None``: the configured default."""
         asynchronous = self.async_default() if async_save is None else bool(async_save)
         self.wait()  # a pending save first: its failure raises here, on every rank
+        if not any(self.run.prepared.counts().values()):
+            raise layout.CheckpointError(
+                "save_state() before prepare(): no model, optimizer, scheduler or dataloader is prepared and no "
+                "object is registered, so the checkpoint would hold random states only; call "
+                "accelerator.prepare(model, optimizer, ...) (or register_for_checkpointing(obj)) first")
         collective.arrive("save_state", self.run.process.timeout)
         options = dataclasses.replace(options, shared_dir=not self.config.save_on_each_node)
         final = self._save_target(output_dir)

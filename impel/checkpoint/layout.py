@@ -237,6 +237,9 @@ def _write_text(path: Path, text: str) -> None:
 
 def read_metadata(directory: Path) -> dict[str, Any]:
     """The parsed ``impel_checkpoint.json`` of a complete checkpoint (no file checks)."""
+    if directory.is_file():
+        raise CheckpointError(f"{directory} is a file, not a checkpoint directory; pass the directory save_state() "
+                              f"wrote (the one holding this file: {directory.parent})")
     if not directory.is_dir():
         raise CheckpointError(f"checkpoint directory {directory} does not exist; pass the path save_state() returned")
     if not is_complete(directory):

@@ -10,6 +10,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 from async_checkpoint_helpers import assert_same_state, async_equals_sync
 
@@ -37,6 +38,7 @@ def test_the_default_comes_from_project_configuration_or_the_config_key(how, tmp
         monkeypatch.setenv("IMPEL_CONFIG", json.dumps({"async_save": True}))
     config = ProjectConfiguration(async_save=True) if how == "project_config" else None
     acc = Accelerator(cpu=True, project_config=config)
+    acc.prepare(torch.nn.Linear(2, 2))  # something to save (save_state before prepare raises)
     target = str(tmp_path / "ckpt")
     if how == "argument_over_config":
         acc.save_state(target, async_save=False)

@@ -140,5 +140,6 @@ def test_project_dir_argument_and_save_iteration(tmp_path):
         automatic_checkpoint_naming=True))
     assert acc.project_dir == str(tmp_path) and acc.logging_dir == str(tmp_path)
     assert acc.save_iteration == 0
+    acc.prepare(torch.nn.Linear(2, 2))  # something to save (save_state before prepare raises)
     assert acc.save_state().endswith("checkpoint_0")
     assert acc.save_iteration == 1
