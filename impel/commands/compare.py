@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -108,6 +109,21 @@ class Run:
             raise ConfigError(f"--align samples needs run {self.name!r}'s samples per step: its {self.path} has no "
                               "Trainer summary row (train_samples_per_second); pass --samples_per_step per run")
         return step * self.samples_per_step
+
+    def shared_steps(self, key: str) -> str | None:
+        """A note when several rows of ``key`` share a step (only the last of each is compared), else None."""
+        from collections import Counter
+
+        from ..trainer.plot import series
+
+        counts = {step: n for step, n in Counter(series(self.rows, key)[0]).items() if n > 1}
+        if not counts:
+            return None
+        listed = ", ".join(f"step {step}: {n} rows" for step, n in sorted(counts.items())[:5])
+        more = f" and {len(counts) - 5} more steps" if len(counts) > 5 else ""
+        return (f"run {self.name!r} ({self.path}) logs {key!r} more than once at a step ({listed}{more}); only the "
+                "last row of each step is compared. A resumed run rewrites its history this way; a loop that logs "
+                "without stepping the optimizer logs every row at one step: log with step=<a counter>")
 
     def final_eval(self) -> dict[str, float]:
         row: dict[str, Any] = next((r for r in reversed(self.rows) if any(k.startswith("eval_") for k in r)), {})
@@ -230,6 +246,8 @@ def main(ns: argparse.Namespace) -> int:
         names = [f"{i}:{n}" for i, n in enumerate(names)]
     sps = _per_run(ns.samples_per_step, len(ns.runs), "--samples_per_step")
     runs = [Run.load(name, run, s) for name, run, s in zip(names, ns.runs, sps)]
+    for note in filter(None, (run.shared_steps(key) for run in runs for key in (ns.metric, "eval_loss"))):
+        print(f"impel compare: note: {note}", file=sys.stderr)
     table = compare(runs, ns.align, ns.metric)
     print(json.dumps(table, indent=2) if ns.json else format_table(table))
     if not ns.no_plot:

@@ -76,7 +76,21 @@ def build_meta_model(spec: str) -> tuple[Any, str]:
         cls = getattr(transformers, call[0], None)
         if cls is None:
             raise ConfigError(f"transformers has no {call[0]!r}; check the spelling (e.g. GPT2Config, LlamaConfig)")
-        return _from_transformers_config(cls(**call[1])), spec
+        try:
+            return _from_transformers_config(cls(**call[1])), spec
+        except ConfigError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - transformers and huggingface_hub raise their own types
+            raise ConfigError(f"model spec {spec!r} is refused by transformers: {_reason(exc)}; fix the "
+                              "arguments (see the class's documentation for valid values)") from None
+
+
+def _reason(exc: BaseException) -> str:
+    """The innermost cause's first line (huggingface_hub wraps a config's ValueError in a validation error)."""
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    lines = str(exc).strip().splitlines()
+    return lines[0].rstrip(".") if lines else type(exc).__name__
 
 
 def _count(module: Any) -> int:

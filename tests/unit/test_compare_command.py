@@ -98,3 +98,19 @@ def test_the_plot_is_written(tmp_path, capsys):
     code, out = run(capsys, a, b, "--plot", picture)
     assert code == 0 and picture.stat().st_size > 10_000 and picture.read_bytes()[:4] == b"\x89PNG"
     assert "train mean rel" in out and f"curves: {picture}" in out
+
+
+def test_rows_that_share_a_step_are_named_not_merged_silently(tmp_path, capsys):
+    a = write_run(tmp_path / "a", [2.0, 1.5, 1.2, 1.0])
+    b = tmp_path / "b"
+    b.mkdir()  # a loop that never steps the optimizer: every row at step 0
+    (b / "metrics.jsonl").write_text("".join(json.dumps({"step": 0, "loss": v}) + "\n" for v in (2.0, 1.9, 1.8)))
+    assert main(["compare", str(a), str(b), "--json", "--no_plot"]) == 2  # and then: no step in common
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == (f"impel compare: note: run 'b' ({b / 'metrics.jsonl'}) logs 'loss' more than once at a "
+                      "step (step 0: 3 rows); only the last row of each step is compared. A resumed run rewrites "
+                      "its history this way; a loop that logs without stepping the optimizer logs every row at one "
+                      "step: log with step=<a counter>")
+    assert err[1].startswith("impel compare: error: the runs share no optimizer steps")
+    main(["compare", str(a), str(a), "--json", "--no_plot"])
+    assert capsys.readouterr().err == ""  # distinct steps: no note

@@ -109,10 +109,15 @@ def test_model_specs_build_on_meta_without_weights(tmp_path):
     assert plain.params == 6 * 16 + 16 + 16 + 1 and plain.largest_unit == plain.params
 
 
+REFUSED = (r"model spec 'LlamaConfig\(hidden_size=-5\)' is refused by transformers: The hidden size \(-5\) is not a "
+           r"multiple of the number of attention heads \(32\); fix the arguments")
+
+
 @pytest.mark.parametrize("spec,fragment", [("NoSuchConfig(a=1)", "transformers has no 'NoSuchConfig'"),
                                            ("GPT2Config(n_layer=x)", "must be literals"),
                                            ("nowhere:thing", "cannot be imported"),
-                                           ("what is this", "is not a directory")])
+                                           ("what is this", "is not a directory"),
+                                           ("LlamaConfig(hidden_size=-5)", REFUSED)])
 def test_bad_model_specs(spec, fragment):
     with pytest.raises(ConfigError, match=fragment):
         build_meta_model(spec)
