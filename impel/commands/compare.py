@@ -123,7 +123,7 @@ class Run:
         more = f" and {len(counts) - 5} more steps" if len(counts) > 5 else ""
         return (f"run {self.name!r} ({self.path}) logs {key!r} more than once at a step ({listed}{more}); only the "
                 "last row of each step is compared. A resumed run rewrites its history this way; a loop that logs "
-                "without stepping the optimizer logs every row at one step: log with step=<a counter>")
+                "without stepping the optimizer logs every row at one step: pass log(..., step=N) a step that grows")
 
     def final_eval(self) -> dict[str, float]:
         row: dict[str, Any] = next((r for r in reversed(self.rows) if any(k.startswith("eval_") for k in r)), {})

@@ -110,7 +110,7 @@ def test_rows_that_share_a_step_are_named_not_merged_silently(tmp_path, capsys):
     assert err[0] == (f"impel compare: note: run 'b' ({b / 'metrics.jsonl'}) logs 'loss' more than once at a "
                       "step (step 0: 3 rows); only the last row of each step is compared. A resumed run rewrites "
                       "its history this way; a loop that logs without stepping the optimizer logs every row at one "
-                      "step: log with step=<a counter>")
+                      "step: pass log(..., step=N) a step that grows")
     assert err[1].startswith("impel compare: error: the runs share no optimizer steps")
     main(["compare", str(a), str(a), "--json", "--no_plot"])
     assert capsys.readouterr().err == ""  # distinct steps: no note
