@@ -1,7 +1,8 @@
 """Resolve, then build: every value of a run is settled here, before any object of the run exists.
 
 :func:`resolve` takes the launched config (file < flags, exported by ``impel launch``), the Accelerator's own
-arguments, its plugins and the DeepSpeed JSON, and returns one read-only :class:`RunRecord`. The Accelerator then
+arguments, its plugins and the DeepSpeed JSON, and returns one read-only ``RunRecord``
+(:mod:`impel.runtime.run_record`). The Accelerator then
 builds from the record alone: the process (joins the process group), the accumulation state, the strategy and the
 compiler, each given what it needs in its constructor. Nothing writes into the record afterwards: its
 ``RunConfig`` is frozen (an assignment raises), and what the DeepSpeed JSON decides (accumulation steps, precision)
@@ -15,59 +16,21 @@ Example::
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from impel.config.deepspeed_json import Resolved, settle_deepspeed
-from impel.config.parallelism import ParallelismConfig, requested, settle
-from impel.config.plugins import DeepSpeedPlugin, FullyShardedDataParallelPlugin, GradientAccumulationPlugin, Handlers
+from impel.config.deepspeed_json import settle_deepspeed
+from impel.config.parallelism import requested, settle
+from impel.config.plugins import GradientAccumulationPlugin, Handlers
 from impel.config.run_config import ConfigError, DistributedType, RunConfig, merge_code_arguments
-from impel.runtime.compile import TorchDynamoPlugin, dynamo_code_arguments, settle_dynamo
+from impel.runtime.compile import dynamo_code_arguments, settle_dynamo
 from impel.runtime.process import live_device, pick_device
+from impel.runtime.run_record import RunArguments, RunRecord, cpu_only_config
 
 if TYPE_CHECKING:
     import torch
 
     from impel.config.environment import Topology
-
-
-@dataclass(frozen=True)
-class RunArguments:
-    """The Accelerator's arguments that take part in resolution (None: not given in code)."""
-
-    mixed_precision: str | None = None
-    cpu: bool | None = None
-    gradient_accumulation_steps: int | None = None
-    gradient_accumulation_plugin: GradientAccumulationPlugin | None = None
-    nonfinite_loss: str | None = None
-    fsdp_plugin: FullyShardedDataParallelPlugin | None = None
-    deepspeed_plugin: DeepSpeedPlugin | None = None
-    dynamo_backend: Any = None
-    dynamo_plugin: TorchDynamoPlugin | None = None
-    kwargs_handlers: Sequence[Any] | None = None
-    parallelism_config: ParallelismConfig | None = None
-
-
-@dataclass(frozen=True)
-class RunRecord:
-    """A run, fully settled. ``config`` is read-only; ``deepspeed`` is the DeepSpeed JSON after settlement."""
-
-    config: RunConfig
-    handlers: Handlers
-    topology: Topology
-    device: torch.device
-    distributed_type: DistributedType
-    accumulation: GradientAccumulationPlugin
-    dynamo_plugin: TorchDynamoPlugin
-    deepspeed: Resolved | None = None
-    deepspeed_plugin: DeepSpeedPlugin | None = None  # the one given in code (its dict JSON stays in the process)
-    fsdp_plugin: FullyShardedDataParallelPlugin | None = None
-    parallelism: ParallelismConfig | None = None  # the mesh sizes, settled against the world size
-
-    @property
-    def cpu_only(self) -> bool:
-        return _cpu_only(self.config)
 
 
 def resolve(launched: Mapping[str, Any] | None, args: RunArguments, topology: Topology) -> RunRecord:
@@ -76,7 +39,7 @@ def resolve(launched: Mapping[str, Any] | None, args: RunArguments, topology: To
     code = {**_code_arguments(args), **(asked.code_arguments() if asked is not None else {})}
     config = merge_code_arguments(launched, code)
     handlers = Handlers.collect(args.kwargs_handlers)
-    cpu_only = _cpu_only(config)
+    cpu_only = cpu_only_config(config)
     device = live_device(cpu_only) or pick_device(topology.local_rank, cpu_only)
     _check_topology(config, launched, topology)
     distributed_type = _distributed_type(config.distributed_type, topology.world_size, device)
@@ -91,11 +54,6 @@ def resolve(launched: Mapping[str, Any] | None, args: RunArguments, topology: To
     config.freeze()
     return RunRecord(config, handlers, topology, device, distributed_type, accumulation, dynamo, deepspeed,
                      args.deepspeed_plugin, args.fsdp_plugin, parallelism)
-
-
-def _cpu_only(config: RunConfig) -> bool:
-    """Train on the CPU even where a GPU is visible: ``cpu=True`` / ``use_cpu``, or a MULTI_CPU launch."""
-    return bool(config.use_cpu or config.distributed_type == "MULTI_CPU")
 
 
 def _code_arguments(args: RunArguments) -> dict[str, Any]:

@@ -14,7 +14,6 @@ from impel.config.run_config import ConfigError, DistributedType
 if TYPE_CHECKING:
     from torch import nn
 
-    from impel.accelerator.resolve import RunRecord
     from impel.config.parallelism import ParallelismConfig
     from impel.config.plugins import (
         AutocastKwargs,
@@ -29,6 +28,7 @@ if TYPE_CHECKING:
     from impel.config.profiling import ProfileKwargs
     from impel.config.run_config import RunConfig
     from impel.runtime.accumulation import GradientState
+    from impel.runtime.run_record import RunRecord
 
 
 class RunSettings:

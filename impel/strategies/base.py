@@ -24,10 +24,10 @@ from impel.strategies.fsdp_loading import ParamReplacements
 from impel.strategies.tensor_parallel import check_user_plan, clip_by_total_norm, has_dtensor, is_dtensor, parallelize
 
 if TYPE_CHECKING:
-    from impel.accelerator.resolve import RunRecord
     from impel.runtime.accumulation import GradientState
     from impel.runtime.precision_report import PrecisionReport
     from impel.runtime.process import ProcessState
+    from impel.runtime.run_record import RunRecord
 
 REGISTRY: dict[str, str] = {
     "NO": "impel.strategies.single:SingleDeviceStrategy",

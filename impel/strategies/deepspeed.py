@@ -45,10 +45,10 @@ from impel.strategies.deepspeed_checkpoint import (
 )
 
 if TYPE_CHECKING:
-    from impel.accelerator.resolve import RunRecord
     from impel.runtime.accumulation import GradientState
     from impel.runtime.precision_report import PrecisionReport
     from impel.runtime.process import ProcessState
+    from impel.runtime.run_record import RunRecord
 
 logger = logging.getLogger("impel")
 

@@ -50,9 +50,9 @@ from impel.strategies.tensor_parallel import clip_by_total_norm
 if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule
 
-    from impel.accelerator.resolve import RunRecord
     from impel.runtime.accumulation import GradientState
     from impel.runtime.process import ProcessState
+    from impel.runtime.run_record import RunRecord
 
 logger = logging.getLogger("impel")
 
