@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader
 
 from impel.accelerator.prepared import Prepared, TrainingRun
@@ -59,11 +60,6 @@ if TYPE_CHECKING:
     from impel.runtime.precision_report import PrecisionReport
 
 logger = logging.getLogger("impel")
-
-try:
-    from torch.optim.lr_scheduler import LRScheduler as _LRScheduler
-except ImportError:  # pragma: no cover - torch < 2.0
-    from torch.optim.lr_scheduler import _LRScheduler
 
 _PREPARABLE = ("torch.nn.Module, torch.optim.Optimizer, torch.utils.data.DataLoader, "
                "torch.optim.lr_scheduler.LRScheduler")
@@ -210,7 +206,7 @@ class Accelerator(ProcessUtilities, RunSettings):
             return "optimizer"
         if isinstance(obj, (DataLoader, DataLoaderShard)):
             return "dataloader"
-        if isinstance(obj, (_LRScheduler, AcceleratedScheduler)) or (
+        if isinstance(obj, (LRScheduler, AcceleratedScheduler)) or (
                 hasattr(obj, "step") and isinstance(getattr(obj, "optimizer", None), torch.optim.Optimizer)):
             return "scheduler"
         raise TypeError(f"prepare() got {type(obj).__module__}.{type(obj).__qualname__}, which it cannot prepare; "

@@ -1,8 +1,9 @@
 """Mixed precision: one small object per mode, owned by the strategy.
 
 ``no``: plain fp32 (or whatever dtype the model was loaded in). ``bf16``: autocast to bfloat16, no scaler.
-``fp16``: autocast to float16 with a GradScaler (torch's CPU scaler on CPU). Model outputs are *not* cast back to
-fp32: autocast already computes losses in fp32, and the extra cast costs a measurable share of a step.
+``fp16``: autocast to float16 with a GradScaler (torch's CPU scaler on CPU). The prepared forward casts floating
+outputs back to fp32 (:mod:`impel.runtime.model_forward`; ``cast_outputs_to_fp32=False`` skips it), as Accelerate
+does.
 """
 from __future__ import annotations
 

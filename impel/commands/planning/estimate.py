@@ -1,4 +1,5 @@
-"""Per-rank training memory for every strategy, from the parameter count and the dtype flow of MISSION.md.
+"""Per-rank training memory for every strategy, from the parameter count and the dtype flow of
+docs/design.md ("Dtype flow").
 
 Bytes per parameter, with k optimizer states per parameter (AdamW 2, SGD with momentum 1, plain SGD 0), W ranks,
 a the load dtype's size (4 fp32, 2 bf16/fp16), c the compute dtype's size:
