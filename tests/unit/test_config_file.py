@@ -13,8 +13,8 @@ from impel.commands.flags import (
     explicit_from_flags,
     merge_file_and_flags,
 )
-from impel.config import ConfigError, RunConfig
-from impel.config_file import read_config_file, write_config_file
+from impel.config.run_config import ConfigError, RunConfig
+from impel.config.yaml_file import read_config_file, write_config_file
 
 FIXTURES = Path(__file__).resolve().parents[1] / "cli" / "fixtures"
 
@@ -127,7 +127,7 @@ def test_flags_override_the_file_key_by_key():
 def test_duplicate_keys_are_refused_but_yaml_merge_keys_still_override():
     import yaml
 
-    from impel.config_file import DuplicateKey, unique_key_loader
+    from impel.config.yaml_file import DuplicateKey, unique_key_loader
 
     text = "a: &x {p: 1}\nb:\n  <<: *x\n  p: 2\n"
     assert yaml.load(text, Loader=unique_key_loader()) == {"a": {"p": 1}, "b": {"p": 2}}  # noqa: S506
