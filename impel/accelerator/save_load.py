@@ -155,9 +155,9 @@ class Checkpointer:
         prepared = collective.on_leader(lambda: self._prepare(final), "preparing the checkpoint directory", leader)
         assert prepared is not None  # rank 0 always leads, and every rank gets rank 0's result
         temp = Path(prepared)
-        if leader:
-            self._storing(final, temp, lambda: temp.mkdir(parents=True, exist_ok=True))()
-        collective.barrier()
+        # the leaders create it; a failure (a directory they may not write) raises on every rank, none waits
+        collective.run_shared(self._storing(final, temp, lambda: temp.mkdir(parents=True, exist_ok=True) if leader
+                                            else None), "creating the checkpoint directory")
         try:
             if not asynchronous:
                 write = lambda: self._metadata(self._write(temp, leader, safe_serialization, options))  # noqa: E731
@@ -252,7 +252,7 @@ class Checkpointer:
 
     @staticmethod
     def _clean_parent(final: Path) -> None:
-        storage.check_room(final, 0)  # writable, before mkdir names a parent the user did not give
+        storage.check_room(final, 0)  # a read-only filesystem, named before mkdir names a parent the user did not give
         final.parent.mkdir(parents=True, exist_ok=True)
         layout.clean_incomplete(final.parent)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -40,8 +40,9 @@ def state_bytes(models: Iterable[torch.nn.Module], optimizers: Iterable[torch.op
         total += sum(_tensor_bytes(p) for p in model.parameters())
         total += sum(_tensor_bytes(b) for b in model.buffers())
     for optimizer in optimizers:
-        for state in optimizer.state.values():
-            total += sum(_tensor_bytes(v) for v in state.values())
+        states = getattr(optimizer, "state", None)
+        for state in states.values() if isinstance(states, Mapping) else ():
+            total += sum(_tensor_bytes(v) for v in state.values()) if isinstance(state, Mapping) else 0
     return total
 
 
@@ -77,12 +78,13 @@ def read_only(final: Path, where: Path, code: int, reason: str) -> OSError:
 
 
 def check_room(final: Path, needed: int) -> None:
-    """Before a save to ``final``: its directory must be writable and its filesystem must hold ``needed`` bytes
-    (the previous checkpoint there stays until the new one is committed, so it does not count as free)."""
+    """Before a save to ``final``: its filesystem must not be mounted read-only and must hold ``needed`` bytes (the
+    previous checkpoint there stays until the new one is committed, so it does not count as free). Permissions
+    are not guessed (``os.access`` misjudges ACLs and network filesystems): a directory the save may not write
+    fails at its first ``mkdir``, which :func:`translated` names."""
     where = existing_ancestor(final.parent)
-    if not os.access(where, os.W_OK | os.X_OK):
-        code = errno.EROFS if _read_only_mount(where) else errno.EACCES
-        raise read_only(final, where, code, os.strerror(code))
+    if _read_only_mount(where):
+        raise read_only(final, where, errno.EROFS, os.strerror(errno.EROFS))
     free = shutil.disk_usage(where).free
     if free < needed:
         raise no_space(final, needed, free)

@@ -175,3 +175,26 @@ def test_a_real_full_disk(small_disk, asynchronous):
     assert f"OSError: [Errno 28] no space left on {target}: the checkpoint needs " \
            f"{storage.state_bytes([model], [opt]):,} bytes (at least), " in message, message
     _assert_nothing_lost(acc, model, target)
+
+
+def test_a_directory_without_write_permission_is_named_not_the_hidden_temp_dir(tmp_path, monkeypatch):
+    """What a chmod 555 directory gives a user who is not root (root ignores modes): mkdir raises EACCES."""
+    from pathlib import Path as RealPath
+
+    acc, model, _ = _run()
+    target = tmp_path / "ckpt"
+    acc.save_state(str(target))
+    real = RealPath.mkdir
+
+    def refuse(self, *args, **kwargs):
+        if self.name.startswith(".impel-tmp"):
+            raise PermissionError(errno.EACCES, "Permission denied", str(self))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(RealPath, "mkdir", refuse)
+    with pytest.raises(OSError) as info:
+        acc.save_state(str(target))
+    assert str(info.value).startswith(f"[Errno 13] {target} is read-only ({tmp_path}: Permission denied); "
+                                      "save_state needs to write there")
+    monkeypatch.undo()
+    _assert_nothing_lost(acc, model, target)
