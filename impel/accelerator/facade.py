@@ -284,11 +284,8 @@ class Accelerator(ProcessUtilities, RunSettings):
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module) -> Iterator[None]:
         """Skip the cross-rank gradient reduction for backward passes of forwards run inside this block."""
-        self.gradient_state.manual_no_sync += 1
-        try:
+        with self.gradient_state.no_sync_block():
             yield
-        finally:
-            self.gradient_state.manual_no_sync -= 1
 
     @contextlib.contextmanager
     def autocast(self, autocast_handler: Any = None) -> Iterator[None]:
@@ -369,7 +366,7 @@ class Accelerator(ProcessUtilities, RunSettings):
 
     @step.setter
     def step(self, value: int) -> None:
-        self.gradient_state.step = int(value)
+        self.gradient_state.set_step(value)
 
     def save_state(self, output_dir: str | os.PathLike[str] | None = None, safe_serialization: bool = True,
                    async_save: bool | None = None, **save_model_func_kwargs: Any) -> str:

@@ -377,8 +377,8 @@ class Checkpointer:
                                      metadata["strategy"], skip_models=skip, options=options)
         for i, scheduler in enumerate(prepared.schedulers):
             scheduler.load_state_dict(read_torch(directory / f"scheduler{suffix(i)}.pt", f"scheduler {i}"))
-        run.gradient_state.step = restore_training_state(training, run.gradient_state, prepared.optimizers,
-                                                         prepared.dataloaders)
+        run.gradient_state.set_step(restore_training_state(training, run.gradient_state, prepared.optimizers,
+                                                           prepared.dataloaders))
         for i, obj in enumerate(prepared.registered):
             obj.load_state_dict(read_torch(directory / f"custom_checkpoint_{i}.pt",
                                            f"registered object {i}, {describe(obj)}"))

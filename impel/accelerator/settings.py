@@ -91,11 +91,7 @@ class RunSettings:
             raise ConfigError(f"gradient_accumulation_steps={value} cannot change after the Accelerator is built under "
                               "DeepSpeed (its engine config fixes it); pass Accelerator(gradient_accumulation_steps="
                               f"{value}) or set it in the DeepSpeed JSON")
-        state = self.gradient_state
-        if state.micro_in_group:
-            raise ConfigError(f"gradient_accumulation_steps={value} set in the middle of an accumulation group (micro-"
-                              f"step {state.micro_in_group} of {state.group_size}); set it between optimizer steps")
-        state.num_steps = state.group_size = value
+        self.gradient_state.set_accumulation_steps(value)
 
     @property
     def sync_gradients(self) -> bool:
@@ -106,7 +102,7 @@ class RunSettings:
     def sync_gradients(self, value: bool) -> None:
         if not isinstance(value, bool):
             raise ConfigError(f"sync_gradients={value!r} must be True or False")
-        self.gradient_state.sync_gradients = value  # until the next micro-step begins, as in Accelerate
+        self.gradient_state.set_sync_gradients(value)
 
     # --- dataloaders ------------------------------------------------------------------------------------------
     @property
