@@ -335,7 +335,7 @@ class DataLoaderShard:
         self._start_epoch()
         self.end_of_dataloader = False
         state = self.gradient_state
-        state.active_dataloaders.append(self)
+        state.register_dataloader(self)
         finished = False
         try:
             it, current = self._begin_pass()
@@ -354,8 +354,7 @@ class DataLoaderShard:
             finished = True
         finally:
             self.end_of_dataloader = False
-            if self in state.active_dataloaders:
-                state.active_dataloaders.remove(self)
+            state.unregister_dataloader(self)
             if finished:
                 self.epoch += 1
                 self.position = 0
