@@ -64,6 +64,8 @@ BAD_DEEPSPEED_JSON = {
     "batch_not_divisible": ('{"train_batch_size": 6}', ["train_batch_size=6 in the DeepSpeed JSON 'ds.json' is not "
                                                         "a multiple of gradient_accumulation_steps=4 * world size 2 "
                                                         "(= 8)"]),
+    "duplicate_key": ('{"zero_optimization": {"stage": 2, "stage": 3}}',
+                      ["deepspeed_config_file='ds.json' sets 'stage' twice in one object; keep one"]),
     "accumulation": ('{"gradient_accumulation_steps": 1}',
                      ["gradient_accumulation_steps=4 contradicts gradient_accumulation_steps=1 in the DeepSpeed JSON "
                       "'ds.json'"]),

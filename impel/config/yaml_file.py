@@ -204,9 +204,22 @@ def read_json_object(path: str | os.PathLike[str], name: str) -> dict[str, Any]:
         raise ConfigError(f"{name}={path!r} does not exist or is not a file; pass the path of a JSON file")
     try:
         with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
+            data = json.load(fh, object_pairs_hook=_unique_pairs)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{name}={path!r} is not valid JSON ({exc}); fix the file") from None
+    except DuplicateKey as exc:
+        raise ConfigError(f"{name}={path!r} sets {exc.key!r} twice in one object; keep one (JSON readers would "
+                          "silently take the last)") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{name}={path!r} must hold a JSON object, got {type(data).__name__}")
     return data
+
+
+def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json.load``'s object hook: a key given twice in one object raises :class:`DuplicateKey` (no lines known)."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise DuplicateKey(key, 0, 0)
+        out[key] = value
+    return out
