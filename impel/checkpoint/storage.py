@@ -1,13 +1,14 @@
 """Storage failures of ``save_state`` as one line naming the path the user gave: a full disk, a read-only target.
 
-Before anything is written the leader checks that the target's directory is writable and that its filesystem has
-room for the model and optimizer state (:func:`check_room`). A failure while writing (the estimate is a lower
-bound, and other processes write too) is translated by :func:`translated`: torch reports a full disk as
+Before anything is written the leader checks that the target's filesystem is not mounted read-only and has room
+for the model and optimizer state (:func:`check_room`). A failure while creating or writing (a directory without
+write permission, a disk that fills up: the estimate is a lower bound, and other processes write too) is
+translated by :func:`translated`: torch reports a full disk as
 ``RuntimeError: [enforce fail at inline_container.cc:672] unexpected pos ...`` with the ``ENOSPC`` only in its
 chained cause, and a read-only filesystem names impel's hidden temporary directory. Both become an ``OSError``
 with the original errno (``[Errno 28]`` for a full disk) whose message names the directory given to ``save_state``,
-the bytes needed and the bytes free. The save sequence (``checkpointer``) keeps what it did already: the temporary
-directory is deleted and the previous checkpoint at that path stays the newest complete one.
+the bytes needed and the bytes free. The save sequence (``impel.accelerator.save_load``) keeps what it did
+already: the temporary directory is deleted and the previous checkpoint at that path stays the newest complete one.
 """
 from __future__ import annotations
 

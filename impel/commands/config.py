@@ -121,7 +121,6 @@ def validate(ns: argparse.Namespace) -> int:
     return 0
 
 
-
 def _check_deepspeed_json(cfg: RunConfig) -> None:
     """What impel launch checks before any rank starts: the DeepSpeed JSON exists, parses, agrees with itself
     (one of bf16/fp16, the batch sizes) and with the config (stage, precision, accumulation, offload)."""
