@@ -27,7 +27,6 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from . import env
 from .accumulation import GradientState, MicroStep
 from .checkpoint.checkpointer import Checkpointer, resolve_project_configuration
 from .checkpoint.options import load_options, save_options
@@ -35,6 +34,7 @@ from .compile import Compiler, TorchDynamoPlugin, uncompiled, unwrap
 from .config import ConfigError, DistributedType, RunConfig
 from .data import DataLoaderShard, shard_dataloader, skip_first_batches
 from .ddp_hooks import refuse_hook_without_ddp
+from .env_settings import launched_settings
 from .model import ForwardContext, is_prepared, patch_forward
 from .optimizer import AcceleratedOptimizer, AcceleratedScheduler
 from .parallelism_config import ParallelismConfig
@@ -92,7 +92,7 @@ class Accelerator(ProcessUtilities, RunSettings):
                             fsdp_plugin=fsdp_plugin, deepspeed_plugin=deepspeed_plugin,
                             dynamo_backend=dynamo_backend, dynamo_plugin=dynamo_plugin,
                             kwargs_handlers=kwargs_handlers, parallelism_config=parallelism_config)
-        self.record = resolve(env.read_launch_config(), args, current_topology())
+        self.record = resolve(launched_settings(), args, current_topology())
         self.config: RunConfig = self.record.config  # read-only from here on
         self.handlers = self.record.handlers
         self.distributed_type = self.record.distributed_type

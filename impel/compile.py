@@ -35,6 +35,7 @@ from torch import nn
 from . import env
 from .compile_config import BACKENDS, DynamoBackend, DynamoConfig
 from .config import ConfigError, DistributedType
+from .env_settings import launched_settings
 from .model import ForwardContext, patch_forward, unpatch_forward
 from .plugins import KwargsHandler
 
@@ -106,7 +107,7 @@ class TorchDynamoPlugin(KwargsHandler):
         if self.options is not None and not isinstance(self.options, dict):
             raise ConfigError(f"TorchDynamoPlugin(options={self.options!r}) must be a dict of backend options")
         given = self.to_config_section()  # the fields set here, validated (they win over the launched config)
-        launched = (env.read_launch_config() or {}).get("dynamo_config") or {}
+        launched = (launched_settings() or {}).get("dynamo_config") or {}
         section = _section({**launched, **given})
         self.__dict__["_given"] = given
         self.backend = DynamoBackend(section.backend)

@@ -19,6 +19,7 @@ from typing import Any
 from .. import env
 from ..config import ConfigError, RunConfig
 from ..config_file import read_config_file
+from ..env_settings import describe, environment_settings
 from ..resilience import PREEMPTED_EXIT_CODE
 from .flags import add_config_flags, explicit_from_flags, explicit_from_flags_list, merge_file_and_flags
 
@@ -74,10 +75,16 @@ class LaunchPlan:
 
 
 def resolve_config(ns: argparse.Namespace) -> tuple[RunConfig, dict[str, Any], list[str]]:
-    """defaults < file < flags, validated; the explicit keys are what the ranks receive."""
+    """defaults < file < environment (``ACCELERATE_*`` variables) < flags, validated; the explicit keys are what
+    the ranks receive."""
     path, accelerates = env.config_to_read(ns.config_file)
     from_file = read_config_file(path) if (ns.config_file or os.path.isfile(path)) else {}
-    merged, notes = merge_file_and_flags(from_file, explicit_from_flags(ns))
+    from_environment = environment_settings()  # ACCELERATE_* / IMPEL_* variables: file < environment < flags
+    with_environment, notes = merge_file_and_flags(from_file, from_environment)
+    merged, flag_notes = merge_file_and_flags(with_environment, explicit_from_flags(ns))
+    notes += flag_notes
+    if from_environment:
+        notes.insert(0, "from the environment: " + "; ".join(describe()))
     if accelerates:
         notes.insert(0, f"no impel config file: read Accelerate's {path}")
     config = RunConfig.from_dict(merged)
