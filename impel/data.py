@@ -19,6 +19,7 @@ from torch.utils.data.distributed import DistributedSampler
 from . import collectives
 from .collectives import send_to_device
 from .config import ConfigError
+from .loader_attributes import loader_attributes
 from .plugins import DataLoaderConfiguration
 from .seeding import synchronize_rng_states
 
@@ -116,7 +117,7 @@ class ShardSampler(_ShardLayout, Sampler[list[int]]):
                  even_batches: bool) -> None:
         _ShardLayout.__init__(self, world, rank, drop_last, even_batches)
         self.sampler = sampler
-        self.per_rank_batch = per_rank_batch
+        self.per_rank_batch = self.batch_size = per_rank_batch  # batch_size: Accelerate's BatchSamplerShard's name
 
     def __len__(self) -> int:
         return self._chunks(len(self.sampler), self.per_rank_batch)  # type: ignore[arg-type]
@@ -195,8 +196,12 @@ class IterableShard(_ShardLayout, IterableDataset):
 _END = object()
 
 
-class DataLoaderShard:
+class DataLoaderShard(DataLoader[Any]):
     """A prepared DataLoader: this rank's batches, on the device, with epoch and position tracking.
+
+    A ``torch.utils.data.DataLoader`` (``isinstance`` holds) with its attributes (``batch_sampler``, ``drop_last``,
+    ``num_workers``, ...: :mod:`impel.loader_attributes`); it iterates ``base_dataloader``, the loader over this
+    rank's shard.
 
     Iterating it sets ``end_of_dataloader`` while the last batch is being used (one batch of look-ahead), which
     gradient accumulation and ``gather_for_metrics`` read. A complete pass advances the epoch by itself, so
@@ -220,6 +225,8 @@ class DataLoaderShard:
         self.hooks: Any = None  # impel.resilience.Resilience: auto-resume and preemption checks
         self.end_of_dataloader = False
         self._skip_next = 0
+        self.__dict__.update(loader_attributes(loader, original, getattr(shard, "sampler", None),
+                                               getattr(shard, "per_rank_batch", None)))
 
     epoch = property(lambda self: self._progress["epoch"],
                      lambda self, value: self._progress.__setitem__("epoch", value),
@@ -231,19 +238,6 @@ class DataLoaderShard:
                            lambda self, value: self._progress.__setitem__("pass_start", value))
     _resume_rng = property(lambda self: self._progress["resume_rng"],  # set by load_state_dict, used by the next pass
                            lambda self, value: self._progress.__setitem__("resume_rng", value))
-
-    # --- DataLoader look-alike ------------------------------------------------------------------------------
-    @property
-    def dataset(self) -> Any:
-        return self.original.dataset
-
-    @property
-    def batch_size(self) -> int | None:
-        return self.base_dataloader.batch_size or getattr(self.shard, "per_rank_batch", None)
-
-    @property
-    def sampler(self) -> Any:
-        return getattr(self.shard, "sampler", None)
 
     def __len__(self) -> int:
         return len(self.base_dataloader)  # batches of this rank's shard; a TypeError for unsized iterables
@@ -327,7 +321,7 @@ class DataLoaderShard:
             if live is not None:
                 torch.set_rng_state(live)
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # a generator, not torch's _BaseDataLoaderIter
         hooks = self.hooks
         if hooks is not None:
             hooks.on_iter_start(self)  # auto-resume: may restore epoch and position before the epoch starts
