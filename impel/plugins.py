@@ -146,23 +146,31 @@ class DataLoaderConfiguration:
 class GradientAccumulationPlugin:
     """Gradient accumulation settings.
 
-    num_steps: micro-steps per optimizer step. adjust_scheduler: kept for Accelerate's signature; as in Accelerate
-    1.15 the prepared scheduler never steps mid-group either way (False warns; ``Accelerator(
-    step_scheduler_with_optimizer=False)`` steps it on every call). sync_with_dataloader: the end of a prepared
-    dataloader ends the group.
-    sync_each_batch: all-reduce gradients on every micro-step (less memory, more communication).
+    num_steps: micro-steps per optimizer step (None: the launched config's, as when no plugin is given).
+    adjust_scheduler: kept for Accelerate's signature; as in Accelerate 1.15 the prepared scheduler never steps mid-
+    group either way (False warns; ``Accelerator(step_scheduler_with_optimizer=False)`` steps it on every call).
+    sync_with_dataloader: the end of a prepared dataloader ends the group. sync_each_batch: all-reduce gradients on
+    every micro-step (less memory, more communication). short_group_divisor (impel's): what ``accelerator.backward``
+    divides the loss by in a group cut short by the end of the dataloader: ``"nominal"`` (default, Accelerate's
+    numbers) divides by ``num_steps`` as in every group; ``"actual"`` divides by the group's real length, so its
+    gradient is a mean like every other group's.
     """
 
-    num_steps: int = 1
+    num_steps: int | None = 1  # None: the launched config's gradient_accumulation_steps
     adjust_scheduler: bool = True
     sync_with_dataloader: bool = True
     sync_each_batch: bool = False
+    short_group_divisor: str = "nominal"
 
     def __post_init__(self) -> None:
-        if isinstance(self.num_steps, bool) or not isinstance(self.num_steps, int) or self.num_steps < 1:
+        if self.num_steps is not None and (isinstance(self.num_steps, bool) or not isinstance(self.num_steps, int)
+                                           or self.num_steps < 1):
             raise ConfigError(f"GradientAccumulationPlugin(num_steps={self.num_steps!r}) must be an integer >= 1")
         for name in ("adjust_scheduler", "sync_with_dataloader", "sync_each_batch"):
             _check_bool("GradientAccumulationPlugin", name, getattr(self, name))
+        if self.short_group_divisor not in ("nominal", "actual"):
+            raise ConfigError(f"GradientAccumulationPlugin(short_group_divisor={self.short_group_divisor!r}) must be "
+                              "'nominal' (divide by num_steps, as Accelerate) or 'actual' (by the group's length)")
         if not self.adjust_scheduler:
             warnings.warn("GradientAccumulationPlugin(adjust_scheduler=False) changes nothing (as in Accelerate 1.15): "
                           "the prepared scheduler still steps only after real optimizer steps; pass "

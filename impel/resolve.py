@@ -15,6 +15,7 @@ Example::
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -84,13 +85,20 @@ def resolve(launched: Mapping[str, Any] | None, args: RunArguments, topology: To
     if distributed_type == DistributedType.DEEPSPEED:
         deepspeed, decided = settle_deepspeed(config, args.deepspeed_plugin)
         config = config.with_values(**decided)  # what the JSON decides (accumulation steps, precision)
-    accumulation = args.gradient_accumulation_plugin or GradientAccumulationPlugin(config.gradient_accumulation_steps)
+    accumulation = _accumulation(args.gradient_accumulation_plugin, config.gradient_accumulation_steps)
     dynamo = settle_dynamo(config, args.dynamo_plugin, device, distributed_type)
     fsdp_strategy = config.fsdp.resolved_sharding_strategy if distributed_type == DistributedType.FSDP else None
     parallelism = settle(config.parallelism_config, asked, topology.world_size, str(distributed_type), fsdp_strategy)
     config.freeze()
     return RunRecord(config, handlers, topology, device, distributed_type, accumulation, dynamo, deepspeed,
                      args.deepspeed_plugin, args.fsdp_plugin, parallelism)
+
+
+def _accumulation(plugin: GradientAccumulationPlugin | None, steps: int) -> GradientAccumulationPlugin:
+    """The plugin given in code (its ``num_steps=None`` filled with the settled steps), else one of ``steps``."""
+    if plugin is None:
+        return GradientAccumulationPlugin(steps)
+    return dataclasses.replace(plugin, num_steps=steps) if plugin.num_steps is None else plugin
 
 
 def _cpu_only(config: RunConfig) -> bool:
