@@ -178,7 +178,9 @@ class Accelerator(ProcessUtilities, RunSettings):
 
     # --- prepare ----------------------------------------------------------------------------------------------
     def prepare(self, *args: Any, device_placement: Sequence[bool] | None = None) -> Any:
-        """Prepare models, optimizers, dataloaders and schedulers, in any order; returns them in the same order."""
+        """Prepare models, optimizers, dataloaders and schedulers, in any order; returns them in the same order
+        (``None`` comes back as ``None``, as in Accelerate: ``prepare(model, optimizer, None)`` for a missing
+        scheduler)."""
         if device_placement is not None and len(device_placement) != len(args):
             raise ConfigError(f"device_placement has {len(device_placement)} entries for {len(args)} objects")
         places = list(device_placement) if device_placement is not None else [self.device_placement] * len(args)
@@ -204,6 +206,8 @@ class Accelerator(ProcessUtilities, RunSettings):
 
     @staticmethod
     def _kind(obj: Any) -> str:
+        if obj is None:
+            return "none"
         if isinstance(obj, nn.Module):
             return "model"
         if isinstance(obj, torch.optim.Optimizer):
