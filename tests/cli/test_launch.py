@@ -223,3 +223,16 @@ def test_gloo_worker_threads_end_before_the_interpreter_after_a_prepared_model(t
     rows = res.reports()
     assert [r["gloo_threads_while_training"] for r in rows if "gloo_threads_while_training" in r] == [2, 2]
     assert [r["gloo_threads"] for r in rows if "gloo_threads" in r] == [0, 0]
+
+
+def test_debug_and_use_parallelism_config_take_effect_on_the_ranks(tmp_path):
+    """--debug: the ranks run in Accelerate's debug mode (ACCELERATE_DEBUG_MODE=true, as accelerate launch sets it);
+    --use_parallelism_config alone: Accelerator() builds a ParallelismConfig() (every rank data parallel)."""
+    res = impel(["launch", "--cpu", "--num_processes", "2", "--debug", "--use_parallelism_config", REPORT,
+                 "accelerator"], tmp_path)
+    assert res.returncode == 0, res.output
+    reports = res.reports()
+    seen = [(r["debug_variable"], r["parallelism"], r["config"]["debug"]) for r in reports]
+    assert seen == [("true", True, True)] * 2
+    res = impel(["launch", "--cpu", "--num_processes", "2", REPORT, "accelerator"], tmp_path)
+    assert [(r["debug_variable"], r["parallelism"]) for r in res.reports()] == [(None, False)] * 2

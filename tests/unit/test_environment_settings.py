@@ -104,3 +104,14 @@ def test_impel_env_names_the_variables(monkeypatch, capsys, tmp_path):
     out = capsys.readouterr().out
     assert "ACCELERATE_GRADIENT_ACCUMULATION_STEPS=4 -> gradient_accumulation_steps" in out
     assert "ACCELERATE_TORCH_DEVICE=cuda:1 (impel cannot honour it: raises)" in out
+
+
+@pytest.mark.parametrize(("same_network", "expected"), [
+    ("true", ["--master_addr", "10.0.0.1", "--master_port", "29400"]),
+    ("false", ["--rdzv_endpoint", "10.0.0.1:29400"])])
+def test_same_network_picks_torchruns_rendezvous_spelling_as_accelerate_launch(tmp_path, same_network, expected):
+    plan = _plan(tmp_path, "--num_machines", "2", "--num_processes", "2", "--main_process_ip", "10.0.0.1",
+                 "--main_process_port", "29400", "--same_network", same_network)
+    args = plan.torchrun_args
+    at = args.index("static") + 1
+    assert args[at:at + len(expected)] == expected and args[args.index("--node_rank") + 1] == "0"
