@@ -9,7 +9,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 
 def _settings_variables():
-    from impel.env_settings import all_names, impel_name
+    from impel.config.environment_settings import all_names, impel_name
 
     return {*all_names(), *(impel_name(n) for n in all_names())}
 
@@ -27,7 +27,7 @@ def _fresh_process_state(monkeypatch):
     saved = [k for k in os.environ if k in _SETTINGS]
     for var in saved:
         monkeypatch.delenv(var)
-    from impel.state import ProcessState
+    from impel.runtime.process import ProcessState
 
     ProcessState._reset()
     yield

@@ -7,7 +7,7 @@ import argparse
 import pytest
 
 from impel import Accelerator, ConfigError
-from impel.env_settings import describe, environment_settings
+from impel.config.environment_settings import describe, environment_settings
 
 
 def test_variables_set_the_run_and_code_arguments_win(monkeypatch):

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from impel import FullyShardedDataParallelPlugin
-from impel.config import ConfigError, FSDPConfig, merge_code_arguments
+from impel.config.run_config import ConfigError, FSDPConfig, merge_code_arguments
 from impel.strategies.fsdp import mesh_layout
 from impel.strategies.fsdp_wrap import check_requested, select_units
 from tiny_transformers import tiny_bert, tiny_gpt2, tiny_llama
@@ -204,7 +204,7 @@ def test_precision_report_on_one_process(capsys):
 
 def test_fsdp_version_1_raises_naming_the_switch(tmp_path):
     """impel runs FSDP2 only: FSDP1 asked for by the plugin, a config file or the launch flag raises."""
-    from impel.config import RunConfig
+    from impel.config.run_config import RunConfig
 
     with pytest.raises(ConfigError, match=r"fsdp_version=1 selects FSDP1.*Set fsdp_version to 2"):
         FullyShardedDataParallelPlugin(fsdp_version=1)

@@ -10,8 +10,8 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from helpers import IndexDataset, make_mlp, make_regression, max_abs_diff
 from impel import Accelerator, ConfigError, DataLoaderConfiguration, GradientAccumulationPlugin
-from impel.accumulation import GradientState
-from impel.data import shard_dataloader
+from impel.runtime.accumulation import GradientState
+from impel.runtime.data import shard_dataloader
 
 
 def prepared(n: int, batch_size: int, plugin: GradientAccumulationPlugin | None = None, world: int = 1,
