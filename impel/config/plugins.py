@@ -112,7 +112,8 @@ class DataLoaderConfiguration:
     use_seedable_sampler: a shuffled loader's epoch ``e`` order comes from ``data_seed + e`` (``data_seed`` defaults
     to rank 0's ``torch.initial_seed()``); otherwise from the sampler's generator, agreed across ranks.
     non_blocking: host-to-device copies are asynchronous (pin_memory recommended).
-    dispatch_batches: None and False shard on every rank; True (rank 0 reads and broadcasts) raises.
+    dispatch_batches: None and False: every rank reads its own shard; True: rank 0 reads and every rank receives
+    its slice of each global batch, as Accelerate's dispatcher (``impel.runtime.dispatch``).
     use_stateful_dataloader: prepared loaders always save and restore their position (``state_dict`` /
     ``load_state_dict``, ``save_state``), which is what this flag asks of Accelerate; True and False both hold.
     """
@@ -131,10 +132,6 @@ class DataLoaderConfiguration:
             _check_bool("DataLoaderConfiguration", name, getattr(self, name))
         if self.dispatch_batches is not None:
             _check_bool("DataLoaderConfiguration", "dispatch_batches", self.dispatch_batches)
-        if self.dispatch_batches:
-            raise ConfigError("DataLoaderConfiguration(dispatch_batches=True) is not supported: impel shards data on "
-                              "every rank and has no rank-0 dispatcher; make the dataset yield the same stream on "
-                              "every rank and drop the argument (or pass False)")
         if self.data_seed is not None and (isinstance(self.data_seed, bool) or not isinstance(self.data_seed, int)):
             raise ConfigError(f"DataLoaderConfiguration(data_seed={self.data_seed!r}) must be an integer or None")
         if self.data_seed is not None and not self.use_seedable_sampler:

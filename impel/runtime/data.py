@@ -20,6 +20,7 @@ from impel.config.plugins import DataLoaderConfiguration
 from impel.config.run_config import ConfigError
 from impel.runtime import collectives
 from impel.runtime.collectives import send_to_device
+from impel.runtime.dispatch import dispatching_loader
 from impel.runtime.loader_attributes import loader_attributes
 from impel.runtime.seeding import synchronize_rng_states
 
@@ -436,11 +437,15 @@ def shard_dataloader(loader: DataLoader, *, world: int, rank: int, device: torch
                              "multiprocessing_context": loader.multiprocessing_context}
     if loader.num_workers > 0:
         extra["prefetch_factor"] = loader.prefetch_factor
+    if config.dispatch_batches:  # rank 0 reads, every rank receives its slice (impel.runtime.dispatch)
+        shard: Any = dispatching_loader(loader, extra, world=world, rank=rank, split_batches=config.split_batches,
+                                        device=device, seedable=config.use_seedable_sampler)
+        return DataLoaderShard(shard, shard, device, config.non_blocking, gradient_state, per_rank, loader, rng_types)
     if isinstance(loader.dataset, IterableDataset):
         if loader.num_workers > 0:
             raise ConfigError(f"DataLoader(num_workers={loader.num_workers}) over an IterableDataset: impel shards "
                               "iterable datasets in the main process; use num_workers=0 or a map-style dataset")
-        shard: Any = IterableShard(loader.dataset, per_rank, world, rank, loader.drop_last, config.even_batches)
+        shard = IterableShard(loader.dataset, per_rank, world, rank, loader.drop_last, config.even_batches)
         new = DataLoader(shard, batch_size=per_rank, drop_last=loader.drop_last, **extra)
     elif loader.batch_size is None:  # the user's own batch_sampler
         if config.split_batches:
