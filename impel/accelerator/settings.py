@@ -6,7 +6,6 @@ A mixin over ``self.config`` (the resolved :class:`impel.config.run_config.RunCo
 """
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING, Any
 
 from impel.config.run_config import ConfigError, DistributedType
@@ -91,11 +90,7 @@ class RunSettings:
             raise ConfigError(f"gradient_accumulation_steps={value} cannot change after the Accelerator is built under "
                               "DeepSpeed (its engine config fixes it); pass Accelerator(gradient_accumulation_steps="
                               f"{value}) or set it in the DeepSpeed JSON")
-        state = self.gradient_state
-        if state.micro_in_group:
-            raise ConfigError(f"gradient_accumulation_steps={value} set in the middle of an accumulation group (micro-"
-                              f"step {state.micro_in_group} of {state.group_size}); set it between optimizer steps")
-        state.num_steps = state.group_size = value
+        self.gradient_state.set_accumulation_steps(value)
 
     @property
     def sync_gradients(self) -> bool:
@@ -106,7 +101,7 @@ class RunSettings:
     def sync_gradients(self, value: bool) -> None:
         if not isinstance(value, bool):
             raise ConfigError(f"sync_gradients={value!r} must be True or False")
-        self.gradient_state.sync_gradients = value  # until the next micro-step begins, as in Accelerate
+        self.gradient_state.set_sync_gradients(value)
 
     # --- dataloaders ------------------------------------------------------------------------------------------
     @property
@@ -185,32 +180,17 @@ class RunSettings:
         """Always False: impel has no fp8 mode."""
         return False
 
-    @functools.cached_property
+    @property
     def deepspeed_plugin(self) -> DeepSpeedPlugin | None:
-        """The DeepSpeed settings in effect (the plugin passed in code, else one built from the resolved config);
-        None when DeepSpeed is not used."""
-        if self.distributed_type != DistributedType.DEEPSPEED:
-            return None
-        if self.record.deepspeed_plugin is not None:
-            return self.record.deepspeed_plugin
-        from impel.config.plugins import _DEEPSPEED_KEYS, DeepSpeedPlugin
+        """The DeepSpeed settings in effect (the plugin passed in code, else one built from the resolved config when
+        the run was resolved); None when DeepSpeed is not used."""
+        return self.record.plugins.deepspeed
 
-        section = self.config.deepspeed
-        return DeepSpeedPlugin(hf_ds_config=section.deepspeed_config_file,
-                               gradient_accumulation_steps=self.config.gradient_accumulation_steps,
-                               **{attr: getattr(section, name) for attr, name in _DEEPSPEED_KEYS.items()})
-
-    @functools.cached_property
+    @property
     def fsdp_plugin(self) -> FullyShardedDataParallelPlugin | None:
-        """The FSDP settings in effect as a plugin (built from the resolved config); None when FSDP is not used."""
-        if self.distributed_type != DistributedType.FSDP:
-            return None
-        from impel.config.plugins import _FSDP_KEYS, FullyShardedDataParallelPlugin
-
-        section = self.config.fsdp
-        return FullyShardedDataParallelPlugin(
-            mixed_precision_policy=self.config.mixed_precision,
-            **{attr: getattr(section, name) for attr, name in _FSDP_KEYS.items()})
+        """The FSDP settings in effect as a plugin (built from the resolved config when the run was resolved); None
+        when FSDP is not used."""
+        return self.record.plugins.fsdp
 
     # --- N-D parallelism (ParallelismConfig) ----------------------------------------------------------------
     @property

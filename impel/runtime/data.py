@@ -329,7 +329,7 @@ class DataLoaderShard(DataLoader[Any]):
         self._start_epoch()
         self.end_of_dataloader = False
         state = self.gradient_state
-        state.active_dataloaders.append(self)
+        state.register_dataloader(self)
         finished = False
         try:
             it, current = self._begin_pass()
@@ -346,8 +346,7 @@ class DataLoaderShard(DataLoader[Any]):
             finished = True
         finally:
             self.end_of_dataloader = False
-            if self in state.active_dataloaders:
-                state.active_dataloaders.remove(self)
+            state.unregister_dataloader(self)
             if finished:
                 self.epoch += 1
                 self.position = 0

@@ -310,3 +310,32 @@ def private_accelerator_reads(module: str) -> list[str]:
 def test_no_module_but_the_facade_reads_an_accelerator_private_attribute():
     reads = [r for m in sorted(modules()) if m != "impel.accelerator.facade" for r in private_accelerator_reads(m)]
     assert reads == [], "read through impel.accelerator.prepared / a public method instead:\n" + "\n".join(reads)
+
+
+# --- one owner for the accumulation state --------------------------------------------------------------------------
+def test_only_the_accumulation_module_writes_the_gradient_state():
+    """GradientState's fields change through its methods only (impel/runtime/accumulation.py): no other module
+    assigns one of its fields, public or private, so the accumulation rules live in one file."""
+    owner = "impel.runtime.accumulation"
+    (cls,) = [n for n in tree(owner).body if isinstance(n, ast.ClassDef) and n.name == "GradientState"]
+    fields = {node.attr for node in ast.walk(cls)
+              if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+              and isinstance(node.value, ast.Name) and node.value.id == "self"}
+    public = {"sync_gradients", "num_steps", "group_size", "micro_in_group", "step", "manual_no_sync",
+              "active_dataloaders", "plugin"}
+    assert {"_sync", "_micro", "_dataloaders"} <= fields  # the probe sees the owner's fields
+    private = {f for f in fields if f.startswith("_")} - {"_plugin"}
+    writes = []
+    for module in sorted(modules()):
+        if module == owner:
+            continue
+        for node in ast.walk(tree(module)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+                node, (ast.AugAssign, ast.AnnAssign)) else []
+            writes += [f"{_where(module, node.lineno)}: {ast.unparse(t)}" for t in targets
+                       if isinstance(t, ast.Attribute) and t.attr in public | private
+                       and isinstance(t.value, ast.Attribute) and t.value.attr == "gradient_state"]
+            if isinstance(node, ast.Attribute) and node.attr in private and not (
+                    isinstance(node.value, ast.Name) and node.value.id == "self"):
+                writes.append(f"{_where(module, node.lineno)}: {ast.unparse(node)}")
+    assert not writes, "change the gradient state through its methods:\n" + "\n".join(writes)

@@ -220,3 +220,12 @@ def test_fsdp_version_1_raises_naming_the_switch(tmp_path):
             str(tmp_path / "train.py")]
     with pytest.raises(ConfigError, match="fsdp_version=1 selects FSDP1"):
         plan_launch(build_parser().parse_args(bool_values_joined(argv)))
+
+
+def test_the_fsdp_plugin_in_effect_is_built_when_the_run_is_resolved_not_on_read(monkeypatch):
+    from impel import Accelerator, FullyShardedDataParallelPlugin
+
+    acc = Accelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin(reshard_after_forward=False))
+    built = acc.fsdp_plugin
+    monkeypatch.setattr(FullyShardedDataParallelPlugin, "__init__", lambda *a, **k: pytest.fail("built on read"))
+    assert acc.fsdp_plugin is built and built.reshard_after_forward is False and acc.deepspeed_plugin is None
