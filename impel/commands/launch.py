@@ -162,10 +162,11 @@ def plan_launch(ns: argparse.Namespace) -> LaunchPlan:
 
 def _rank_variables(config: RunConfig, ns: argparse.Namespace) -> dict[str, str]:
     """What ``accelerate launch`` tells its ranks through Accelerate's own variables, for code that reads them:
-    ``--debug`` turns on debug mode (``ACCELERATE_DEBUG_MODE``: collectives check shapes across ranks first);
+    ``--debug`` turns on debug mode (``ACCELERATE_DEBUG_MODE``: collectives check shapes across ranks first; set
+    either way, so a variable left in the shell cannot contradict the resolved config);
     ``--use_parallelism_config`` makes ``Accelerator()`` build a ``ParallelismConfig()`` without sizes
     (``ACCELERATE_USE_PARALLELISM_CONFIG``: every rank data parallel, ``accelerator.parallelism_config`` set)."""
-    out = {"ACCELERATE_DEBUG_MODE": "true"} if config.debug else {}
+    out = {"ACCELERATE_DEBUG_MODE": "true" if config.debug else "false"}
     if getattr(ns, "use_parallelism_config", False):
         out["ACCELERATE_USE_PARALLELISM_CONFIG"] = "true"
     return out

@@ -236,7 +236,7 @@ def test_debug_and_use_parallelism_config_take_effect_on_the_ranks(tmp_path):
     seen = [(r["debug_variable"], r["parallelism"], r["config"]["debug"]) for r in reports]
     assert seen == [("true", True, True)] * 2
     res = impel(["launch", "--cpu", "--num_processes", "2", REPORT, "accelerator"], tmp_path)
-    assert [(r["debug_variable"], r["parallelism"]) for r in res.reports()] == [(None, False)] * 2
+    assert [(r["debug_variable"], r["parallelism"]) for r in res.reports()] == [("false", False)] * 2
 
 
 def test_plain_torchrun_with_accelerates_variables_configures_the_run(tmp_path):

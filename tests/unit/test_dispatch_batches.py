@@ -29,6 +29,11 @@ def test_one_process_gets_the_users_batches_and_resumes_mid_epoch():
     rest = [b.flatten().tolist() for b in it]
     dl.load_state_dict(state)
     assert [b.flatten().tolist() for b in dl] == rest and len(first + rest) == 4
+    import copy
+    import pickle
+
+    for clone in (pickle.loads(pickle.dumps(dl)), copy.deepcopy(dl)):
+        assert len(clone) == 4 and clone.batch_size == 3
 
 
 def test_settings_dispatch_cannot_honour_raise():
