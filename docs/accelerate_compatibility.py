@@ -110,13 +110,15 @@ LIMITS = {
                   "in the background (docs/checkpoints.md, \"Asynchronous saves\")",
     "gradient_accumulation_steps": "settable; raises under DeepSpeed (its engine fixes it) or mid-group",
     "save": "main process only (each node's with save_on_each_node); safetensors for a dict of tensors",
-    "dispatch_batches": "always False: impel never dispatches batches from rank 0 "
-                        "(DataLoaderConfiguration(dispatch_batches=True) raises)",
+    "dispatch_batches": "DataLoaderConfiguration's: True dispatches every batch from rank 0, as Accelerate "
+                        "(None keeps each rank reading its own shard)",
     "rng_types": "default ['generator'] as in Accelerate: the sampler's generator is rank 0's (agreed at prepare); "
                  "'torch' / 'cuda' are shared from rank 0 at each pass; other kinds raise",
     "DataLoaderConfiguration": "all of Accelerate's fields and defaults, and the same batches per rank and global RNG "
-                               "draws (tests/unit/test_data_order_matches_accelerate.py); dispatch_batches=True "
-                               "raises; data_seed without use_seedable_sampler raises; use_stateful_dataloader holds "
+                               "draws (tests/unit/test_data_order_matches_accelerate.py); dispatch_batches=True: "
+                               "rank 0 reads and sends each rank its slice, with Accelerate's batches "
+                               "(tests/multiprocess/test_dispatch_batches_matches_accelerate.py); data_seed without "
+                               "use_seedable_sampler raises; use_stateful_dataloader holds "
                                "either way (prepared loaders always save and restore their position)",
     "TorchDynamoPlugin": "same fields and defaults (None fields take the launched dynamo_config / --dynamo_* values, "
                          "as Accelerate's take its environment); prepare compiles after the DDP wrapper and returns "

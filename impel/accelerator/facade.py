@@ -35,8 +35,8 @@ from impel.accelerator.resolve import RunArguments, resolve
 from impel.accelerator.save_load import Checkpointer, resolve_project_configuration
 from impel.accelerator.settings import RunSettings
 from impel.checkpoint.options import load_options, save_options
-from impel.config import environment as env
 from impel.config.ddp_hooks import refuse_hook_without_ddp
+from impel.config.environment_settings import launched_settings
 from impel.config.parallelism import ParallelismConfig
 from impel.config.plugins import (
     DataLoaderConfiguration,
@@ -88,7 +88,7 @@ class Accelerator(ProcessUtilities, RunSettings):
                             fsdp_plugin=fsdp_plugin, deepspeed_plugin=deepspeed_plugin,
                             dynamo_backend=dynamo_backend, dynamo_plugin=dynamo_plugin,
                             kwargs_handlers=kwargs_handlers, parallelism_config=parallelism_config)
-        self.record = resolve(env.read_launch_config(), args, current_topology())
+        self.record = resolve(launched_settings(), args, current_topology())
         self.config: RunConfig = self.record.config  # read-only from here on
         self.handlers = self.record.handlers
         self.distributed_type = self.record.distributed_type
@@ -174,7 +174,9 @@ class Accelerator(ProcessUtilities, RunSettings):
 
     # --- prepare ----------------------------------------------------------------------------------------------
     def prepare(self, *args: Any, device_placement: Sequence[bool] | None = None) -> Any:
-        """Prepare models, optimizers, dataloaders and schedulers, in any order; returns them in the same order."""
+        """Prepare models, optimizers, dataloaders and schedulers, in any order; returns them in the same order
+        (``None`` comes back as ``None``, as in Accelerate: ``prepare(model, optimizer, None)`` for a missing
+        scheduler)."""
         if device_placement is not None and len(device_placement) != len(args):
             raise ConfigError(f"device_placement has {len(device_placement)} entries for {len(args)} objects")
         places = list(device_placement) if device_placement is not None else [self.device_placement] * len(args)
@@ -200,6 +202,8 @@ class Accelerator(ProcessUtilities, RunSettings):
 
     @staticmethod
     def _kind(obj: Any) -> str:
+        if obj is None:
+            return "none"
         if isinstance(obj, nn.Module):
             return "model"
         if isinstance(obj, torch.optim.Optimizer):

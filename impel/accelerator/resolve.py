@@ -16,6 +16,7 @@ Example::
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -47,7 +48,7 @@ def resolve(launched: Mapping[str, Any] | None, args: RunArguments, topology: To
     if distributed_type == DistributedType.DEEPSPEED:
         deepspeed, decided = settle_deepspeed(config, args.deepspeed_plugin)
         config = config.with_values(**decided)  # what the JSON decides (accumulation steps, precision)
-    accumulation = args.gradient_accumulation_plugin or GradientAccumulationPlugin(config.gradient_accumulation_steps)
+    accumulation = _accumulation(args.gradient_accumulation_plugin, config.gradient_accumulation_steps)
     dynamo = settle_dynamo(config, args.dynamo_plugin, device, distributed_type)
     fsdp_strategy = config.fsdp.resolved_sharding_strategy if distributed_type == DistributedType.FSDP else None
     parallelism = settle(config.parallelism_config, asked, topology.world_size, str(distributed_type), fsdp_strategy)
@@ -55,6 +56,13 @@ def resolve(launched: Mapping[str, Any] | None, args: RunArguments, topology: To
     plugins = plugins_in_effect(config, str(distributed_type), args.deepspeed_plugin)
     return RunRecord(config, handlers, topology, device, distributed_type, accumulation, dynamo, deepspeed,
                      args.deepspeed_plugin, args.fsdp_plugin, parallelism, plugins)
+
+
+def _accumulation(plugin: GradientAccumulationPlugin | None, steps: int) -> GradientAccumulationPlugin:
+    """The plugin given in code (its ``num_steps=None`` filled with the settled steps), else one of ``steps``."""
+    if plugin is None:
+        return GradientAccumulationPlugin(steps)
+    return dataclasses.replace(plugin, num_steps=steps) if plugin.num_steps is None else plugin
 
 
 def _code_arguments(args: RunArguments) -> dict[str, Any]:

@@ -9,6 +9,7 @@ from importlib import metadata
 from typing import Any
 
 from impel.config import environment as env
+from impel.config.environment_settings import describe
 from impel.config.run_config import ConfigError, RunConfig
 from impel.config.yaml_file import dump_yaml, read_config_file
 
@@ -59,4 +60,7 @@ def main(ns: argparse.Namespace) -> int:
         where, config = path, f"invalid: {exc}\n"
     print("\n".join(f"- {line}" for line in lines))
     print(f"- config file: {where}\n\n```yaml\n{config}```")
+    variables = describe()
+    print("- environment variables that set the run (ACCELERATE_* / IMPEL_*; over the config file, under code "
+          "arguments): " + ("none" if not variables else "\n" + "\n".join(f"  - {v}" for v in variables)))
     return 0

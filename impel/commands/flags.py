@@ -54,8 +54,9 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
                                    "--auto_model (distributed_type: AUTO)")
     groups["parallelism_config"].add_argument(
         "--use_parallelism_config", action="store_true", default=argparse.SUPPRESS,
-        help="accepted for Accelerate's command lines: the parallelism_config_* flags (or the YAML section) set the "
-             "mesh; without them every rank is data parallel, as Accelerate's default ParallelismConfig()")
+        help="Accelerator() builds a ParallelismConfig (ranks get ACCELERATE_USE_PARALLELISM_CONFIG=true, as from "
+             "accelerate launch): sizes from the parallelism_config_* flags or the YAML section, else every rank "
+             "data parallel, as Accelerate's default ParallelismConfig()")
     for section, key, flag, meta in config_fields():
         # a bool flag alone means true; `--flag false` is joined into `--flag=false` by bool_values_joined
         groups[section].add_argument(f"--{flag}", dest=f"{_DEST}{section or ''}__{key}", default=argparse.SUPPRESS,

@@ -19,6 +19,7 @@ from typing import Any
 from impel.accelerator.resilience import PREEMPTED_EXIT_CODE
 from impel.commands.flags import add_config_flags, explicit_from_flags, explicit_from_flags_list, merge_file_and_flags
 from impel.config import environment as env
+from impel.config.environment_settings import describe, environment_settings
 from impel.config.run_config import ConfigError, RunConfig
 from impel.config.yaml_file import read_config_file
 
@@ -64,6 +65,7 @@ class LaunchPlan:
     notes: list[str] = field(default_factory=list)
 
     agent_args: list[str] = field(default_factory=list)  # --tee, --log_dir, --no_python, --rdzv_conf for torchrun
+    rank_variables: dict[str, str] = field(default_factory=dict)  # Accelerate's variables the ranks also get
     quiet: bool = False
 
     @property
@@ -74,10 +76,16 @@ class LaunchPlan:
 
 
 def resolve_config(ns: argparse.Namespace) -> tuple[RunConfig, dict[str, Any], list[str]]:
-    """defaults < file < flags, validated; the explicit keys are what the ranks receive."""
+    """defaults < file < environment (``ACCELERATE_*`` variables) < flags, validated; the explicit keys are what
+    the ranks receive."""
     path, accelerates = env.config_to_read(ns.config_file)
     from_file = read_config_file(path) if (ns.config_file or os.path.isfile(path)) else {}
-    merged, notes = merge_file_and_flags(from_file, explicit_from_flags(ns))
+    from_environment = environment_settings()  # ACCELERATE_* / IMPEL_* variables: file < environment < flags
+    with_environment, notes = merge_file_and_flags(from_file, from_environment)
+    merged, flag_notes = merge_file_and_flags(with_environment, explicit_from_flags(ns))
+    notes += flag_notes
+    if from_environment:
+        notes.insert(0, "from the environment: " + "; ".join(describe()))
     if accelerates:
         notes.insert(0, f"no impel config file: read Accelerate's {path}")
     config = RunConfig.from_dict(merged)
@@ -147,9 +155,21 @@ def plan_launch(ns: argparse.Namespace) -> LaunchPlan:
         nproc = config.num_processes // config.num_machines
     _check_mesh(config, nproc * config.num_machines)
     plan = LaunchPlan(config, explicit, nproc, command, notes=notes, agent_args=_agent_arguments(ns),
-                      quiet=bool(getattr(ns, "quiet", False)))
+                      quiet=bool(getattr(ns, "quiet", False)), rank_variables=_rank_variables(config, ns))
     plan.torchrun_args = torchrun_arguments(plan)
     return plan
+
+
+def _rank_variables(config: RunConfig, ns: argparse.Namespace) -> dict[str, str]:
+    """What ``accelerate launch`` tells its ranks through Accelerate's own variables, for code that reads them:
+    ``--debug`` turns on debug mode (``ACCELERATE_DEBUG_MODE``: collectives check shapes across ranks first; set
+    either way, so a variable left in the shell cannot contradict the resolved config);
+    ``--use_parallelism_config`` makes ``Accelerator()`` build a ``ParallelismConfig()`` without sizes
+    (``ACCELERATE_USE_PARALLELISM_CONFIG``: every rank data parallel, ``accelerator.parallelism_config`` set)."""
+    out = {"ACCELERATE_DEBUG_MODE": "true" if config.debug else "false"}
+    if getattr(ns, "use_parallelism_config", False):
+        out["ACCELERATE_USE_PARALLELISM_CONFIG"] = "true"
+    return out
 
 
 def _check_mesh(config: RunConfig, world: int) -> None:
@@ -220,9 +240,10 @@ def torchrun_arguments(plan: LaunchPlan) -> list[str]:
     else:
         host = cfg.main_process_ip or "127.0.0.1"
         port = cfg.main_process_port or 29500
-        if cfg.rdzv_backend == "static":
-            args += ["--rdzv_backend", "static", "--master_addr", host, "--master_port", str(port),
-                     "--node_rank", str(cfg.machine_rank)]
+        if cfg.rdzv_backend == "static":  # same_network: torchrun's two spellings, as accelerate launch picks
+            where = ["--master_addr", host, "--master_port", str(port)] if cfg.same_network or cfg.num_machines == 1 \
+                else ["--rdzv_endpoint", f"{host}:{port}"]
+            args += ["--rdzv_backend", "static", *where, "--node_rank", str(cfg.machine_rank)]
         else:
             args += ["--rdzv_backend", "c10d", "--rdzv_endpoint", f"{host}:{port}", "--rdzv_id", "impel"]
     args += plan.agent_args
@@ -238,6 +259,7 @@ def main(ns: argparse.Namespace) -> int:
         print(f"impel launch: {note}", file=sys.stderr)
     variables = env.launch_environment(plan.explicit, plan.config.num_cpu_threads_per_process, plan.config.gpu_ids,
                                        plan.nproc_per_node)
+    variables.update(plan.rank_variables)
     if plan.single_process:
         return _run_single(plan, variables)
     if plan.quiet:

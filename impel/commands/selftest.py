@@ -94,9 +94,9 @@ CHECKS: dict[str, Callable[[Accelerator], str]] = {
 
 def _accelerator() -> Accelerator:
     """Under ZeRO-3 the check needs gathered weights: ask for them unless the launch already said."""
-    from impel.config import environment as env
+    from impel.config.environment_settings import launched_settings
 
-    launched = env.read_launch_config() or {}
+    launched = launched_settings() or {}
     ds = launched.get("deepspeed_config") or {}
     if launched.get("distributed_type") == "DEEPSPEED" and ds.get("zero_stage") == 3 \
             and ds.get("zero3_save_16bit_model") is None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Iterator, Mapping, MutableMapping
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,6 +115,12 @@ def config_to_read(named: str | None = None, environ: Mapping[str, str] | None =
         return own, False
     theirs = accelerate_config_path(env)
     return (theirs, True) if os.path.isfile(theirs) else (own, False)
+
+
+def read_variables(names: Iterable[str]) -> dict[str, str]:
+    """The variables among ``names`` that are set and not empty (blank counts as unset), in ``names``' order."""
+    found = {name: os.environ.get(name, "") for name in names}
+    return {name: value for name, value in found.items() if value.strip()}
 
 
 def parallelism_variables(names: list[str]) -> dict[str, str]:

@@ -112,7 +112,8 @@ class DataLoaderConfiguration:
     use_seedable_sampler: a shuffled loader's epoch ``e`` order comes from ``data_seed + e`` (``data_seed`` defaults
     to rank 0's ``torch.initial_seed()``); otherwise from the sampler's generator, agreed across ranks.
     non_blocking: host-to-device copies are asynchronous (pin_memory recommended).
-    dispatch_batches: None and False shard on every rank; True (rank 0 reads and broadcasts) raises.
+    dispatch_batches: None and False: every rank reads its own shard; True: rank 0 reads and every rank receives
+    its slice of each global batch, as Accelerate's dispatcher (``impel.runtime.dispatch``).
     use_stateful_dataloader: prepared loaders always save and restore their position (``state_dict`` /
     ``load_state_dict``, ``save_state``), which is what this flag asks of Accelerate; True and False both hold.
     """
@@ -131,10 +132,6 @@ class DataLoaderConfiguration:
             _check_bool("DataLoaderConfiguration", name, getattr(self, name))
         if self.dispatch_batches is not None:
             _check_bool("DataLoaderConfiguration", "dispatch_batches", self.dispatch_batches)
-        if self.dispatch_batches:
-            raise ConfigError("DataLoaderConfiguration(dispatch_batches=True) is not supported: impel shards data on "
-                              "every rank and has no rank-0 dispatcher; make the dataset yield the same stream on "
-                              "every rank and drop the argument (or pass False)")
         if self.data_seed is not None and (isinstance(self.data_seed, bool) or not isinstance(self.data_seed, int)):
             raise ConfigError(f"DataLoaderConfiguration(data_seed={self.data_seed!r}) must be an integer or None")
         if self.data_seed is not None and not self.use_seedable_sampler:
@@ -146,23 +143,31 @@ class DataLoaderConfiguration:
 class GradientAccumulationPlugin:
     """Gradient accumulation settings.
 
-    num_steps: micro-steps per optimizer step. adjust_scheduler: kept for Accelerate's signature; as in Accelerate
-    1.15 the prepared scheduler never steps mid-group either way (False warns; ``Accelerator(
-    step_scheduler_with_optimizer=False)`` steps it on every call). sync_with_dataloader: the end of a prepared
-    dataloader ends the group.
-    sync_each_batch: all-reduce gradients on every micro-step (less memory, more communication).
+    num_steps: micro-steps per optimizer step (None: the launched config's, as when no plugin is given).
+    adjust_scheduler: kept for Accelerate's signature; as in Accelerate 1.15 the prepared scheduler never steps mid-
+    group either way (False warns; ``Accelerator(step_scheduler_with_optimizer=False)`` steps it on every call).
+    sync_with_dataloader: the end of a prepared dataloader ends the group. sync_each_batch: all-reduce gradients on
+    every micro-step (less memory, more communication). short_group_divisor (impel's): what ``accelerator.backward``
+    divides the loss by in a group cut short by the end of the dataloader: ``"nominal"`` (default, Accelerate's
+    numbers) divides by ``num_steps`` as in every group; ``"actual"`` divides by the group's real length, so its
+    gradient is a mean like every other group's.
     """
 
-    num_steps: int = 1
+    num_steps: int | None = 1  # None: the launched config's gradient_accumulation_steps
     adjust_scheduler: bool = True
     sync_with_dataloader: bool = True
     sync_each_batch: bool = False
+    short_group_divisor: str = "nominal"
 
     def __post_init__(self) -> None:
-        if isinstance(self.num_steps, bool) or not isinstance(self.num_steps, int) or self.num_steps < 1:
+        if self.num_steps is not None and (isinstance(self.num_steps, bool) or not isinstance(self.num_steps, int)
+                                           or self.num_steps < 1):
             raise ConfigError(f"GradientAccumulationPlugin(num_steps={self.num_steps!r}) must be an integer >= 1")
         for name in ("adjust_scheduler", "sync_with_dataloader", "sync_each_batch"):
             _check_bool("GradientAccumulationPlugin", name, getattr(self, name))
+        if self.short_group_divisor not in ("nominal", "actual"):
+            raise ConfigError(f"GradientAccumulationPlugin(short_group_divisor={self.short_group_divisor!r}) must be "
+                              "'nominal' (divide by num_steps, as Accelerate) or 'actual' (by the group's length)")
         if not self.adjust_scheduler:
             warnings.warn("GradientAccumulationPlugin(adjust_scheduler=False) changes nothing (as in Accelerate 1.15): "
                           "the prepared scheduler still steps only after real optimizer steps; pass "

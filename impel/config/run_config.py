@@ -132,7 +132,7 @@ class FSDPConfig(Freezable):
 
     PREFIX = "fsdp_"
 
-    version: int = option(2, "int", "FSDP version; 1 is accepted and runs on FSDP2 with the same options",
+    version: int = option(2, "int", "FSDP version: impel runs FSDP2 (fully_shard) only; 1 raises",
                           choices=(1, 2), plugin="fsdp_version", deepspeed_note="no DeepSpeed counterpart")
     sharding_strategy: str | None = option(
         None, "str", "how parameters, gradients and optimizer states are sharded", choices=SHARDING_STRATEGIES,
@@ -179,6 +179,11 @@ class FSDPConfig(Freezable):
 
     def validate(self) -> FSDPConfig:
         _validate_fields(self)
+        if self.version == 1:
+            raise ConfigError("fsdp_version=1 selects FSDP1 (FullyShardedDataParallel), which impel does not run: "
+                              "impel runs FSDP2 (fully_shard) only. Set fsdp_version to 2 (fsdp_version: 2 in the "
+                              "config, --fsdp_version 2, FullyShardedDataParallelPlugin(fsdp_version=2)) or remove it; "
+                              "the other FSDP options carry over (docs/fsdp.md)")
         if not self.use_orig_params:
             raise ConfigError("fsdp_use_orig_params=false has no FSDP2 equivalent (FSDP2 always trains the original "
                               "parameters); set it to true or remove it")
@@ -296,12 +301,14 @@ class RunConfig(Freezable):
                                            question="Port on the machine of rank 0")
     rdzv_backend: str = option("static", "str", "rendezvous: static (fixed ranks) or c10d (elastic)",
                                choices=("static", "c10d"), question="Rendezvous backend")
-    same_network: bool = option(True, "bool", "all machines share a network (informational, as in Accelerate)")
+    same_network: bool = option(True, "bool", "several machines, static rendezvous: true passes torchrun "
+                                "--master_addr/--master_port, false --rdzv_endpoint (as accelerate launch)")
     gpu_ids: str | None = option(None, "str", "GPUs to use on each machine: 'all' or ids such as '0,1'")
     num_cpu_threads_per_process: int | None = option(None, "int", "OMP_NUM_THREADS for each rank", minimum=1)
     max_restarts: int = option(0, "int", "restarts of the whole job after a rank fails", minimum=0)
     monitor_interval: float = option(0.1, "float", "seconds between checks of the ranks' health", minimum=0.0)
-    debug: bool = option(False, "bool", "accepted for Accelerate files; impel always checks gather shapes")
+    debug: bool = option(False, "bool", "Accelerate's debug mode: ranks get ACCELERATE_DEBUG_MODE=true, so "
+                         "collectives check shapes across ranks first")
     auto_resume: bool = option(False, "bool", "load the newest complete checkpoint when training starts, and on "
                                "SIGTERM save one and exit 75 (needs a project_dir with automatic checkpoint naming)")
     async_save: bool = option(False, "bool", "save_state() returns once the state is staged in CPU memory; the "

@@ -3,8 +3,10 @@
 A micro-step begins when ``accumulate()`` is entered, or, for loops that do not use it, at the first training
 forward of a prepared model (or at ``backward()``) after the previous backward. It syncs (all-reduces and lets
 the optimizer step) when its group is full or when the prepared dataloader it reads from is on its last batch.
-Groups are normally ``num_steps`` long; the last group of an epoch is as long as the batches that remain, and the
-loss is divided by that group's real length, so a short final group still produces a mean gradient.
+Groups are normally ``num_steps`` long; the last group of an epoch is as long as the batches that remain. The loss
+is divided by ``num_steps`` in every group, the short last one included, as Accelerate does;
+``GradientAccumulationPlugin(short_group_divisor="actual")`` divides by the group's real length instead, so a short
+final group still produces a mean gradient.
 """
 from __future__ import annotations
 
@@ -47,7 +49,7 @@ class GradientState:
         if plugin is not None:
             type(self)._newest = weakref.ref(self)
         self._plugin = plugin or GradientAccumulationPlugin()
-        self._num_steps = self._plugin.num_steps
+        self._num_steps: int = self._plugin.num_steps or 1  # resolve() fills a plugin's None from the launch
         self._sync = True
         self._group_size = self._num_steps
         self._micro = 0  # micro-steps done in the current group
@@ -225,12 +227,13 @@ class GradientState:
 
     @property
     def loss_divisor(self) -> int:
-        return self._group_size
+        """``num_steps`` (Accelerate's), or the group's real length with ``short_group_divisor="actual"``."""
+        return self._group_size if self._plugin.short_group_divisor == "actual" else self._num_steps
 
     def scale_loss(self, loss: Any) -> Any:
-        """Divide by the group's real length and note that this micro-step's backward went through impel."""
+        """Divide by :attr:`loss_divisor` and note that this micro-step's backward went through impel."""
         self._saw_backward = True
-        return loss / self._group_size
+        return loss / self.loss_divisor
 
     @property
     def grad_sync_enabled(self) -> bool:

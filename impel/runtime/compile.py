@@ -34,6 +34,7 @@ from torch import nn
 
 from impel.config import environment as env
 from impel.config.dynamo import BACKENDS, DynamoBackend, DynamoConfig
+from impel.config.environment_settings import launched_settings
 from impel.config.plugins import KwargsHandler
 from impel.config.run_config import ConfigError, DistributedType
 from impel.runtime.model_forward import ForwardContext, patch_forward, unpatch_forward
@@ -106,7 +107,7 @@ class TorchDynamoPlugin(KwargsHandler):
         if self.options is not None and not isinstance(self.options, dict):
             raise ConfigError(f"TorchDynamoPlugin(options={self.options!r}) must be a dict of backend options")
         given = self.to_config_section()  # the fields set here, validated (they win over the launched config)
-        launched = (env.read_launch_config() or {}).get("dynamo_config") or {}
+        launched = (launched_settings() or {}).get("dynamo_config") or {}
         section = _section({**launched, **given})
         self.__dict__["_given"] = given
         self.backend = DynamoBackend(section.backend)

@@ -22,6 +22,8 @@ from impel.config.plugins import DataLoaderConfiguration
 from impel.config.run_config import ConfigError
 from impel.runtime import collectives
 from impel.runtime.collectives import send_to_device
+from impel.runtime.dispatch import dispatching_loader
+from impel.runtime.loader_attributes import loader_attributes
 from impel.runtime.seeding import synchronize_rng_states
 
 
@@ -117,7 +119,7 @@ class ShardSampler(_ShardLayout, Sampler[list[int]]):
                  even_batches: bool) -> None:
         _ShardLayout.__init__(self, world, rank, drop_last, even_batches)
         self.sampler = sampler
-        self.per_rank_batch = per_rank_batch
+        self.per_rank_batch = self.batch_size = per_rank_batch  # batch_size: Accelerate's BatchSamplerShard's name
 
     def __len__(self) -> int:
         return self._chunks(len(self.sampler), self.per_rank_batch)  # type: ignore[arg-type]
@@ -196,8 +198,12 @@ class IterableShard(_ShardLayout, IterableDataset):
 _END = object()
 
 
-class DataLoaderShard:
+class DataLoaderShard(DataLoader[Any]):
     """A prepared DataLoader: this rank's batches, on the device, with epoch and position tracking.
+
+    A ``torch.utils.data.DataLoader`` (``isinstance`` holds) with its attributes (``batch_sampler``, ``drop_last``,
+    ``num_workers``, ...: :mod:`impel.runtime.loader_attributes`); it iterates ``base_dataloader``, the loader over this
+    rank's shard.
 
     Iterating it sets ``end_of_dataloader`` while the last batch is being used (one batch of look-ahead), which
     gradient accumulation and ``gather_for_metrics`` read. A complete pass advances the epoch by itself, so
@@ -221,6 +227,8 @@ class DataLoaderShard:
         self.hooks: Any = None  # impel.accelerator.resilience.Resilience: auto-resume and preemption checks
         self.end_of_dataloader = False
         self._skip_next = 0
+        self.__dict__.update(loader_attributes(loader, original, getattr(shard, "sampler", None),
+                                               getattr(shard, "per_rank_batch", None)))
 
     epoch = property(lambda self: self._progress["epoch"],
                      lambda self, value: self._progress.__setitem__("epoch", value),
@@ -232,19 +240,6 @@ class DataLoaderShard:
                            lambda self, value: self._progress.__setitem__("pass_start", value))
     _resume_rng = property(lambda self: self._progress["resume_rng"],  # set by load_state_dict, used by the next pass
                            lambda self, value: self._progress.__setitem__("resume_rng", value))
-
-    # --- DataLoader look-alike ------------------------------------------------------------------------------
-    @property
-    def dataset(self) -> Any:
-        return self.original.dataset
-
-    @property
-    def batch_size(self) -> int | None:
-        return self.base_dataloader.batch_size or getattr(self.shard, "per_rank_batch", None)
-
-    @property
-    def sampler(self) -> Any:
-        return getattr(self.shard, "sampler", None)
 
     def __len__(self) -> int:
         return len(self.base_dataloader)  # batches of this rank's shard; a TypeError for unsized iterables
@@ -328,7 +323,7 @@ class DataLoaderShard:
             if live is not None:
                 torch.set_rng_state(live)
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # a generator, not torch's _BaseDataLoaderIter
         hooks = self.hooks
         if hooks is not None:
             hooks.on_iter_start(self)  # auto-resume: may restore epoch and position before the epoch starts
@@ -452,11 +447,15 @@ def shard_dataloader(loader: DataLoader, *, world: int, rank: int, device: torch
                              "multiprocessing_context": loader.multiprocessing_context}
     if loader.num_workers > 0:
         extra["prefetch_factor"] = loader.prefetch_factor
+    if config.dispatch_batches:  # rank 0 reads, every rank receives its slice (impel.runtime.dispatch)
+        shard: Any = dispatching_loader(loader, extra, world=world, rank=rank, split_batches=config.split_batches,
+                                        device=device, seedable=config.use_seedable_sampler)
+        return DataLoaderShard(shard, shard, device, config.non_blocking, gradient_state, per_rank, loader, rng_types)
     if isinstance(loader.dataset, IterableDataset):
         if loader.num_workers > 0:
             raise ConfigError(f"DataLoader(num_workers={loader.num_workers}) over an IterableDataset: impel shards "
                               "iterable datasets in the main process; use num_workers=0 or a map-style dataset")
-        shard: Any = IterableShard(loader.dataset, per_rank, world, rank, loader.drop_last, config.even_batches)
+        shard = IterableShard(loader.dataset, per_rank, world, rank, loader.drop_last, config.even_batches)
         new = DataLoader(shard, batch_size=per_rank, drop_last=loader.drop_last, **extra)
     elif loader.batch_size is None:  # the user's own batch_sampler
         if config.split_batches:

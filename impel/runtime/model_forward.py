@@ -2,12 +2,13 @@
 precision, as Accelerate and Lightning Fabric do) floating outputs cast to fp32, so that a loss computed outside
 the model is computed in fp32. ``Accelerator(cast_outputs_to_fp32=False)`` skips the cast.
 
-impel replaces ``forward`` on the instance (the class is untouched) with a bound method, so ``copy.deepcopy`` of
-a prepared model rebinds to the copy, and ``unwrap_model(..., keep_fp32_wrapper=False)`` restores the original.
+impel replaces ``forward`` on the instance (the class is untouched) with a :class:`PreparedForward` bound to the
+model, so ``copy.deepcopy`` of a prepared model rebinds to the copy, the model pickles (a plain bound method of a
+module-level function would not), ``inspect.signature(model.forward)`` is the original's (``__wrapped__``, as
+Accelerate's fp32 wrapper), and ``unwrap_model(..., keep_fp32_wrapper=False)`` restores the original.
 """
 from __future__ import annotations
 
-import types
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
@@ -53,17 +54,29 @@ class ForwardContext:
         return self
 
 
-def _prepared_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    ctx: ForwardContext = self.__dict__["_impel_ctx"]
-    original: Callable[..., Any] = self.__dict__["_impel_original_forward"]  # where patch_forward put both
-    if ctx.track:
-        ctx.before_forward(self)
-    if ctx.autocast is None:
-        outputs = original(*args, **kwargs)
-    else:
-        with ctx.autocast():
+class PreparedForward:
+    """A prepared model's ``forward``: bound to the model like a method, picklable and deep-copyable with it."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.__self__ = model
+
+    @property
+    def __wrapped__(self) -> Callable[..., Any]:
+        """The forward underneath (``inspect.signature`` follows it)."""
+        return self.__self__.__dict__["_impel_original_forward"]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        model = self.__self__
+        ctx: ForwardContext = model.__dict__["_impel_ctx"]
+        original: Callable[..., Any] = model.__dict__["_impel_original_forward"]  # where patch_forward put both
+        if ctx.track:
+            ctx.before_forward(model)
+        if ctx.autocast is None:
             outputs = original(*args, **kwargs)
-    return outputs_to_fp32(outputs) if ctx.cast_outputs else outputs
+        else:
+            with ctx.autocast():
+                outputs = original(*args, **kwargs)
+        return outputs_to_fp32(outputs) if ctx.cast_outputs else outputs
 
 
 def patch_forward(model: nn.Module, ctx: ForwardContext) -> None:
@@ -74,7 +87,7 @@ def patch_forward(model: nn.Module, ctx: ForwardContext) -> None:
         model.__dict__["_impel_user_forward"] = model.__dict__["forward"]
     model.__dict__["_impel_original_forward"] = model.forward
     model.__dict__["_impel_ctx"] = ctx
-    model.__dict__["forward"] = types.MethodType(_prepared_forward, model)
+    model.__dict__["forward"] = PreparedForward(model)
 
 
 def unpatch_forward(model: nn.Module) -> nn.Module:

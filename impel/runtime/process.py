@@ -201,6 +201,18 @@ class ProcessState:
             dist.destroy_process_group()
         self.owns_group = False
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled: the process facts, without the (weak) links to live Accelerators."""
+        return {k: v for k, v in self.__dict__.items() if k != "accelerator_refs"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Unpickled (or deep-copied) in a process whose state exists: that state, shared as always; else the
+        pickled facts, detached."""
+        if ProcessState._shared.get("initialized"):
+            self.__dict__ = ProcessState._shared
+        else:
+            self.__dict__.update(state)
+
     @classmethod
     def _reset(cls) -> None:
         """Forget the state (tests only); destroys the process group if this state created one."""
@@ -252,16 +264,21 @@ class AcceleratorState(PartialState):
     """``PartialState`` plus the settings the live Accelerator resolved; ``accelerator.state`` is one."""
 
     def attach(self, accelerator: Any) -> None:
-        """Called by the Accelerator: later ``AcceleratorState()`` calls read its settings."""
-        self.__dict__["accelerator_ref"] = weakref.ref(accelerator)
+        """Called by the Accelerator: later ``AcceleratorState()`` calls read its settings.
+
+        Every live Accelerator is remembered (weakly; the newest answers), so a short-lived one that a helper builds
+        and drops leaves the settings of the ones still alive readable, as Accelerate's shared state does.
+        """
+        refs = [r for r in self.__dict__.get("accelerator_refs", []) if r() is not None]
+        self.__dict__["accelerator_refs"] = [*refs, weakref.ref(accelerator)]
 
     def _accelerator(self, what: str) -> Any:
-        ref = self.__dict__.get("accelerator_ref")
-        accelerator = ref() if ref is not None else None
-        if accelerator is None:
-            raise RuntimeError(f"AcceleratorState().{what} is settled by the Accelerator; create Accelerator(...) "
-                               "before reading it")
-        return accelerator
+        for ref in reversed(self.__dict__.get("accelerator_refs", [])):
+            accelerator = ref()
+            if accelerator is not None:
+                return accelerator
+        raise RuntimeError(f"AcceleratorState().{what} is settled by the Accelerator; create Accelerator(...) "
+                           "before reading it (and keep it alive while the state is read)")
 
     @property
     def distributed_type(self) -> DistributedType:

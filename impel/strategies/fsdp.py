@@ -88,8 +88,6 @@ class FSDPStrategy(Strategy):
             logger.warning("fsdp_backward_prefetch='BACKWARD_POST' has no FSDP2 equivalent; FSDP2 prefetches the "
                            "previous unit before each unit's gradient computation (BACKWARD_PRE). Set BACKWARD_PRE "
                            "(or NO_PREFETCH) to silence this")
-        if self.fsdp.version == 1:
-            logger.info("fsdp_version=1: impel runs FSDP2 (fully_shard) with the same options")
         self.mp_policy, self.offload_policy = self._policies()
 
     def _policies(self) -> tuple[Any, Any]:

@@ -94,6 +94,14 @@ class ParamReplacements:
     def __init__(self) -> None:
         self._new: Any = WeakIdKeyDictionary()
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled or copied empty: the mapping is between this process's parameter objects, which a copy does not
+        share (and a weak dictionary does not pickle)."""
+        return {}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._new = WeakIdKeyDictionary()
+
     @staticmethod
     def owners(model: nn.Module) -> list[tuple[nn.Parameter, nn.Module, str]]:
         return [(p, m, name) for m in model.modules() for name, p in m._parameters.items() if p is not None]

@@ -282,13 +282,16 @@ def check_distributed_arguments(args: DistributedArguments) -> None:
 
 def accelerator_kwargs(args: DistributedArguments) -> dict[str, Any]:
     """Keyword arguments for :class:`impel.Accelerator`; knobs left at their defaults are passed as None."""
-    from impel.config.plugins import DataLoaderConfiguration, ProjectConfiguration
+    from impel.config.plugins import DataLoaderConfiguration, GradientAccumulationPlugin, ProjectConfiguration
 
     # no total_limit: the Trainer rotates by itself, keeping the best checkpoint as transformers does
     project = ProjectConfiguration(project_dir=args.output_dir, logging_dir=args.logging_dir,
                                    automatic_checkpoint_naming=True, save_on_each_node=args.save_on_each_node)
     kwargs: dict[str, Any] = {"mixed_precision": args.mixed_precision,
-                              "gradient_accumulation_steps": args.gradient_accumulation_steps,
+                              # transformers' Trainer divides a short last group by its real length
+                              # (num_steps None: the launched config's steps)
+                              "gradient_accumulation_plugin": GradientAccumulationPlugin(
+                                  num_steps=args.gradient_accumulation_steps, short_group_divisor="actual"),
                               "cpu": args.use_cpu or None, "project_config": project,
                               # the Trainer sizes its schedule in optimizer steps, as transformers' Trainer does
                               "step_scheduler_per_process": False,

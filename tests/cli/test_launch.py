@@ -224,3 +224,35 @@ def test_gloo_worker_threads_end_before_the_interpreter_after_a_prepared_model(t
     rows = res.reports()
     assert [r["gloo_threads_while_training"] for r in rows if "gloo_threads_while_training" in r] == [2, 2]
     assert [r["gloo_threads"] for r in rows if "gloo_threads" in r] == [0, 0]
+
+
+def test_debug_and_use_parallelism_config_take_effect_on_the_ranks(tmp_path):
+    """--debug: the ranks run in Accelerate's debug mode (ACCELERATE_DEBUG_MODE=true, as accelerate launch sets it);
+    --use_parallelism_config alone: Accelerator() builds a ParallelismConfig() (every rank data parallel)."""
+    res = impel(["launch", "--cpu", "--num_processes", "2", "--debug", "--use_parallelism_config", REPORT,
+                 "accelerator"], tmp_path)
+    assert res.returncode == 0, res.output
+    reports = res.reports()
+    seen = [(r["debug_variable"], r["parallelism"], r["config"]["debug"]) for r in reports]
+    assert seen == [("true", True, True)] * 2
+    res = impel(["launch", "--cpu", "--num_processes", "2", REPORT, "accelerator"], tmp_path)
+    assert [(r["debug_variable"], r["parallelism"]) for r in res.reports()] == [("false", False)] * 2
+
+
+def test_plain_torchrun_with_accelerates_variables_configures_the_run(tmp_path):
+    """No impel launch: torchrun starts the ranks and ACCELERATE_* variables set the run, as under Accelerate."""
+    import subprocess
+    import sys
+
+    from cli_helpers import Result, clean_env
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+           "--rdzv-endpoint", "127.0.0.1:0", REPORT, "accelerator"]
+    env = clean_env(tmp_path, ACCELERATE_MIXED_PRECISION="bf16", ACCELERATE_GRADIENT_ACCUMULATION_STEPS="4",
+                    ACCELERATE_USE_CPU="true")
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, text=True, capture_output=True, timeout=180)
+    res = Result(proc.returncode, proc.stdout, proc.stderr)
+    assert res.returncode == 0, res.output
+    seen = [(r["rank"], r["launched"], r["config"]["mixed_precision"], r["config"]["gradient_accumulation_steps"],
+             r["config"]["use_cpu"]) for r in res.reports()]
+    assert seen == [(0, None, "bf16", 4, True), (1, None, "bf16", 4, True)]

@@ -39,8 +39,8 @@ def test_plugin_accepts_torch_fsdp_objects():
     plugin = FullyShardedDataParallelPlugin(sharding_strategy=ShardingStrategy.HYBRID_SHARD,
                                             backward_prefetch=BackwardPrefetch.BACKWARD_POST,
                                             state_dict_type=StateDictType.FULL_STATE_DICT,
-                                            cpu_offload=CPUOffload(offload_params=True), fsdp_version=1)
-    assert plugin.to_config_section() == {"fsdp_version": 1, "fsdp_sharding_strategy": "HYBRID_SHARD",
+                                            cpu_offload=CPUOffload(offload_params=True), fsdp_version=2)
+    assert plugin.to_config_section() == {"fsdp_version": 2, "fsdp_sharding_strategy": "HYBRID_SHARD",
                                           "fsdp_backward_prefetch": "BACKWARD_POST",
                                           "fsdp_state_dict_type": "FULL_STATE_DICT", "fsdp_offload_params": True}
     assert FullyShardedDataParallelPlugin(cpu_offload=CPUOffloadPolicy()).to_config_section() == {
@@ -200,6 +200,26 @@ def test_precision_report_on_one_process(capsys):
     assert report.strategy == "NO" and report.mixed_precision == "bf16"
     printed = capsys.readouterr().out
     assert "compute (forward/backward)  bfloat16" in printed and "gradient reduction          -" in printed
+
+
+def test_fsdp_version_1_raises_naming_the_switch(tmp_path):
+    """impel runs FSDP2 only: FSDP1 asked for by the plugin, a config file or the launch flag raises."""
+    from impel.config.run_config import RunConfig
+
+    with pytest.raises(ConfigError, match=r"fsdp_version=1 selects FSDP1.*Set fsdp_version to 2"):
+        FullyShardedDataParallelPlugin(fsdp_version=1)
+    with pytest.raises(ConfigError, match="impel runs FSDP2"):
+        RunConfig.from_dict({"distributed_type": "FSDP", "fsdp_config": {"fsdp_version": 1}})
+    from impel.commands.flags import bool_values_joined
+    from impel.commands.launch import plan_launch
+    from impel.commands.main import build_parser
+
+    (tmp_path / "train.py").write_text("")
+    (tmp_path / "c.yaml").write_text("{}\n")
+    argv = ["launch", "--config_file", str(tmp_path / "c.yaml"), "--use_fsdp", "--fsdp_version", "1",
+            str(tmp_path / "train.py")]
+    with pytest.raises(ConfigError, match="fsdp_version=1 selects FSDP1"):
+        plan_launch(build_parser().parse_args(bool_values_joined(argv)))
 
 
 def test_the_fsdp_plugin_in_effect_is_built_when_the_run_is_resolved_not_on_read(monkeypatch):

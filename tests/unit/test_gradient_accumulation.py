@@ -86,10 +86,13 @@ def test_remaining_batches_after_skipping():
 
 # --- groups and divisors (GradientState alone) --------------------------------------------------------------------
 
+@pytest.mark.parametrize("divisor", ["nominal", "actual"])
 @pytest.mark.parametrize("batches,steps,groups", [(10, 4, [4, 4, 2]), (8, 4, [4, 4]), (3, 4, [3]), (7, 3, [3, 3, 1]),
                                                  (5, 1, [1, 1, 1, 1, 1])])
-def test_accumulation_groups_follow_the_dataloader(batches, steps, groups):
-    dl, gs = prepared(batches, 1, GradientAccumulationPlugin(num_steps=steps))
+def test_accumulation_groups_follow_the_dataloader(batches, steps, groups, divisor):
+    """Groups end with the dataloader; the loss divisor is num_steps (Accelerate's), or with
+    short_group_divisor="actual" the group's real length."""
+    dl, gs = prepared(batches, 1, GradientAccumulationPlugin(num_steps=steps, short_group_divisor=divisor))
     syncs, divisors = [], []
     for _ in range(2):  # two epochs: the bookkeeping restarts cleanly
         for _ in dl:
@@ -97,7 +100,7 @@ def test_accumulation_groups_follow_the_dataloader(batches, steps, groups):
             syncs.append(gs.sync_gradients)
             divisors.append(gs.loss_divisor)
     expected_syncs = sum(([False] * (g - 1) + [True] for g in groups), [])
-    expected_divisors = sum(([g] * g for g in groups), [])
+    expected_divisors = sum(([g if divisor == "actual" else steps] * g for g in groups), [])
     assert syncs == expected_syncs * 2
     assert divisors == expected_divisors * 2
 
@@ -158,8 +161,9 @@ def reference_groups(model: nn.Module, dataset, batch_size: int, groups: list[in
 
 
 def accelerated_run(loop: str, epochs: int = 1, n: int = 40, batch_size: int = 4, steps: int = 4,
-                    dataset=None):
-    acc = Accelerator(cpu=True, gradient_accumulation_steps=steps)
+                    dataset=None, divisor: str = "actual"):
+    plugin = GradientAccumulationPlugin(num_steps=steps, short_group_divisor=divisor)
+    acc = Accelerator(cpu=True, gradient_accumulation_plugin=plugin)
     model = make_mlp()
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     real_steps = []
@@ -193,9 +197,19 @@ def test_accelerator_accumulates_groups_of_4_4_2(loop):
     assert sched.get_last_lr() == [pytest.approx(LR * 0.5 ** 3)]
     reference = reference_groups(make_mlp(), make_regression(40), 4, [4, 4, 2])
     assert max_abs_diff(params, reference) < 1e-6
-    # and it is not simply equal to the wrong answer (groups of 4 with the last one divided by 4)
+    # and it is not simply equal to a wrong answer (groups of 4 with the last one divided by 4)
     wrong = reference_groups(make_mlp(), make_regression(40), 4, [4, 4, 4])
     assert max_abs_diff(params, wrong) > 1e-4
+
+
+@pytest.mark.parametrize("loop", ["accumulate", "automatic"])
+def test_by_default_the_short_group_divides_by_the_nominal_steps_as_accelerate(loop):
+    """Accelerate's numbers (compared with Accelerate itself in test_short_group_matches_accelerate.py)."""
+    params, real_steps, _, _, divisors, _ = accelerated_run(loop, divisor="nominal")
+    assert real_steps == 3 and divisors == [4] * 10
+    reference = reference_groups(make_mlp(), make_regression(40), 4, [4, 4, 2], divisor=4)
+    assert max_abs_diff(params, reference) < 1e-6
+    assert Accelerator().gradient_state.plugin.short_group_divisor == "nominal"
 
 
 @pytest.mark.parametrize("loop", ["accumulate", "automatic"])
@@ -301,6 +315,16 @@ def test_direct_loss_backward_still_ends_micro_steps_and_warns(caplog):
             opt.zero_grad()
     assert syncs == [False, True, False, True]
     assert sum("accelerator.backward(loss)" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_plugin_without_num_steps_takes_the_launched_steps(monkeypatch):
+    """The Trainer's plugin (short_group_divisor="actual") leaves the steps to the launch or the environment."""
+    monkeypatch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "3")
+    acc = Accelerator(gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=None,
+                                                                              short_group_divisor="actual"))
+    assert acc.gradient_accumulation_steps == 3 and acc.gradient_state.plugin.short_group_divisor == "actual"
+    with pytest.raises(ConfigError, match=r"short_group_divisor='mean'\) must be 'nominal'"):
+        GradientAccumulationPlugin(short_group_divisor="mean")
 
 
 def test_the_gradient_state_changes_only_through_its_methods():

@@ -115,7 +115,7 @@ def test_preparing_twice_keeps_accumulation_correct():
     assert acc.sync_gradients
 
 
-@pytest.mark.parametrize("bad,name", [("a string", "str"), ({"a": 1}, "dict"), (3, "int"), (None, "NoneType"),
+@pytest.mark.parametrize("bad,name", [("a string", "str"), ({"a": 1}, "dict"), (3, "int"),
                                       ([make_mlp()], "list")])
 def test_prepare_rejects_unsupported_objects(bad, name):
     acc = Accelerator(cpu=True)
@@ -218,3 +218,13 @@ def test_single_process_defaults():
 def test_split_batches_argument_sets_the_dataloader_config():
     acc = Accelerator(cpu=True, split_batches=True)
     assert acc.split_batches and acc.even_batches
+
+
+def test_prepare_returns_none_for_none_as_accelerate():
+    from impel import Accelerator
+
+    acc = Accelerator(cpu=True)
+    model = torch.nn.Linear(2, 1)
+    assert acc.prepare(None) is None
+    prepared_model, nothing = acc.prepare(model, None)
+    assert nothing is None and prepared_model is model

@@ -18,7 +18,9 @@ from impel.trainer.distributed import (
 def test_defaults_leave_launch_knobs_unset(tmp_path):
     args = TrainingArguments(output_dir=tmp_path)
     kwargs = accelerator_kwargs(args)
-    assert (kwargs["mixed_precision"], kwargs["gradient_accumulation_steps"], kwargs["cpu"]) == (None, None, None)
+    plugin = kwargs["gradient_accumulation_plugin"]  # steps from the launch; a short group's exact mean, as HF's
+    assert (kwargs["mixed_precision"], plugin.num_steps, plugin.short_group_divisor, kwargs["cpu"]) == (
+        None, None, "actual", None)
     assert "fsdp_plugin" not in kwargs and "deepspeed_plugin" not in kwargs
     project = kwargs["project_config"]
     assert project.project_dir == str(tmp_path) and project.automatic_checkpoint_naming
@@ -28,7 +30,8 @@ def test_defaults_leave_launch_knobs_unset(tmp_path):
 def test_set_knobs_are_passed_through():
     kwargs = accelerator_kwargs(TrainingArguments(bf16=True, gradient_accumulation_steps=4, use_cpu=True,
                                                   save_total_limit=2))
-    assert (kwargs["mixed_precision"], kwargs["gradient_accumulation_steps"], kwargs["cpu"]) == ("bf16", 4, True)
+    assert (kwargs["mixed_precision"], kwargs["gradient_accumulation_plugin"].num_steps, kwargs["cpu"]) == (
+        "bf16", 4, True)
     assert kwargs["project_config"].total_limit is None  # the Trainer rotates, keeping the best (test_trainer_best)
 
 

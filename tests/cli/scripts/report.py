@@ -11,13 +11,14 @@ args = sys.argv[1:]
 if "--touch" in args:  # proves a script started (bad-input tests assert it never does)
     open(args[args.index("--touch") + 1], "w").close()
 mode = args[0] if args else "accelerator"
-out = {"launched": env.read_launch_config(), "omp": os.environ.get("OMP_NUM_THREADS")}
+out = {"launched": env.read_launch_config(), "omp": os.environ.get("OMP_NUM_THREADS"),
+       "debug_variable": os.environ.get("ACCELERATE_DEBUG_MODE")}
 if mode == "accelerator":
     from impel import Accelerator
 
     acc = Accelerator()
     out.update(rank=acc.process_index, world=acc.num_processes, distributed_type=str(acc.distributed_type),
-               config=acc.config.to_dict())
+               config=acc.config.to_dict(), parallelism=acc.parallelism_config is not None)
     if acc.parallelism_config is not None:  # N-D parallelism: the mesh this rank built
         mesh = acc.torch_device_mesh
         out.update(mesh=list(mesh.mesh_dim_names) if mesh is not None else None, tp_rank=acc.tensor_parallel_rank)

@@ -1,0 +1,56 @@
+"""DataLoaderConfiguration(dispatch_batches=True): rank 0 reads, every rank receives its slice, with Accelerate
+1.15's batches, remainders and global RNG draws (compared with Accelerate itself on 2 CPU ranks)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from helpers import IndexDataset
+from impel.testing import run_on_ranks
+
+pytestmark = pytest.mark.multiprocess
+pytest.importorskip("accelerate")
+ACCELERATE_ENV = {"ACCELERATE_USE_CPU": "1"}  # else Accelerate on a CPU box under torchrun trains unsynchronised
+
+
+class Stream(IterableDataset):
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self):
+        return iter({"x": torch.tensor([i]), "y": torch.tensor(float(i))} for i in range(self.n))
+
+
+def _passes(framework: str, case: str) -> dict:
+    if framework == "accelerate":
+        from accelerate import Accelerator, DataLoaderConfiguration
+    else:
+        from impel import Accelerator, DataLoaderConfiguration
+    split = case.startswith("split")
+    acc = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(dispatch_batches=True, split_batches=split))
+    torch.manual_seed(11)
+    if case == "stream":
+        loader = DataLoader(Stream(11), batch_size=3)
+    else:
+        loader = DataLoader(IndexDataset(23), batch_size=4 if split else 3, shuffle=True,
+                            drop_last=case == "drop_last")
+    loader = acc.prepare(loader)
+    out: dict = {"len": len(loader) if case != "stream" else None, "epochs": []}
+    for _ in range(2):
+        seen, remainders = [], []
+        for batch in loader:
+            seen.append(batch["x"].flatten().tolist() if case == "stream" else batch.flatten().tolist())
+            remainders.append(acc.gradient_state.remainder if acc.gradient_state.end_of_dataloader else None)
+        gathered = acc.gather_for_metrics(torch.tensor(seen[-1])).tolist()
+        out["epochs"].append({"batches": seen, "remainder": remainders[-1], "gathered": gathered,
+                              "rng": torch.rand(1).item()})
+    return out
+
+
+@pytest.mark.parametrize("case", ["shuffled", "drop_last", "split", "stream"])
+def test_dispatched_batches_match_accelerate(case):
+    theirs = run_on_ranks(_passes, 2, args=("accelerate", case), env=ACCELERATE_ENV, timeout=240)
+    ours = run_on_ranks(_passes, 2, args=("impel", case), timeout=240)
+    assert ours == theirs
+    assert theirs[0]["epochs"][0]["batches"] != theirs[1]["epochs"][0]["batches"]  # each rank its own slice
