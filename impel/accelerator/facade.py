@@ -107,12 +107,11 @@ class Accelerator(ProcessUtilities, RunSettings):
         init = self.handlers.init
         self.state = AcceleratorState(cpu=self.record.cpu_only, backend=init.backend if init else None,
                                       timeout=init.timeout if init else None,
-                                      init_method=init.init_method if init else None)
+                                      init_method=init.init_method if init else None, accelerator=self)
         self.gradient_state = GradientState(self.record.accumulation)
         self.strategy: Strategy = load_strategy(self.record, self.state, self.gradient_state)
         self._compiler = Compiler(self.record.dynamo_plugin, self.distributed_type)
         self._compiler.configure_backends(self.config.mixed_precision, self.device)
-        self.state.attach(self)
         self.prepared = Prepared()  # handed to the checkpointer, the resilience logic and the Trainer
         run = TrainingRun(self.prepared, self.strategy, self.gradient_state, self.state, self.distributed_type,
                           self.config.mixed_precision)

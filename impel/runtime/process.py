@@ -263,14 +263,16 @@ class PartialState(ProcessState, ProcessControl):
 class AcceleratorState(PartialState):
     """``PartialState`` plus the settings the live Accelerator resolved; ``accelerator.state`` is one."""
 
-    def attach(self, accelerator: Any) -> None:
-        """Called by the Accelerator: later ``AcceleratorState()`` calls read its settings.
-
-        Every live Accelerator is remembered (weakly; the newest answers), so a short-lived one that a helper builds
-        and drops leaves the settings of the ones still alive readable, as Accelerate's shared state does.
-        """
-        refs = [r for r in self.__dict__.get("accelerator_refs", []) if r() is not None]
-        self.__dict__["accelerator_refs"] = [*refs, weakref.ref(accelerator)]
+    def __init__(self, cpu: bool = False, backend: str | None = None, timeout: timedelta | None = None,
+                 init_method: str | None = None, *, accelerator: Any = None) -> None:
+        """``accelerator``: the Accelerator building this state (it passes itself); later ``AcceleratorState()``
+        calls read its settings. Every live Accelerator is remembered (weakly; the newest answers), so a short-lived
+        one that a helper builds and drops leaves the settings of the ones still alive readable, as Accelerate's
+        shared state does."""
+        super().__init__(cpu, backend, timeout, init_method)
+        if accelerator is not None:
+            refs = [r for r in self.__dict__.get("accelerator_refs", []) if r() is not None]
+            self.__dict__["accelerator_refs"] = [*refs, weakref.ref(accelerator)]
 
     def _accelerator(self, what: str) -> Any:
         for ref in reversed(self.__dict__.get("accelerator_refs", [])):
