@@ -126,7 +126,15 @@ class ProcessState:
             kwargs["store"] = self._attempt_store(topo)
         dist.init_process_group(**kwargs)
         self._own_group()
+        self._joined_barrier()
         logger.debug("rank %d/%d joined a %s process group", topo.rank, topo.world_size, self.backend)
+
+    def _joined_barrier(self) -> None:
+        """Wait until every rank has joined the group. ``init_process_group`` can return on one rank while a peer
+        is still finishing gloo's connection handshake; a rank that then finishes its work and exits at once
+        closes its sockets under that peer, whose init fails with "connectFullMesh failed ... Connection closed
+        by peer" (seen under load). torch dropped its own barrier after init (``TORCH_DIST_INIT_BARRIER``)."""
+        dist.barrier()  # nccl: on the device given to init_process_group as device_id
 
     def _attempt_store(self, topo: Any) -> Any:
         """The rendezvous store under torchrun, with a prefix per restart attempt.
