@@ -344,7 +344,9 @@ class Accelerator(ProcessUtilities, RunSettings):
                    safe_serialization: bool = True) -> None:
         """Full weights in Hugging Face's layout (``model.safetensors`` or shards + index), from any strategy."""
         from .checkpoint.hf import save_pretrained_weights
+        from .checkpoint.ownership import refuse_inside_checkpoint
 
+        refuse_inside_checkpoint(save_directory, "save_model save_directory")  # on every rank: none waits in vain
         state = self.get_state_dict(model)
         if self.is_main_process or (self.project_configuration.save_on_each_node and self.is_local_main_process):
             save_pretrained_weights(state, save_directory, safe_serialization, max_shard_size)

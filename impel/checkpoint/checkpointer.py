@@ -35,7 +35,7 @@ from torch.utils.hooks import RemovableHandle
 from ..config import ConfigError
 from ..memory import trim_host_heap
 from ..plugins import ProjectConfiguration
-from . import accelerate_format, collective, layout, staging
+from . import accelerate_format, collective, layout, ownership, staging
 from .digests import sealing, share_digests
 from .files import crc32_off, read_torch, write_torch
 from .full import suffix
@@ -229,6 +229,7 @@ class Checkpointer:
                 f"accelerator.project_configuration.iteration = {layout.next_free_iteration(final.parent)} or "
                 "call load_state() first, which sets it")
         layout.check_target(final)
+        ownership.check_save_target(final)
         return str(layout.temp_dir_for(final))
 
     def _write(self, temp: Path, leader: bool, safe_serialization: bool, options: SaveOptions) -> dict[str, Any]:
@@ -298,7 +299,7 @@ class Checkpointer:
         }
 
     def _commit(self, temp: Path, final: Path, metadata: dict[str, Any], known: dict[str, Any]) -> None:
-        layout.commit(temp, final, metadata, known)
+        layout.commit(temp, final, metadata, known, keep=ownership.carry_user_files)
         if self.config.automatic_checkpoint_naming:
             layout.rotate(final.parent, self.config.total_limit)
 
