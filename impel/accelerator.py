@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from . import env
+from . import env, rank_health
 from .accumulation import GradientState, MicroStep
 from .checkpoint.checkpointer import Checkpointer, resolve_project_configuration
 from .checkpoint.options import load_options, save_options
@@ -278,7 +278,8 @@ class Accelerator(ProcessUtilities, RunSettings):
             loss = gs.scale_loss(loss)
         if self._resilience is not None:
             self._resilience.observe(loss)
-        self.strategy.backward(loss, **kwargs)
+        with rank_health.blocking("backward"):  # the gradient all-reduce waits for the other ranks in here
+            self.strategy.backward(loss, **kwargs)
         gs.end_auto()
 
     def accumulate(self, *models: nn.Module) -> MicroStep:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import env
+from . import env, rank_health
 from .accumulation import GradientState as GradientState  # re-exported: impel.state.GradientState, as Accelerate's
 from .config import ConfigError, DistributedType
 from .process_control import ProcessControl
@@ -127,6 +127,8 @@ class ProcessState:
         dist.init_process_group(**kwargs)
         self._own_group()
         self._joined_barrier()
+        rank_health.start_watchdog(kwargs.get("store") or _default_store(), topo.rank, topo.world_size,
+                                   self.timeout.total_seconds())
         logger.debug("rank %d/%d joined a %s process group", topo.rank, topo.world_size, self.backend)
 
     def _joined_barrier(self) -> None:
@@ -179,7 +181,8 @@ class ProcessState:
 
     def wait_for_everyone(self) -> None:
         if self.use_distributed:
-            dist.barrier()
+            with rank_health.blocking("wait_for_everyone"):
+                dist.barrier()
 
     def ensure_process_group(self) -> None:
         """A process group of one (nccl on CUDA, gloo otherwise, over an in-memory store) for a single process that
@@ -204,6 +207,7 @@ class ProcessState:
         that gloo's worker threads are joined before the interpreter finalises (see :mod:`impel.teardown`).
         """
         if self.__dict__.get("owns_group") and dist.is_initialized():
+            rank_health.stop_watchdog()
             dist.destroy_process_group()
         self.owns_group = False
 
@@ -215,11 +219,21 @@ class ProcessState:
         cls._shared.clear()
 
 
+def _default_store() -> Any:
+    """The store of the default group (torch keeps it; None where this torch does not say)."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - only the stall watchdog needs it
+        return None
+
+
 def _destroy_at_exit() -> None:
     """atexit: destroy impel's process group on a normal exit, then let its C++ object (and gloo's worker threads)
     go while the interpreter is alive (:mod:`impel.teardown` says why). After an unhandled exception
     (``sys.last_value`` is set) the group is left alone: a peer may be dead and a teardown could then block."""
     if getattr(sys, "last_value", None) is None and ProcessState._shared.get("initialized"):
+        if ProcessState._shared["topology"].distributed:
+            rank_health.note_normal_exit(ProcessState._shared["topology"].rank)
         ProcessState().destroy_process_group()
         release_process_groups()
 
