@@ -42,4 +42,15 @@ BAD_FLAGS = {
                              ["dp_replicate_size=2 with dp_shard_size=1 and tp_size=2", "set dp_shard_size=2"]),
     "missing_config_file": (["--config_file", "nowhere.yaml"], ["config file 'nowhere.yaml' does not exist",
                                                                  "impel config"]),
+    # issue 27: checked before any rank starts (torch printed a traceback after 16 s, or retried for ever)
+    "port_out_of_range": (["--cpu", "--num_processes", "2", "--main_process_port", "99999"],
+                          ["--main_process_port=99999 must be an integer from 1 to 65535"]),
+    "unknown_main_host": (["--cpu", "--num_processes", "2", "--num_machines", "2", "--main_process_ip",
+                           "no-such-host.invalid"],
+                          ["--main_process_ip no-such-host.invalid", "resolve", "pass the IP address"]),
+    "unknown_main_host_other_machine": (["--cpu", "--num_processes", "2", "--num_machines", "2", "--machine_rank",
+                                         "1", "--main_process_ip", "no-such-host.invalid"],
+                                        ["--main_process_ip no-such-host.invalid", "resolve"]),
+    "bad_stall_warning": (["--cpu", "--num_processes", "2", "--stall_warning", "soon"],
+                          ["--stall_warning='soon' must be a number of seconds >= 0"]),
 }

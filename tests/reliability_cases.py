@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+import process_cases
 from bad_inputs import BAD_FILES, BAD_FLAGS
 
 Row = tuple[str, str, str]
@@ -120,7 +121,7 @@ def collect(work: Path) -> list[Row]:
     cwd = os.getcwd()
     os.chdir(work)
     try:
-        return _config_rows(work) + _checkpoint_rows(work)
+        return _config_rows(work) + _checkpoint_rows(work) + process_cases.rows(work, _cli, _raises, _prepared)
     finally:
         os.chdir(cwd)
         if old is None:
