@@ -40,13 +40,14 @@ def blocking(what: str) -> Iterator[None]:
     """Mark a call that waits for the other ranks (cheap: a counter and a tuple)."""
     global _calls, _current, _last
     with _lock:
+        outer = _current  # a collective inside another (gather_for_metrics -> gather): the outer one resumes
         _calls += 1
         _current = _last = (what, _calls, time.monotonic())
     try:
         yield
     finally:
         with _lock:
-            _current = None
+            _current = outer
 
 
 def _snapshot() -> dict[str, Any]:

@@ -206,8 +206,8 @@ class ProcessState:
         the interpreter's teardown; at exit it also releases the references torch objects keep to the group, so
         that gloo's worker threads are joined before the interpreter finalises (see :mod:`impel.teardown`).
         """
+        rank_health.stop_watchdog()
         if self.__dict__.get("owns_group") and dist.is_initialized():
-            rank_health.stop_watchdog()
             dist.destroy_process_group()
         self.owns_group = False
 
@@ -230,10 +230,13 @@ def _default_store() -> Any:
 def _destroy_at_exit() -> None:
     """atexit: destroy impel's process group on a normal exit, then let its C++ object (and gloo's worker threads)
     go while the interpreter is alive (:mod:`impel.teardown` says why). After an unhandled exception
-    (``sys.last_value`` is set) the group is left alone: a peer may be dead and a teardown could then block."""
+    (``sys.last_value`` is set) the group is left alone: a peer may be dead and a teardown could then block.
+    The stall watchdog stops in every case: its thread must not be inside a store call when the interpreter
+    finalises (the same abort as gloo's workers)."""
+    rank_health.stop_watchdog()
     if getattr(sys, "last_value", None) is None and ProcessState._shared.get("initialized"):
-        if ProcessState._shared["topology"].distributed:
-            rank_health.note_normal_exit(ProcessState._shared["topology"].rank)
+        if ProcessState._shared.get("owns_group") and dist.is_initialized() and dist.get_world_size() > 1:
+            rank_health.note_normal_exit(dist.get_rank())  # still in the group: its peers may be waiting for it
         ProcessState().destroy_process_group()
         release_process_groups()
 

@@ -53,4 +53,6 @@ BAD_FLAGS = {
                                         ["--main_process_ip no-such-host.invalid", "resolve"]),
     "bad_stall_warning": (["--cpu", "--num_processes", "2", "--stall_warning", "soon"],
                           ["--stall_warning='soon' must be a number of seconds >= 0"]),
+    "stall_warning_on_one_process": (["--cpu", "--stall_warning", "5"],
+                                     ["--stall_warning has no effect on one process"]),
 }

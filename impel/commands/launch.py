@@ -158,6 +158,9 @@ def plan_launch(ns: argparse.Namespace) -> LaunchPlan:
     plan = LaunchPlan(config, explicit, nproc, command, notes=notes, agent_args=_agent_arguments(ns),
                       quiet=bool(getattr(ns, "quiet", False)), rank_env=rank_env)
     plan.torchrun_args = torchrun_arguments(plan)
+    if rank_env and plan.config.num_machines * nproc == 1:
+        raise ConfigError("--stall_warning has no effect on one process (no rank waits for another); remove it, or "
+                          "launch several processes (--num_processes)")
     return plan
 
 

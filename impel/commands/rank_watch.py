@@ -121,10 +121,11 @@ class RankWatch:
         return found
 
     def first_exit(self) -> tuple[int, str] | None:
-        """(rank, how) of the rank that left first: the first to begin a normal exit (its script ended or called
-        ``sys.exit``) or to end otherwise; None when none has."""
+        """(rank, how) of the rank that left first: the first to begin a normal exit while in impel's process
+        group (its script ended or called ``sys.exit``: it noted it) or to fail; None when none has. A bare exit
+        with code 0 (a script without impel, or one that has left the group) is no cause for the others."""
         with self._lock:
-            events = [(t, rank, describe_exit(code)) for t, rank, code in self.exits]
+            events = [(t, rank, describe_exit(code)) for t, rank, code in self.exits if code != 0]
         events += [(t, rank, "its script ending (it returned or called sys.exit())") for t, rank in self.notes]
         return min(events)[1:] if events else None
 
