@@ -14,7 +14,7 @@ import os
 import shutil
 from pathlib import Path
 
-from .layout import MARKER_FILE, METADATA_FILE, CheckpointError, is_complete, read_metadata
+from impel.checkpoint.layout import MARKER_FILE, METADATA_FILE, CheckpointError, is_complete, read_metadata
 
 
 def owned_files(directory: Path) -> set[str]:

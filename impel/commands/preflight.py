@@ -12,7 +12,7 @@ import errno
 import socket
 import threading
 
-from ..config import ConfigError, RunConfig
+from impel.config.run_config import ConfigError, RunConfig
 
 RESOLVE_TIMEOUT_S = 1.0
 

@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from impel import env, rank_health
+from impel.config import environment as env
+from impel.runtime import rank_health
 
 
 class DictStore:
