@@ -138,7 +138,10 @@ def render(rows: list[Row], work: Path) -> str:
     lines = ["# What impel does with bad input", "",
              "Generated from `tests/reliability_cases.py` (the unit test `tests/unit/test_reliability_doc.py` fails "
              "when this file is out of date; `IMPEL_UPDATE_DOCS=1 make test` rewrites it). Every case fails before "
-             "any process starts or any file is written; the CLI's errors exit with code 2 and no traceback.", "",
+             "any process starts or any file is written (or, where the row says so, keeps the user's files); the "
+             "CLI's errors exit with code 2 and no traceback. The rows of area *ranks* start real ranks: "
+             "`tests/process_cases.py` lists them with the line their test requires, the limit the test gives the "
+             "launch, and the test checks that no rank is left running.", "",
              "Crashes are covered by tests rather than rows: a rank killed with SIGKILL "
              "(`tests/cli/test_dead_rank.py`, "
              "`tests/cli/test_fault_tolerance.py`), SIGTERM (preemption, exit code 75), a save killed halfway "
