@@ -43,8 +43,8 @@ def test_config_validate_refuses_a_port_out_of_range(tmp_path):
 
 
 def test_an_unknown_host_fails_within_the_resolve_limit(tmp_path):
-    from impel.commands.preflight import resolve
     from impel import ConfigError
+    from impel.commands.preflight import resolve
 
     try:
         resolve("no-such-host.invalid")
