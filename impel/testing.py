@@ -24,10 +24,13 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 GRACE_AFTER_FAILURE_S = 20.0  # the other ranks' time to fail or finish after one rank failed
+JOIN_TIMEOUT_S = 600.0  # a finished rank waits this long at most for its peers to finish (the job's timeout is less)
+_DONE_KEY = "impel-testing/finished"
 _STACK_SIGNAL = getattr(signal, "SIGUSR1", None)  # POSIX: ask a hung rank for its Python stack
 
 
@@ -67,12 +70,34 @@ def _child(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any], 
     with open(path.with_suffix(".tmp"), "wb") as f:
         pickle.dump(payload, f)
     os.replace(path.with_suffix(".tmp"), path)
+    _join_peers(environ, finished=bool(payload["ok"]))
     try:
         import torch.distributed as dist
 
         if dist.is_initialized():
             dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - teardown only
+        pass
+
+
+def _join_peers(environ: dict[str, str], finished: bool) -> None:
+    """Leave only when every rank has finished ``fn``: a rank that exits while a peer is still inside a collective
+    or a handshake closes its sockets under that peer, which then fails with a misleading "Connection closed by
+    peer". Over the job's store, not the process group (the function may have made or destroyed its own). A rank
+    that raised only checks in and leaves, so that peers blocked on it fail now rather than at the timeout."""
+    world_size = int(environ["WORLD_SIZE"])
+    if world_size == 1:
+        return
+    import torch.distributed as dist
+
+    try:
+        store = dist.TCPStore(environ["MASTER_ADDR"], int(environ["MASTER_PORT"]), None, False,
+                              timeout=timedelta(seconds=GRACE_AFTER_FAILURE_S))
+        store.add(_DONE_KEY, 1)
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        while finished and store.add(_DONE_KEY, 0) < world_size and time.monotonic() < deadline:
+            time.sleep(0.02)
+    except Exception:  # noqa: BLE001 - the parent reports a missing rank; this wait is only a courtesy to peers
         pass
 
 

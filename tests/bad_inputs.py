@@ -46,6 +46,19 @@ BAD_FLAGS = {
                                                             "pass the YAML file itself"]),
     "missing_config_file": (["--config_file", "nowhere.yaml"], ["config file 'nowhere.yaml' does not exist",
                                                                  "impel config"]),
+    # issue 27: checked before any rank starts (torch printed a traceback after 16 s, or retried for ever)
+    "port_out_of_range": (["--cpu", "--num_processes", "2", "--main_process_port", "99999"],
+                          ["--main_process_port=99999 must be an integer from 1 to 65535"]),
+    "unknown_main_host": (["--cpu", "--num_processes", "2", "--num_machines", "2", "--main_process_ip",
+                           "no-such-host.invalid"],
+                          ["--main_process_ip no-such-host.invalid", "resolve", "pass the IP address"]),
+    "unknown_main_host_other_machine": (["--cpu", "--num_processes", "2", "--num_machines", "2", "--machine_rank",
+                                         "1", "--main_process_ip", "no-such-host.invalid"],
+                                        ["--main_process_ip no-such-host.invalid", "resolve"]),
+    "bad_stall_warning": (["--cpu", "--num_processes", "2", "--stall_warning", "soon"],
+                          ["--stall_warning='soon' must be a number of seconds >= 0"]),
+    "stall_warning_on_one_process": (["--cpu", "--stall_warning", "5"],
+                                     ["--stall_warning has no effect on one process"]),
 }
 
 # `impel config validate` / `impel config convert --to fsdp` of DS_YAML, whose DeepSpeed JSON (ds.json) is missing

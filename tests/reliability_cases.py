@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+import process_cases
 from bad_inputs import BAD_FILES, BAD_FLAGS
 from reliability_round2 import round2_rows
 
@@ -121,7 +122,8 @@ def collect(work: Path) -> list[Row]:
     cwd = os.getcwd()
     os.chdir(work)
     try:
-        return _config_rows(work) + _checkpoint_rows(work) + round2_rows(work)
+        return (_config_rows(work) + _checkpoint_rows(work) + round2_rows(work)
+                + process_cases.rows(work, _cli, _raises, _prepared))
     finally:
         os.chdir(cwd)
         if old is None:
@@ -138,9 +140,12 @@ def render(rows: list[Row], work: Path) -> str:
     lines = ["# What impel does with bad input", "",
              "Generated from `tests/reliability_cases.py` (the unit test `tests/unit/test_reliability_doc.py` fails "
              "when this file is out of date; `IMPEL_UPDATE_DOCS=1 make test` rewrites it). Every case fails before "
-             "any process starts; the CLI's errors exit with code 2 and no traceback. A failed `save_state` leaves "
-             "the previous checkpoint loadable and no temporary directory (the rows check it). Rows that are not "
-             "errors show what happens instead.", "",
+             "any process starts or any file is written (or, where the row says so, keeps the user's files); the "
+             "CLI's errors exit with code 2 and no traceback. A failed `save_state` leaves the previous checkpoint "
+             "loadable and no temporary directory (the rows check it). The rows of area *ranks* start real ranks: "
+             "`tests/process_cases.py` lists them with the line their test requires, the limit the test gives the "
+             "launch, and the test checks that no rank is left running. Rows that are not errors show what happens "
+             "instead.", "",
              "Crashes are covered by tests rather than rows: a rank killed with SIGKILL "
              "(`tests/cli/test_dead_rank.py`, "
              "`tests/cli/test_fault_tolerance.py`), SIGTERM (preemption, exit code 75), a save killed halfway "

@@ -46,6 +46,7 @@ from impel.config.plugins import (
     ProjectConfiguration,
 )
 from impel.config.run_config import ConfigError, DistributedType, RunConfig
+from impel.runtime import rank_health
 from impel.runtime.accumulation import GradientState, MicroStep
 from impel.runtime.compile import Compiler, TorchDynamoPlugin, uncompiled, unwrap
 from impel.runtime.data import DataLoaderShard, shard_dataloader, skip_first_batches
@@ -276,7 +277,8 @@ class Accelerator(ProcessUtilities, RunSettings):
             loss = gs.scale_loss(loss)
         if self._resilience is not None:
             self._resilience.observe(loss)
-        self.strategy.backward(loss, **kwargs)
+        with rank_health.blocking("backward"):  # the gradient all-reduce waits for the other ranks in here
+            self.strategy.backward(loss, **kwargs)
         gs.end_auto()
 
     def accumulate(self, *models: nn.Module) -> MicroStep:
@@ -335,7 +337,9 @@ class Accelerator(ProcessUtilities, RunSettings):
                    safe_serialization: bool = True) -> None:
         """Full weights in Hugging Face's layout (``model.safetensors`` or shards + index), from any strategy."""
         from impel.checkpoint.hf import save_pretrained_weights
+        from impel.checkpoint.ownership import refuse_inside_checkpoint
 
+        refuse_inside_checkpoint(save_directory, "save_model save_directory")  # on every rank: none waits in vain
         state = self.get_state_dict(model)
         if self.is_main_process or (self.project_configuration.save_on_each_node and self.is_local_main_process):
             save_pretrained_weights(state, save_directory, safe_serialization, max_shard_size)

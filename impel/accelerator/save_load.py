@@ -33,7 +33,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from impel.accelerator import load_accelerate as accelerate_format
-from impel.checkpoint import collective, layout, staging, storage
+from impel.checkpoint import collective, layout, ownership, staging, storage
 from impel.checkpoint.digests import sealing, share_digests
 from impel.checkpoint.files import crc32_off, read_torch, write_torch
 from impel.checkpoint.full import suffix
@@ -247,6 +247,7 @@ class Checkpointer:
                 f"accelerator.project_configuration.iteration = {layout.next_free_iteration(final.parent)} or "
                 "call load_state() first, which sets it")
         layout.check_target(final)
+        ownership.check_save_target(final)
         storage.check_room(final, self._needed_bytes())  # before anything is written
         return str(temp)
 
@@ -323,7 +324,7 @@ class Checkpointer:
         }
 
     def _commit(self, temp: Path, final: Path, metadata: dict[str, Any], known: dict[str, Any]) -> None:
-        layout.commit(temp, final, metadata, known)
+        layout.commit(temp, final, metadata, known, keep=ownership.carry_user_files)
         if self.config.automatic_checkpoint_naming:
             layout.rotate(final.parent, self.config.total_limit)
 

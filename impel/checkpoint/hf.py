@@ -17,6 +17,7 @@ import torch
 
 from impel.checkpoint.files import dedupe_aliases, write_safetensors, write_torch
 from impel.checkpoint.layout import fsync_dir
+from impel.checkpoint.ownership import refuse_inside_checkpoint
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -64,6 +65,7 @@ def save_pretrained_weights(state: Mapping[str, torch.Tensor], directory: str | 
     """Write ``state`` into ``directory`` in Hugging Face's layout; returns the files written."""
     limit = parse_size(max_shard_size)
     out = Path(directory)
+    refuse_inside_checkpoint(out, "the output directory")
     if out.is_file():
         raise NotADirectoryError(f"save_directory {out} is a file; pass a directory path")
     out.mkdir(parents=True, exist_ok=True)

@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -204,10 +205,13 @@ def build_manifest(directory: Path, known: dict[str, dict[str, Any]] | None = No
     return {rel: entries[rel] for rel in sorted(entries)}
 
 
-def commit(temp: Path, final: Path, metadata: dict[str, Any], known: dict[str, dict[str, Any]] | None = None) -> None:
+def commit(temp: Path, final: Path, metadata: dict[str, Any], known: dict[str, dict[str, Any]] | None = None,
+           keep: Callable[[Path, Path], object] | None = None) -> None:
     """Seal ``temp`` (manifest, metadata, marker, fsync) and rename it to ``final``, replacing an old checkpoint.
 
     ``known``: digests already computed (:func:`build_manifest`); their files are already fsynced too.
+    ``keep(final, temp)``: called when ``final`` is a complete checkpoint, after ``temp`` is sealed and before the
+    swap, to bring what must survive the replacement into ``temp`` (the user's files, :mod:`.ownership`).
     """
     known = known or {}
     for path in temp.rglob("*"):
@@ -217,6 +221,8 @@ def commit(temp: Path, final: Path, metadata: dict[str, Any], known: dict[str, d
     text = json.dumps(body, indent=1, sort_keys=True)
     _write_text(temp / METADATA_FILE, text)
     _write_text(temp / MARKER_FILE, hashlib.sha256(text.encode()).hexdigest() + "\n")
+    if keep is not None and is_complete(final):
+        keep(final, temp)
     fsync_dir(temp)
     old = None
     if final.exists():

@@ -17,6 +17,7 @@ import torch
 from impel.checkpoint.full import read_weights
 from impel.checkpoint.hf import save_pretrained_weights
 from impel.checkpoint.layout import CheckpointError, verify
+from impel.checkpoint.ownership import refuse_inside_checkpoint
 
 MERGERS: dict[str, str] = {
     "full": "impel.checkpoint.merge:full_weights",
@@ -62,6 +63,7 @@ def merge_weights(checkpoint_dir: str | os.PathLike[str], out_dir: str | os.Path
         merge_weights("runs/a/checkpoints/checkpoint_3", "export/")   # export/model.safetensors
     """
     directory = Path(checkpoint_dir)
+    refuse_inside_checkpoint(out_dir, "merge-weights output directory")
     metadata = verify(directory)
     strategy = metadata.get("strategy", {})
     count = len(strategy.get("models", []))
@@ -83,6 +85,7 @@ def merge_fsdp_weights(checkpoint_dir: str | os.PathLike[str], output_path: str 
     from impel.runtime.process import ProcessState, current_topology
 
     source = Path(checkpoint_dir)
+    refuse_inside_checkpoint(output_path, "merge_fsdp_weights output_path")  # checked on every rank, as below
     impel_layout = (source / "impel_checkpoint.json").is_file()
     if not impel_layout and not (source / ".metadata").is_file():  # checked on every rank: none waits in vain
         raise CheckpointError(f"{source} is neither an impel checkpoint (impel_checkpoint.json) nor a DCP directory "

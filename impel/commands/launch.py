@@ -18,6 +18,8 @@ from typing import Any
 
 from impel.accelerator.resilience import PREEMPTED_EXIT_CODE
 from impel.commands.flags import add_config_flags, explicit_from_flags, explicit_from_flags_list, merge_file_and_flags
+from impel.commands.preflight import check_rendezvous
+from impel.commands.rank_watch import RankWatch, describe_exit, die_with_this_process
 from impel.config import environment as env
 from impel.config.environment_settings import describe, environment_settings
 from impel.config.run_config import ConfigError, RunConfig
@@ -51,6 +53,9 @@ def add_launcher_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--log_dir", default=None, metavar="DIR", help="where the agent writes the ranks' logs")
     g.add_argument("--no_python", action="store_true", help="run the script as an executable, not with python")
     g.add_argument("--rdzv_conf", default=None, metavar="K=V,...", help="extra rendezvous settings (c10d)")
+    g.add_argument("--stall_warning", default=None, metavar="SECONDS", help="a rank that has waited this long for "
+                   "the others in a collective prints which rank it waits for (default 60, 0: off; also "
+                   "$IMPEL_STALL_WARNING)")
 
 
 @dataclass
@@ -67,6 +72,7 @@ class LaunchPlan:
     agent_args: list[str] = field(default_factory=list)  # --tee, --log_dir, --no_python, --rdzv_conf for torchrun
     rank_variables: dict[str, str] = field(default_factory=dict)  # Accelerate's variables the ranks also get
     quiet: bool = False
+    rank_env: dict[str, str] = field(default_factory=dict)  # launcher flags the ranks read (--stall_warning)
 
     @property
     def single_process(self) -> bool:
@@ -143,6 +149,9 @@ def _script_command(ns: argparse.Namespace) -> list[str]:
 def plan_launch(ns: argparse.Namespace) -> LaunchPlan:
     """Resolve and check everything; raises ConfigError before any process exists."""
     config, explicit, notes = resolve_config(ns)
+    rank_env = _rank_environment(ns)
+    if config.num_machines > 1 or (config.num_processes or 1) > 1:
+        check_rendezvous(config)  # an unknown host or a taken port: one line now, not a hang or a traceback later
     command = _script_command(ns)
     if config.distributed_type == "AUTO":
         config, explicit = _choose_strategy(config, explicit, notes)
@@ -155,8 +164,12 @@ def plan_launch(ns: argparse.Namespace) -> LaunchPlan:
         nproc = config.num_processes // config.num_machines
     _check_mesh(config, nproc * config.num_machines)
     plan = LaunchPlan(config, explicit, nproc, command, notes=notes, agent_args=_agent_arguments(ns),
-                      quiet=bool(getattr(ns, "quiet", False)), rank_variables=_rank_variables(config, ns))
+                      quiet=bool(getattr(ns, "quiet", False)), rank_variables=_rank_variables(config, ns),
+                      rank_env=rank_env)
     plan.torchrun_args = torchrun_arguments(plan)
+    if rank_env and plan.config.num_machines * nproc == 1:
+        raise ConfigError("--stall_warning has no effect on one process (no rank waits for another); remove it, or "
+                          "launch several processes (--num_processes)")
     return plan
 
 
@@ -179,6 +192,19 @@ def _check_mesh(config: RunConfig, world: int) -> None:
     section = config.parallelism_config
     if section is not None and total_size(section.sizes()) > 1:
         check_world_size(section.sizes(), world, "num_processes")
+
+
+def _rank_environment(ns: argparse.Namespace) -> dict[str, str]:
+    raw = getattr(ns, "stall_warning", None)
+    if raw is None:
+        return {}
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds < float("inf"):
+        raise ConfigError(f"--stall_warning={raw!r} must be a number of seconds >= 0 (0 turns the stall warning off)")
+    return {env.STALL_WARNING_VAR: str(seconds)}
 
 
 def _agent_arguments(ns: argparse.Namespace) -> list[str]:
@@ -260,6 +286,7 @@ def main(ns: argparse.Namespace) -> int:
     variables = env.launch_environment(plan.explicit, plan.config.num_cpu_threads_per_process, plan.config.gpu_ids,
                                        plan.nproc_per_node)
     variables.update(plan.rank_variables)
+    variables.update(plan.rank_env)
     if plan.single_process:
         return _run_single(plan, variables)
     if plan.quiet:
@@ -274,7 +301,7 @@ def _run_single(plan: LaunchPlan, variables: dict[str, str]) -> int:
 
     SIGTERM is passed on to the script and the launcher waits, so a preempted run can save its checkpoint.
     """
-    proc = subprocess.Popen([sys.executable, *plan.command], env=variables)
+    proc = subprocess.Popen([sys.executable, *plan.command], env=variables, preexec_fn=die_with_this_process())
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: proc.send_signal(signal.SIGTERM))
     try:
         while True:
@@ -289,13 +316,19 @@ def _run_single(plan: LaunchPlan, variables: dict[str, str]) -> int:
     return code if code >= 0 else 128 - code
 
 
-def _explain(code: int, rank: int | None) -> None:
+def _explain(code: int, rank: int | None, first: tuple[int, str] | None = None) -> None:
+    """The launcher's last line. ``first``: (rank, how) of the rank that left first; when it is another rank than
+    the failed one, it left early (e.g. ``sys.exit(0)``) and its peers failed in their next collective."""
     if code == PREEMPTED_EXIT_CODE:
         print(f"impel launch: preempted: the ranks saved a checkpoint and stopped (exit code {PREEMPTED_EXIT_CODE}); "
               "run the same command again to continue", file=sys.stderr)
+    elif rank is not None and first is not None and first[0] != rank:
+        print(f"impel launch: rank {first[0]} left first, by {first[1]}, while the other ranks were still running "
+              f"(every rank must reach the same collectives); rank {rank} then failed with {describe_exit(code)} "
+              "(its output is above); the job stopped", file=sys.stderr)
     elif rank is not None:
-        why = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-        print(f"impel launch: rank {rank} failed with {why} (its output is above); the job stopped", file=sys.stderr)
+        print(f"impel launch: rank {rank} failed with {describe_exit(code)} (its output is above); the job stopped",
+              file=sys.stderr)
 
 
 def run_torchrun(arguments: list[str], variables: dict[str, str]) -> int:
@@ -303,13 +336,15 @@ def run_torchrun(arguments: list[str], variables: dict[str, str]) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    env.apply_environment(variables)
+    watch = RankWatch()
+    env.apply_environment({**variables, env.RANK_EXIT_DIR_VAR: watch.exit_dir})
     try:
-        torchrun.run(torchrun.parse_args(arguments))
+        with watch.installed():
+            torchrun.run(torchrun.parse_args(arguments))
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
         code = failure.exitcode
-        _explain(code, rank)
+        _explain(code, rank, watch.first_exit())
         return 128 - code if code < 0 else code
     except SignalException as exc:
         print(f"impel launch: stopped by {exc.sigval.name}; the ranks were told to stop (with auto_resume they save a "

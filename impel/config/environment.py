@@ -239,3 +239,28 @@ def read_flag(name: str, default: bool = False) -> bool:
         return False
     raise ValueError(f"environment variable {name}={raw!r} is not a yes/no value; use 1/true or 0/false")
 
+
+
+STALL_WARNING_VAR = "IMPEL_STALL_WARNING"  # seconds a rank may wait for its peers before the watchdog says so
+DEFAULT_STALL_WARNING_S = 60.0
+RANK_EXIT_DIR_VAR = "IMPEL_RANK_EXIT_DIR"  # where ``impel launch``'s ranks note a normal exit (who left first)
+
+
+def stall_warning_seconds() -> float:
+    """``$IMPEL_STALL_WARNING`` (``impel launch --stall_warning``): seconds; 0 turns the watchdog off."""
+    raw = os.environ.get(STALL_WARNING_VAR, "").strip()
+    if not raw:
+        return DEFAULT_STALL_WARNING_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value >= 0 or value == float("inf"):
+        raise ValueError(f"environment variable {STALL_WARNING_VAR}={raw!r} is not a number of seconds >= 0; set "
+                         f"e.g. {STALL_WARNING_VAR}=60, or 0 to turn the stall watchdog off")
+    return value
+
+
+def rank_exit_dir() -> str | None:
+    """The folder ``impel launch`` gave its ranks to note a normal exit in, or None outside it."""
+    return os.environ.get(RANK_EXIT_DIR_VAR) or None

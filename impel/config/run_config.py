@@ -297,7 +297,7 @@ class RunConfig(Freezable):
     main_process_ip: str | None = option(None, "str", "address of the machine of rank 0",
                                          question="IP address of the machine of rank 0")
     main_process_port: int | None = option(None, "int", "port on the machine of rank 0 (default: a free one on "
-                                           "one machine, 29500 on several)", minimum=1,
+                                           "one machine, 29500 on several)", minimum=1, maximum=65535,
                                            question="Port on the machine of rank 0")
     rdzv_backend: str = option("static", "str", "rendezvous: static (fixed ranks) or c10d (elastic)",
                                choices=("static", "c10d"), question="Rendezvous backend")

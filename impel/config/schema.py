@@ -25,7 +25,8 @@ class Section(Protocol):
 
 
 def option(default: Any, kind: str, help: str, *, choices: tuple | None = None, minimum: float | None = None,
-           question: str | None = None, flag: str | None = None, aliases: Mapping[Any, Any] | None = None,
+           maximum: float | None = None, question: str | None = None, flag: str | None = None,
+           aliases: Mapping[Any, Any] | None = None,
            plugin: str | bool | None = None, also: tuple[str, ...] = (), listed: bool = False,
            suggest: Any = MISSING, ask_if: tuple[str, Any] | None = None, deepspeed_note: str | None = None) -> Any:
     """A config field with its schema; every other spelling of the option is derived from it.
@@ -40,8 +41,8 @@ def option(default: Any, kind: str, help: str, *, choices: tuple | None = None, 
     field's), ``ask_if=(field, answer)`` (asked only after that answer). ``deepspeed_note``: why ``impel config
     convert --to deepspeed`` has no counterpart for this FSDP key.
     """
-    meta = {"kind": kind, "help": help, "choices": choices, "min": minimum, "question": question, "flag": flag,
-            "aliases": dict(aliases or {}), "plugin": plugin, "also": tuple(also), "listed": listed,
+    meta = {"kind": kind, "help": help, "choices": choices, "min": minimum, "max": maximum, "question": question,
+            "flag": flag, "aliases": dict(aliases or {}), "plugin": plugin, "also": tuple(also), "listed": listed,
             "suggest": default if suggest is MISSING else suggest, "ask_if": ask_if, "deepspeed_note": deepspeed_note}
     return field(default=default, metadata=meta)
 
@@ -127,7 +128,8 @@ def coerce(name: str, value: Any, meta: Mapping[str, Any], from_text: bool = Fal
         value = float(value)
     elif kind == "str" and not isinstance(value, str):
         raise ConfigError(f"{name}={value!r} must be a string")
-    if meta["min"] is not None and value < meta["min"]:
+    too_big = meta.get("max") is not None and value > meta["max"]
+    if (meta["min"] is not None and value < meta["min"]) or too_big:
         what = {"int": "an integer", "float": "a number"}.get(kind, "a value")
         raise ConfigError(f"{name}={value!r} must be {what}{_min_text(meta)}")
     return value
@@ -142,6 +144,8 @@ def _hashable(value: Any) -> bool:
 
 
 def _min_text(meta: Mapping[str, Any]) -> str:
+    if meta.get("max") is not None:
+        return f" from {meta['min']:g} to {meta['max']:g}"
     return f" >= {meta['min']:g}" if meta["min"] is not None else ""
 
 

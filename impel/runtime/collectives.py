@@ -10,6 +10,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from impel.runtime import rank_health
+
 
 def is_distributed() -> bool:
     """True when a process group of more than one rank exists: the one test of "do collectives run?"."""
@@ -59,6 +61,7 @@ def _gather_one(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
     return torch.cat(out, dim=0)
 
 
+@rank_health.blocking("gather")
 def gather(data: Any, group: Any = None) -> Any:
     """Concatenate each tensor across ranks along dim 0 (0-d tensors become 1-d); shapes must match. ``group``: a
     process group (default every rank) or :data:`SELF`."""
@@ -82,6 +85,7 @@ def _check_same_shapes(data: Any, group: Any = None) -> None:
                      "pad_across_processes first")
 
 
+@rank_health.blocking("gather_object")
 def gather_object(obj: Any, group: Any = None) -> list[Any]:
     """Gather picklable objects; lists are flattened one level (as Accelerate does)."""
     if _size(group) == 1:
@@ -93,6 +97,7 @@ def gather_object(obj: Any, group: Any = None) -> list[Any]:
     return out
 
 
+@rank_health.blocking("reduce")
 def reduce(data: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
     """Sum (or average) tensors across ranks; ``reduction`` is 'sum', 'mean' or 'none'."""
     if reduction not in ("sum", "mean", "none"):
@@ -109,6 +114,7 @@ def reduce(data: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
     return recursively_apply(one, data)
 
 
+@rank_health.blocking("broadcast")
 def broadcast(data: Any, from_process: int = 0) -> Any:
     """Tensors are broadcast in place; other objects are sent pickled. Returns the received value."""
     if not is_distributed():
@@ -121,6 +127,7 @@ def broadcast(data: Any, from_process: int = 0) -> Any:
         return box[0]
 
 
+@rank_health.blocking("broadcast_object_list")
 def broadcast_object_list(object_list: list[Any], from_process: int = 0) -> list[Any]:
     if is_distributed():
         dist.broadcast_object_list(object_list, src=from_process)
@@ -155,6 +162,7 @@ def truncate(data: Any, length: int) -> Any:
     return recursively_apply(lambda t: t[:length], data)
 
 
+@rank_health.blocking("wait_for_everyone")
 def wait_for_everyone() -> None:
     """A barrier across every rank of the default process group (a no-op on one process)."""
     if is_distributed():

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from impel.config import environment as env
 from impel.config.run_config import ConfigError, DistributedType
+from impel.runtime import rank_health
 from impel.runtime.accumulation import (
     GradientState as GradientState,  # re-exported: impel.runtime.process.GradientState, as Accelerate's
 )
@@ -128,7 +129,17 @@ class ProcessState:
             kwargs["store"] = self._attempt_store(topo)
         dist.init_process_group(**kwargs)
         self._own_group()
+        self._joined_barrier()
+        rank_health.start_watchdog(kwargs.get("store") or _default_store(), topo.rank, topo.world_size,
+                                   self.timeout.total_seconds())
         logger.debug("rank %d/%d joined a %s process group", topo.rank, topo.world_size, self.backend)
+
+    def _joined_barrier(self) -> None:
+        """Wait until every rank has joined the group. ``init_process_group`` can return on one rank while a peer
+        is still finishing gloo's connection handshake; a rank that then finishes its work and exits at once
+        closes its sockets under that peer, whose init fails with "connectFullMesh failed ... Connection closed
+        by peer" (seen under load). torch dropped its own barrier after init (``TORCH_DIST_INIT_BARRIER``)."""
+        dist.barrier()  # nccl: on the device given to init_process_group as device_id
 
     def _attempt_store(self, topo: Any) -> Any:
         """The rendezvous store under torchrun, with a prefix per restart attempt.
@@ -173,7 +184,8 @@ class ProcessState:
 
     def wait_for_everyone(self) -> None:
         if self.use_distributed:
-            dist.barrier()
+            with rank_health.blocking("wait_for_everyone"):
+                dist.barrier()
 
     def ensure_process_group(self) -> None:
         """A process group of one (nccl on CUDA, gloo otherwise, over an in-memory store) for a single process that
@@ -197,6 +209,7 @@ class ProcessState:
         the interpreter's teardown; at exit it also releases the references torch objects keep to the group, so
         that gloo's worker threads are joined before the interpreter finalises (see :mod:`impel.runtime.teardown`).
         """
+        rank_health.stop_watchdog()
         if self.__dict__.get("owns_group") and dist.is_initialized():
             dist.destroy_process_group()
         self.owns_group = False
@@ -221,11 +234,24 @@ class ProcessState:
         cls._shared.clear()
 
 
+def _default_store() -> Any:
+    """The store of the default group (torch keeps it; None where this torch does not say)."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - only the stall watchdog needs it
+        return None
+
+
 def _destroy_at_exit() -> None:
     """atexit: destroy impel's process group on a normal exit, then let its C++ object (and gloo's worker threads)
     go while the interpreter is alive (:mod:`impel.runtime.teardown` says why). After an unhandled exception
-    (``sys.last_value`` is set) the group is left alone: a peer may be dead and a teardown could then block."""
+    (``sys.last_value`` is set) the group is left alone: a peer may be dead and a teardown could then block.
+    The stall watchdog stops in every case: its thread must not be inside a store call when the interpreter
+    finalises (the same abort as gloo's workers)."""
+    rank_health.stop_watchdog()
     if getattr(sys, "last_value", None) is None and ProcessState._shared.get("initialized"):
+        if ProcessState._shared.get("owns_group") and dist.is_initialized() and dist.get_world_size() > 1:
+            rank_health.note_normal_exit(dist.get_rank())  # still in the group: its peers may be waiting for it
         ProcessState().destroy_process_group()
         release_process_groups()
 

@@ -48,3 +48,28 @@ def test_a_hung_rank_comes_back_with_its_python_stack():
     message = str(err.value)
     assert "1 of 2 ranks failed" in message and "rank 1 timed out after 10s; its Python stack:" in message
     assert "_waiting_forever_here" in message  # the frame the rank hangs in, from faulthandler
+
+
+def _rank_zero_finishes_first(pid_dir: str) -> bool:
+    """Rank 0 returns at once; rank 1, still working 1.5 s later, finds rank 0's process alive (it has not exited
+    under a peer that may still be in a handshake or a collective with it)."""
+    import time
+    from pathlib import Path
+
+    rank = int(os.environ["RANK"])
+    Path(pid_dir, f"rank{rank}").write_text(str(os.getpid()))
+    if rank == 0:
+        return True
+    time.sleep(1.5)
+    pid0 = int(Path(pid_dir, "rank0").read_text())
+    try:
+        os.kill(pid0, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid0}/status").read_text().find("State:\tZ") < 0  # a zombie has exited
+
+
+def test_a_rank_that_finishes_first_waits_for_its_peers_before_it_exits(tmp_path):
+    """The flaky "connectFullMesh failed ... Connection closed by peer" of issue 27: a rank that had finished left
+    while its peer was still connecting. Every rank now leaves only when all have finished."""
+    assert run_on_ranks(_rank_zero_finishes_first, 2, args=(str(tmp_path),), timeout=60) == [True, True]

@@ -1,0 +1,158 @@
+"""A rank's health as its peers and its launcher see it (issue 27): who waits for whom, and who left first.
+
+**Stall watchdog.** A rank that stops making progress (stuck in its own code, stopped, a lost machine) leaves its
+peers waiting in a collective with nothing printed until the process group's timeout (10 minutes by default).
+Every rank marks where it enters impel's blocking calls (``backward``, whose gradient all-reduce runs inside it,
+and the collectives) and a daemon thread publishes that, once a second, on the job's rendezvous store (its own
+connection). A rank that has waited in one call for longer than ``IMPEL_STALL_WARNING`` seconds (``impel launch
+--stall_warning``; 60 by default, 0: off) prints one line naming the call and the ranks it waits for, with what
+each of them is doing, and again after each further such period. The process-group timeout still ends the job.
+
+**Normal exit.** Under ``impel launch`` a rank that exits normally (its script ended or called ``sys.exit``)
+notes the time in a folder the launcher gave it, so that a rank that left early is named as the cause when its
+peers then fail (the launcher's last line), not the peers.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from impel.config import environment as env
+
+logger = logging.getLogger("impel")
+
+_lock = threading.Lock()
+_calls = 0  # impel blocking calls entered by this rank
+_current: tuple[str, int, float] | None = None  # (what, call number, monotonic time entered) while inside one
+_last: tuple[str, int, float] = ("start", 0, time.monotonic())  # the last call entered, for a rank outside any
+_watchdog: Watchdog | None = None
+
+
+@contextlib.contextmanager
+def blocking(what: str) -> Iterator[None]:
+    """Mark a call that waits for the other ranks (cheap: a counter and a tuple)."""
+    global _calls, _current, _last
+    with _lock:
+        outer = _current  # a collective inside another (gather_for_metrics -> gather): the outer one resumes
+        _calls += 1
+        _current = _last = (what, _calls, time.monotonic())
+    try:
+        yield
+    finally:
+        with _lock:
+            _current = outer
+
+
+def _snapshot() -> dict[str, Any]:
+    with _lock:
+        current, last = _current, _last
+    now = time.monotonic()
+    return {"in": current[0] if current else None, "call": (current or last)[1], "what": (current or last)[0],
+            "for": now - (current or last)[2], "wall": time.time()}
+
+
+class Watchdog:
+    """The heartbeat thread of one rank."""
+
+    def __init__(self, store: Any, rank: int, world_size: int, stall_s: float, timeout_s: float) -> None:
+        self.store, self.rank, self.world_size = store, rank, world_size
+        self.stall_s, self.timeout_s = stall_s, timeout_s
+        self.interval = min(1.0, max(stall_s / 4, 0.05))
+        self.stop = threading.Event()
+        self.next_warning = stall_s
+        self.thread = threading.Thread(target=self._run, name="impel-watchdog", daemon=True)
+
+    def _run(self) -> None:
+        while not self.stop.wait(self.interval):
+            try:
+                self.beat()
+            except Exception as exc:  # noqa: BLE001 - the store is gone (the job is ending): stop quietly
+                logger.debug("impel watchdog stopped: %s", exc)
+                return
+
+    def beat(self) -> None:
+        mine = _snapshot()
+        self.store.set(f"hb/{self.rank}", json.dumps(mine))
+        if mine["in"] is None or mine["for"] < self.next_warning:
+            if mine["in"] is None:
+                self.next_warning = self.stall_s
+            return
+        self.next_warning = mine["for"] + self.stall_s
+        print(self.line(mine, self.peers()), file=sys.stderr, flush=True)
+
+    def peers(self) -> dict[int, dict[str, Any] | None]:
+        out: dict[int, dict[str, Any] | None] = {}
+        for r in range(self.world_size):
+            if r != self.rank:
+                key = f"hb/{r}"
+                out[r] = json.loads(self.store.get(key)) if self.store.check([key]) else None
+        return out
+
+    def line(self, mine: dict[str, Any], peers: dict[int, dict[str, Any] | None]) -> str:
+        now = time.time()
+        waited_for: list[str] = []
+        for r, beat in sorted(peers.items()):
+            if beat is None:
+                waited_for.append(f"rank {r} (no heartbeat yet)")
+            elif now - beat["wall"] > max(5 * self.interval, 3.0):
+                waited_for.append(f"rank {r} (no heartbeat for {now - beat['wall']:.0f} s: frozen, stopped or its "
+                                  "machine is gone)")
+            elif beat["in"] is None:
+                waited_for.append(f"rank {r} (outside impel's collectives for {beat['for']:.0f} s since "
+                                  f"{beat['what']} #{beat['call']}: busy or stuck in the script's own code)")
+            elif beat["call"] < mine["call"]:
+                waited_for.append(f"rank {r} (in {beat['in']} #{beat['call']}, behind)")
+        head = f"impel watchdog: rank {self.rank} has waited {mine['for']:.0f} s in {mine['in']} #{mine['call']}"
+        tail = (f"; the process-group timeout ({self.timeout_s:.0f} s) stops the job if nothing moves "
+                f"({env.STALL_WARNING_VAR} / impel launch --stall_warning sets when this is printed)")
+        if not waited_for:
+            return head + " and so has every other rank (a collective that does not complete: network?)" + tail
+        return head + " for " + ", ".join(waited_for) + tail
+
+
+def start_watchdog(store: Any, rank: int, world_size: int, timeout_s: float) -> None:
+    """Start this rank's heartbeat thread (once per process group; nothing when the warning is off)."""
+    global _watchdog
+    stall = env.stall_warning_seconds()
+    if world_size < 2 or stall == 0 or store is None:
+        return
+    stop_watchdog()
+    try:
+        own = store.clone()  # its own connection: the thread never shares a socket with the main thread
+    except Exception as exc:  # noqa: BLE001 - a store without clone (a custom one): no watchdog, said once
+        logger.debug("no stall watchdog: the process group's store cannot be cloned (%s)", exc)
+        return
+    _watchdog = Watchdog(torch_prefix(own), rank, world_size, stall, timeout_s)
+    _watchdog.thread.start()
+
+
+def torch_prefix(store: Any) -> Any:
+    import torch.distributed as dist
+
+    return dist.PrefixStore("impel/watchdog", store)
+
+
+def stop_watchdog() -> None:
+    global _watchdog
+    if _watchdog is not None:
+        _watchdog.stop.set()
+        _watchdog.thread.join(2.0)
+        _watchdog = None
+
+
+def note_normal_exit(rank: int) -> None:
+    """Under ``impel launch``: note that this rank is exiting normally now (read by the launcher on a failure)."""
+    folder = env.rank_exit_dir()
+    if folder is None:
+        return
+    try:
+        Path(folder, f"rank{rank}").write_text(f"{time.time()}\n", encoding="utf-8")
+    except OSError as exc:  # the launcher is gone, or its folder: nothing to tell
+        logger.debug("could not note the exit of rank %d: %s", rank, exc)

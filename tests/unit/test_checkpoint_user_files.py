@@ -1,0 +1,166 @@
+"""Nothing a user wrote into a checkpoint directory disappears (issue 27): a re-save keeps it, as Accelerate does;
+our other writers refuse an output directory inside a checkpoint."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from helpers import make_mlp
+from impel import Accelerator, CheckpointError, merge_weights
+from impel.checkpoint import layout, ownership
+from impel.testing import run_on_ranks
+
+USER_FILES = {"notes.txt": "lr 0.1 looked best\n", "eval/results.json": '{"acc": 0.93}\n',
+              "eval/deep/plot.csv": "1,2\n"}
+
+
+def _prepared():
+    acc = Accelerator(cpu=True)
+    model = make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = acc.prepare(model, opt)
+    return acc, model, opt
+
+
+def _add_user_files(directory) -> None:
+    for rel, text in USER_FILES.items():
+        (directory / rel).parent.mkdir(parents=True, exist_ok=True)
+        (directory / rel).write_text(text)
+
+
+def _tree(directory) -> dict[str, bytes]:
+    return {p.relative_to(directory).as_posix(): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def _accelerate_keeps(root: str) -> dict[str, str | None]:
+    from accelerate import Accelerator as AccelerateAccelerator
+
+    acc = AccelerateAccelerator(cpu=True)
+    model = acc.prepare(torch.nn.Linear(2, 2))
+    assert model is not None
+    acc.save_state(f"{root}/ck")
+    for rel, text in USER_FILES.items():
+        os.makedirs(os.path.dirname(f"{root}/ck/{rel}"), exist_ok=True)
+        with open(f"{root}/ck/{rel}", "w") as f:
+            f.write(text)
+    acc.save_state(f"{root}/ck")
+    return {rel: open(f"{root}/ck/{rel}").read() if os.path.exists(f"{root}/ck/{rel}") else None
+            for rel in USER_FILES}
+
+
+def test_accelerate_keeps_the_users_files_on_a_resave(tmp_path):
+    """The reference for the behaviour below."""
+    kept = run_on_ranks(_accelerate_keeps, 1, args=(str(tmp_path),), env={"ACCELERATE_USE_CPU": "1"})[0]
+    assert kept == USER_FILES
+
+
+def test_a_resave_keeps_every_file_the_checkpoint_does_not_own(tmp_path):
+    acc, model, _ = _prepared()
+    ck = tmp_path / "ck"
+    acc.save_state(ck)
+    _add_user_files(ck)
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)
+    for _ in range(2):  # twice: the carried files are the user's in the new checkpoint too
+        acc.save_state(ck)
+        assert {rel: (ck / rel).read_text() for rel in USER_FILES} == USER_FILES
+    manifest = layout.verify(ck)["files"]
+    assert not set(USER_FILES) & set(manifest)  # still the user's, not the checkpoint's
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith((layout.TMP_PREFIX, layout.OLD_PREFIX))]
+    before = next(model.parameters()).detach().clone()
+    with torch.no_grad():
+        next(model.parameters()).zero_()
+    acc.load_state(ck)
+    assert torch.equal(next(model.parameters()), before)  # the new checkpoint's weights, not the old
+
+
+def test_a_user_file_inside_a_folder_the_checkpoint_owns_is_found_alone(tmp_path):
+    """A sharded checkpoint's ``model/`` folder is the checkpoint's; a file the user put in it is theirs."""
+    for rel in ("model/__0_0.distcp", "model/.metadata", "model/README.md", "notes.txt", "eval/results.json",
+                "impel_checkpoint.json", "COMPLETE"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("x")
+    owned = {"model/__0_0.distcp", "model/.metadata", "impel_checkpoint.json", "COMPLETE"}
+    assert ownership.user_entries(tmp_path, owned) == ["eval", "model/README.md", "notes.txt"]
+
+
+def test_a_crash_during_the_swap_loses_no_user_file(tmp_path, monkeypatch):
+    acc, _, _ = _prepared()
+    ck = tmp_path / "ck"
+    acc.save_state(ck)
+    _add_user_files(ck)
+    before = _tree(ck)
+
+    def crash(src, dst):
+        raise OSError(28, "simulated crash at the swap")
+
+    monkeypatch.setattr(layout.os, "replace", crash)
+    with pytest.raises(OSError, match="simulated crash"):
+        acc.save_state(ck)
+    monkeypatch.undo()
+    assert _tree(ck) == before  # untouched: the files were linked into the new copy, not moved
+
+
+def test_a_user_file_where_the_new_checkpoint_writes_refuses_before_touching_anything(tmp_path):
+    acc, _, _ = _prepared()
+    ck = tmp_path / "ck"
+    acc.save_state(ck)
+    manifest = json.loads((ck / layout.METADATA_FILE).read_text())["files"]
+    owned = sorted(manifest)[0]
+    meta = json.loads((ck / layout.METADATA_FILE).read_text())
+    del meta["files"][owned]  # the old checkpoint does not own it: as if the user had put it there
+    text = json.dumps(meta, indent=1, sort_keys=True)
+    (ck / layout.METADATA_FILE).write_text(text)
+    import hashlib
+
+    (ck / layout.MARKER_FILE).write_text(hashlib.sha256(text.encode()).hexdigest() + "\n")
+    before = _tree(ck)
+    with pytest.raises(CheckpointError, match=f"holds '{owned}', which is not part of the checkpoint there but is "
+                                              "a file the new checkpoint writes; move it out"):
+        acc.save_state(ck)
+    assert _tree(ck) == before
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith((layout.TMP_PREFIX, layout.OLD_PREFIX))]
+
+
+def test_a_damaged_checkpoint_with_user_files_is_refused_before_anything_is_written(tmp_path):
+    acc, _, _ = _prepared()
+    ck = tmp_path / "ck"
+    acc.save_state(ck)
+    _add_user_files(ck)
+    (ck / layout.METADATA_FILE).write_text("{ truncated")
+    before = _tree(ck)
+    with pytest.raises(CheckpointError, match="is a damaged impel checkpoint, so its files cannot be told from "
+                                              "yours"):
+        acc.save_state(ck)
+    assert _tree(ck) == before
+
+
+@pytest.mark.parametrize("inside", ["", "out", "eval/export"])
+def test_merge_weights_refuses_an_output_inside_a_checkpoint(tmp_path, inside):
+    acc, _, _ = _prepared()
+    ck = tmp_path / "ck"
+    acc.save_state(ck)
+    before = _tree(ck)
+    out = ck / inside if inside else ck
+    with pytest.raises(CheckpointError, match=f"merge-weights output directory {out} is inside the impel "
+                                              f"checkpoint {ck}; .*pass a directory outside it"):
+        merge_weights(ck, out)
+    assert _tree(ck) == before
+    assert merge_weights(ck, tmp_path / "export")  # outside: fine
+
+
+def test_save_model_and_nested_save_state_refuse_a_path_inside_a_checkpoint(tmp_path):
+    acc, model, _ = _prepared()
+    ck = tmp_path / "ck"
+    acc.save_state(ck)
+    before = _tree(ck)
+    with pytest.raises(CheckpointError, match=f"save_model save_directory {ck / 'final'} is inside the impel "
+                                              "checkpoint"):
+        acc.save_model(model, ck / "final")
+    with pytest.raises(CheckpointError, match=f"save_state output_dir {ck / 'inner'} is inside the impel "
+                                              "checkpoint"):
+        acc.save_state(ck / "inner")
+    assert _tree(ck) == before
