@@ -95,7 +95,7 @@ def test_a_crash_during_the_swap_loses_no_user_file(tmp_path, monkeypatch):
     before = _tree(ck)
 
     def crash(src, dst):
-        raise OSError(28, "simulated crash at the swap")
+        raise OSError(5, "simulated crash at the swap")
 
     monkeypatch.setattr(layout.os, "replace", crash)
     with pytest.raises(OSError, match="simulated crash"):
