@@ -59,6 +59,11 @@ _EXPORTS = {
     "DDPCommunicationHookType": "impel.ddp_hooks",
     "ProfileKwargs": "impel.profiling",
     "is_rich_available": "impel.availability",
+    # Accelerate's big-model inference and PiPPy names: importable, raising NotProvidedError (with the reason) on use
+    "cpu_offload": "impel.unsupported", "cpu_offload_with_hook": "impel.unsupported",
+    "disk_offload": "impel.unsupported", "dispatch_model": "impel.unsupported",
+    "infer_auto_device_map": "impel.unsupported", "load_checkpoint_and_dispatch": "impel.unsupported",
+    "prepare_pippy": "impel.unsupported",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import env
+from . import collectives, env
 from .accumulation import GradientState as GradientState  # re-exported: impel.state.GradientState, as Accelerate's
 from .config import ConfigError, DistributedType
 from .process_control import ProcessControl
@@ -244,6 +244,32 @@ class PartialState(ProcessState, ProcessControl):
     @property
     def default_device(self) -> Any:
         return self.device
+
+    @property
+    def debug(self) -> bool:
+        """Debug mode: collectives first check the shapes on every rank and raise a
+        ``DistributedOperationException`` naming them. Set it here, or ``ACCELERATE_DEBUG_MODE=1``."""
+        return collectives.debug_mode()
+
+    @debug.setter
+    def debug(self, on: bool) -> None:
+        collectives.set_debug_mode(bool(on))
+
+    @property
+    def fork_launched(self) -> bool:
+        """Whether this process was started by a fork-based launcher (``$FORK_LAUNCHED``, as Accelerate)."""
+        return env.parse_flag_from_env("FORK_LAUNCHED")
+
+    def set_device(self) -> None:
+        """Make this process's device the current CUDA device (nothing to do elsewhere); the state already did at
+        creation, as Accelerate's does."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+
+
+def is_initialized() -> bool:
+    """Whether this process's state exists (a ``PartialState`` or an Accelerator was created)."""
+    return bool(ProcessState._shared.get("initialized"))
 
 
 class AcceleratorState(PartialState):

@@ -11,8 +11,13 @@ from typing import Any
 
 from .. import env
 from ..config import ConfigError, RunConfig
+from ..config_file import LoadedConfig as LoadedConfig  # re-exported: Accelerate's accelerate.commands.config
 from ..config_file import dump_yaml, file_document, read_config_file, write_config_file
+from ..config_file import load_config_from_file as load_config_from_file
 from .flags import add_field_flag
+
+# Accelerate's ``accelerate.commands.config.default_config_file``: the file ``impel config`` writes
+default_config_file = env.default_config_path()
 
 
 def register(subparsers: Any) -> None:

@@ -45,14 +45,15 @@ ENV_NAMES = {"environ", "environb", "getenv", "getenvb", "putenv", "unsetenv"}
 LAYERS = {
     # 0 foundation: imports nothing from impel
     "impel": 0, "env": 0, "schema": 0, "kwargs_handler": 0, "teardown": 0, "exports": 0,
-    "availability": 0, "memory": 0,
+    "availability": 0, "memory": 0, "unsupported": 0, "constants": 0, "pyutils": 0,
     # 1 configuration: the run config, its file, the plugins and kwargs handlers users build
     "config": 1, "compile_config": 1, "config_file": 1, "convert": 1, "plugins": 1, "profiling": 1, "ddp_hooks": 1,
     "parallelism_section": 1, "parallelism_config": 1,
     # 2 the process and the training step
     "state": 2, "process_control": 2, "collectives": 2, "splitting": 2, "seeding": 2, "accumulation": 2,
     "optimizer": 2, "precision": 2, "precision_report": 2, "model": 2, "model_loading": 2, "data": 2,
-    "process_logging": 2, "progress": 2, "context_parallel": 2,
+    "process_logging": 2, "progress": 2, "context_parallel": 2, "operations": 2, "loader_wrappers": 2,
+    "module_tools": 2,
     # 3 checkpoint storage: layout, files, digests, formats, export
     "checkpoint.*": 3, "saving": 3,
     # 4 resolving the run: the RunRecord every built object reads, with torch.compile's settings and compiler and
@@ -72,7 +73,7 @@ LAYERS = {
     # 9 the command line
     "commands.*": 9, "planning.*": 9, "selftest": 9,
     # 10 Accelerate's module paths (faces over the rest) and the test harness: nothing in impel imports them
-    "utils": 10, "logging": 10, "data_loader": 10, "big_modeling": 10, "testing": 10,
+    "utils.*": 10, "logging": 10, "data_loader": 10, "big_modeling": 10, "hooks": 10, "testing": 10,
 }
 
 
