@@ -91,13 +91,14 @@ def _shapes(data: Any) -> Any:
     return recursively_apply(lambda t: list(t.shape), data)
 
 
-def _verify(operation: str, data: Any, group: Any = None) -> None:
-    """Debug mode's check before ``operation``: the same (nested) shapes on every rank, else
-    :class:`DistributedOperationException` listing each rank's."""
+def _verify(operation: str, data: Any, group: Any = None, dims_only: bool = False) -> None:
+    """Debug mode's check before ``operation``: the same (nested) shapes on every rank (with ``dims_only``, the same
+    number of dimensions), else :class:`DistributedOperationException` listing each rank's."""
     if _size(group) == 1 or not debug_mode():
         return
     everyone: list[Any] = [None] * _size(group)
-    dist.all_gather_object(everyone, _shapes(data), group=group)
+    mine = recursively_apply(lambda t: t.ndim, data) if dims_only else _shapes(data)
+    dist.all_gather_object(everyone, mine, group=group)
     if any(s != everyone[0] for s in everyone):
         listed = "\n  - ".join(f"Process {i}: {s}" for i, s in enumerate(everyone))
         raise DistributedOperationException(
@@ -219,6 +220,7 @@ def pad_across_processes(tensor: Any, dim: int = 0, pad_index: int = 0, pad_firs
         return out
 
     try:
+        _verify("pad_across_processes", tensor, dims_only=True)
         return _tensors(one, tensor)
     except DistributedOperationException as error:
         raise DistributedOperationException("Error found while calling `impel.utils.operations."

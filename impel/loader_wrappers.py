@@ -41,6 +41,11 @@ class BatchSamplerShard(BatchShardSampler):
         self.process_index = process_index
         self.split_batches = split_batches
 
+    def __len__(self) -> int:
+        if self.split_batches:  # one slice of every batch
+            return len(self.batch_sampler)
+        return super().__len__()
+
 
 class IterableDatasetShard(IterableShard):
     """The samples of an iterable ``dataset`` for rank ``process_index``, as Accelerate's class of that name: of

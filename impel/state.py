@@ -200,6 +200,16 @@ class ProcessState:
         self.owns_group = False
 
     @classmethod
+    def _reset_state(cls) -> None:
+        """Accelerate's reset, which transformers (``TrainingArguments``, the Trainer, its test utilities) and test
+        suites call: forget this process's state, so the next ``PartialState()`` / Accelerator reads the
+        environment again. The process group stays alive and is reused, as in Accelerate."""
+        shared = ProcessState._shared
+        keep = {"owns_group": shared.get("owns_group", False)} if dist.is_initialized() else {}
+        shared.clear()
+        shared.update(keep)
+
+    @classmethod
     def _reset(cls) -> None:
         """Forget the state (tests only); destroys the process group if this state created one."""
         if cls._shared.get("initialized") and dist.is_initialized():
@@ -274,6 +284,14 @@ def is_initialized() -> bool:
 
 class AcceleratorState(PartialState):
     """``PartialState`` plus the settings the live Accelerator resolved; ``accelerator.state`` is one."""
+
+    @classmethod
+    def _reset_state(cls, reset_partial_state: bool = False) -> None:
+        """Accelerate's ``AcceleratorState._reset_state``: forget the Accelerator whose settings this state reads
+        (and with ``reset_partial_state`` the process state too, see :meth:`PartialState._reset_state`)."""
+        ProcessState._shared.pop("accelerator_ref", None)
+        if reset_partial_state:
+            PartialState._reset_state()
 
     def attach(self, accelerator: Any) -> None:
         """Called by the Accelerator: later ``AcceleratorState()`` calls read its settings."""

@@ -51,7 +51,7 @@ LAYERS = {
     "parallelism_section": 1, "parallelism_config": 1,
     # 2 the process and the training step
     "state": 2, "process_control": 2, "collectives": 2, "splitting": 2, "seeding": 2, "accumulation": 2,
-    "optimizer": 2, "precision": 2, "precision_report": 2, "model": 2, "model_loading": 2, "data": 2,
+    "optimizer": 2, "samplers": 2, "precision": 2, "precision_report": 2, "model": 2, "model_loading": 2, "data": 2,
     "process_logging": 2, "progress": 2, "context_parallel": 2, "operations": 2, "loader_wrappers": 2,
     "module_tools": 2,
     # 3 checkpoint storage: layout, files, digests, formats, export
