@@ -100,8 +100,10 @@ def is_matplotlib_available() -> bool:
     return _installed("matplotlib")
 
 
-def is_bnb_available() -> bool:
-    return _installed("bitsandbytes")
+def is_bnb_available(min_version: str | None = None) -> bool:
+    if min_version is None or not _installed("bitsandbytes"):
+        return _installed("bitsandbytes")
+    return compare_versions("bitsandbytes", ">=", min_version)
 
 
 def is_schedulefree_available() -> bool:

@@ -19,8 +19,8 @@ def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def is_torch_tensor(data: Any) -> bool:
-    return isinstance(data, torch.Tensor)
+def is_torch_tensor(tensor: Any) -> bool:
+    return isinstance(tensor, torch.Tensor)
 
 
 def recursively_apply(func: Callable[..., Any], data: Any, *args: Any,

@@ -38,8 +38,8 @@ class TensorInformation:
     dtype: torch.dtype
 
 
-def is_tensor_information(data: Any) -> bool:
-    return isinstance(data, TensorInformation)
+def is_tensor_information(tensor_info: Any) -> bool:
+    return isinstance(tensor_info, TensorInformation)
 
 
 def is_namedtuple(data: Any) -> bool:

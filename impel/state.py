@@ -187,7 +187,7 @@ class ProcessState:
         atexit.unregister(_destroy_at_exit)
         atexit.register(_destroy_at_exit)
 
-    def destroy_process_group(self) -> None:
+    def destroy_process_group(self, group: Any = None) -> None:
         """Destroy the default process group if impel created it (a group the script made stays the script's).
 
         ``Accelerator.end_training()`` calls this after a final barrier, as Accelerate does; impel also calls it
@@ -195,6 +195,9 @@ class ProcessState:
         the interpreter's teardown; at exit it also releases the references torch objects keep to the group, so
         that gloo's worker threads are joined before the interpreter finalises (see :mod:`impel.teardown`).
         """
+        if group is not None:  # a group the script made with new_group: destroyed as asked, as Accelerate does
+            dist.destroy_process_group(group)
+            return
         if self.__dict__.get("owns_group") and dist.is_initialized():
             dist.destroy_process_group()
         self.owns_group = False

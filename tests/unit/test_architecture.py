@@ -48,7 +48,7 @@ LAYERS = {
     "availability": 0, "memory": 0, "unsupported": 0, "constants": 0, "pyutils": 0,
     # 1 configuration: the run config, its file, the plugins and kwargs handlers users build
     "config": 1, "compile_config": 1, "config_file": 1, "convert": 1, "plugins": 1, "profiling": 1, "ddp_hooks": 1,
-    "parallelism_section": 1, "parallelism_config": 1,
+    "parallelism_section": 1, "parallelism_config": 1, "plugin_refusals": 1,
     # 2 the process and the training step
     "state": 2, "process_control": 2, "collectives": 2, "splitting": 2, "seeding": 2, "accumulation": 2,
     "optimizer": 2, "samplers": 2, "precision": 2, "precision_report": 2, "model": 2, "model_loading": 2, "data": 2,
