@@ -17,7 +17,7 @@ import impel
 import impel.state
 import impel.utils as iu
 from impel.accelerator import Accelerator as IAcc
-from impel.unsupported import REASONS
+from impel.config.unsupported import REASONS
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "unit"))
 import test_accelerate_signatures as signatures  # noqa: E402  (the compared signatures and the listed differences)
@@ -216,7 +216,7 @@ UTILS_USED = sorted(set(iu.__all__) | {
 
 
 def placeholder(value):
-    return type(value).__module__ == "impel.unsupported"
+    return type(value).__module__ == "impel.config.unsupported"
 
 
 def has(module, name):
@@ -271,7 +271,8 @@ lines = ["# Accelerate compatibility", "",
          "import) and `dir(Accelerator)` plus an Accelerator instance's attributes, each checked against impel by",
          "importing it (a script in the dev venv, where accelerate is installed, wrote this file).",
          "After `sed 's/\\baccelerate\\b/impel/g'` the \"supported\" names resolve; \"not provided\" ones import",
-         "and raise `NotProvidedError` (a `NotImplementedError`) naming the reason on use (`impel.unsupported`);",
+         "and raise `NotProvidedError` (a `NotImplementedError`) naming the reason on use",
+         "(`impel.config.unsupported`);",
          "\"missing\" ones raise AttributeError / ImportError (or TypeError for constructor arguments), with the",
          "reason here: nothing is accepted and ignored. Where a supported name refuses some of its settings, the",
          "notes say which and why.",

@@ -1,15 +1,15 @@
 """``impel.data_loader``: Accelerate's ``accelerate.data_loader`` path (a face; sharding lives in
-:mod:`impel.data`, the standalone wrappers in :mod:`impel.loader_wrappers`)."""
+:mod:`impel.runtime.data`, the standalone wrappers in :mod:`impel.runtime.loader_wrappers`)."""
 from __future__ import annotations
 
-from .exports import lazy_face
+from impel.exports import lazy_face
 
 _EXPORTS = {
-    "skip_first_batches": "impel.data", "DataLoaderShard": "impel.data", "SeedableRandomSampler": "impel.data",
-    "send_to_device": "impel.collectives",
-    **{name: "impel.loader_wrappers" for name in (
+    "skip_first_batches": "impel.runtime.data", "DataLoaderShard": "impel.runtime.data",
+    "SeedableRandomSampler": "impel.runtime.samplers", "send_to_device": "impel.runtime.collectives",
+    **{name: "impel.runtime.loader_wrappers" for name in (
         "prepare_data_loader", "BatchSamplerShard", "IterableDatasetShard", "SkipBatchSampler", "SkipDataLoader")},
-    "DataLoaderDispatcher": "impel.unsupported",
+    "DataLoaderDispatcher": "impel.config.unsupported",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,11 +1,11 @@
 """``impel.hooks``: Accelerate's ``accelerate.hooks`` path. Its hooks serve big-model inference (device maps,
 offloading), which impel does not do: every name imports, and using one raises ``NotProvidedError`` with the
-reason and the alternative (:mod:`impel.unsupported`). The training path needs none of them."""
+reason and the alternative (:mod:`impel.config.unsupported`). The training path needs none of them."""
 from __future__ import annotations
 
-from .exports import lazy_face
+from impel.exports import lazy_face
 
-_EXPORTS = {name: "impel.unsupported" for name in (
+_EXPORTS = {name: "impel.config.unsupported" for name in (
     "ModelHook", "SequentialHook", "AlignDevicesHook", "CpuOffload", "UserCpuOffloadHook", "LayerwiseCastingHook",
     "add_hook_to_module", "remove_hook_from_module", "remove_hook_from_submodules", "attach_align_device_hook",
     "attach_align_device_hook_on_blocks", "attach_execution_device_hook", "attach_layerwise_casting_hooks")}

@@ -41,8 +41,13 @@ def _checks_are_the_same_tensors(tensor):
 _checks_helpers.are_the_same_tensors = _checks_are_the_same_tensors
 '''
 
+# test_metrics imports ``evaluate`` at the top for its GLUE check, which runs on GPUs only: an empty stand-in when
+# the package is not installed lets its CPU checks run (under both targets alike).
 _PRELUDE = '''
-import json as _checks_json, os as _checks_os, traceback as _checks_tb
+import importlib.util as _checks_util, sys as _checks_sys, types as _checks_types
+if _checks_util.find_spec("evaluate") is None:
+    _checks_sys.modules["evaluate"] = _checks_types.ModuleType("evaluate")
+import json as _checks_json, os as _checks_os
 _checks_seen = {}
 def _checks_record(label, check, error):
     count = _checks_seen[label] = _checks_seen.get(label, 0) + 1
@@ -66,8 +71,9 @@ def rename(source: str) -> str:
 class _Instrument(ast.NodeTransformer):
     """Wrap each simple statement of ``main()`` in try/except, recording calls of the module's own functions."""
 
-    def __init__(self, functions: set[str]) -> None:
+    def __init__(self, functions: set[str], skip: frozenset[str]) -> None:
         self.functions = functions
+        self.skip = skip
 
     def _wrap(self, stmt: ast.stmt) -> list[ast.stmt]:
         if isinstance(stmt, (ast.Return, ast.Continue, ast.Break)):
@@ -82,6 +88,8 @@ class _Instrument(ast.NodeTransformer):
         call = stmt.value if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call) else None
         check = call is not None and isinstance(call.func, ast.Name) and call.func.id in self.functions
         record = f"_checks_record({label!r}, {check}, ERROR)"
+        if label in self.skip:  # not run: it would hang this target (see SKIP)
+            return ast.parse(record.replace("ERROR", "'skipped'")).body
         failed, passed = record.replace("ERROR", "repr(_checks_error)[:300]"), record.replace("ERROR", "None")
         wrapper = ast.parse(f"try:\n    pass\nexcept BaseException as _checks_error:\n    {failed}\n"
                             f"else:\n    {passed}\n").body[0]
@@ -95,10 +103,10 @@ class _Instrument(ast.NodeTransformer):
         return node
 
 
-def instrument(source: str, impel: bool) -> str:
+def instrument(source: str, impel: bool, skip: frozenset[str] = frozenset()) -> str:
     tree = ast.parse(source)
     functions = {n.name for n in tree.body if isinstance(n, ast.FunctionDef) and n.name != "main"}
-    tree = _Instrument(functions).visit(tree)
+    tree = _Instrument(functions, skip).visit(tree)
     future = [n for n in tree.body if isinstance(n, ast.ImportFrom) and n.module == "__future__"]
     rest = [n for n in tree.body if n not in future]
     tree.body = future + ast.parse(_PRELUDE + (_IMPEL_HELPERS if impel else "")).body + rest
@@ -118,6 +126,13 @@ class Results:
         return self.passed | set(self.failed)
 
 
+# Checks not run, per target and number of processes, because they deadlock there (the other checks of the script
+# would never run): Accelerate's join_uneven_inputs does nothing on CPU ranks (MULTI_CPU), so a rank with fewer
+# batches leaves DDP's backward waiting forever. impel joins on CPU ranks too, so it runs them.
+SKIP = {("accelerate", 2): frozenset({"test_can_join_uneven_inputs()", "test_join_can_override_even_batches()",
+                                      "test_join_can_override_for_mixed_type_dataloaders()"})}
+
+
 def run_script(name: str, target: str, processes: int, workdir: Path, timeout: float = 120) -> Results:
     """Run Accelerate's script ``name`` against ``target`` ("accelerate" or "impel") on ``processes`` CPU ranks;
     a check passes when it passed on every rank."""
@@ -125,11 +140,13 @@ def run_script(name: str, target: str, processes: int, workdir: Path, timeout: f
     if target == "impel":
         source = rename(source)
     script = workdir / f"{target}_{processes}_{Path(name).name}"
-    script.write_text(instrument(source, target == "impel"), encoding="utf-8")
+    skip = SKIP.get((target, processes), frozenset())
+    script.write_text(instrument(source, target == "impel", skip), encoding="utf-8")
     out = workdir / f"{script.stem}.checks"
     env = {**os.environ, "CHECKS_OUT": str(out), "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1",
            "CUDA_VISIBLE_DEVICES": "", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1", "NUM_PROCESSES": str(processes)}
-    cmd = [sys.executable, str(script)] if processes == 1 else \
+    # test_notebook starts its own NUM_PROCESSES processes (notebook_launcher) from one
+    cmd = [sys.executable, str(script)] if processes == 1 or "notebook" in name else \
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes), str(script)]
     results = Results()
     try:
@@ -153,6 +170,8 @@ def _collect(results: Results, out: Path, processes: int) -> Results:
         if any(r is None for r in rows):
             error = error or "did not run on every rank (a rank stopped or hung earlier)"
         is_check = any(r is not None and r["check"] for r in rows)
+        if error == "skipped":
+            continue
         if error is None:
             if is_check:
                 results.passed.add(label)

@@ -3,14 +3,14 @@ them (a face: nothing is defined here, names are imported on first use).
 
 Accelerate's submodule paths (``impel.utils.dataclasses``, ``.operations``, ``.memory``, ...) are faces too, each
 naming its share of :data:`SOURCES`. Names impel deliberately does not provide resolve to placeholders from
-:mod:`impel.unsupported` that raise ``NotProvidedError`` (a ``NotImplementedError``) with the reason on use.
+:mod:`impel.config.unsupported` that raise ``NotProvidedError`` (a ``NotImplementedError``) with the reason on use.
 """
 from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ..exports import lazy_face
-from ..unsupported import REASONS
+from impel.config.unsupported import REASONS
+from impel.exports import lazy_face
 
 _AVAILABILITY = (
     "is_rich_available", "is_tqdm_available", "is_tensorboard_available", "is_wandb_available", "is_mlflow_available",
@@ -43,51 +43,52 @@ _CONSTANTS = (
 
 # every name below impel.utils (and its submodules) -> the module that defines it
 SOURCES: dict[str, str] = {
-    **{name: "impel.plugins" for name in (
+    **{name: "impel.config.plugins" for name in (
         "AutocastKwargs", "DataLoaderConfiguration", "DeepSpeedPlugin", "DistributedDataParallelKwargs",
         "FullyShardedDataParallelPlugin", "GradScalerKwargs", "GradientAccumulationPlugin", "InitProcessGroupKwargs",
         "KwargsHandler", "ProjectConfiguration")},
-    "ProfileKwargs": "impel.profiling",
-    **{name: "impel.parallelism_config" for name in (
+    "ProfileKwargs": "impel.config.profiling",
+    **{name: "impel.config.parallelism" for name in (
         "ParallelismConfig", "TorchTensorParallelConfig", "TorchContextParallelConfig")},
-    **{name: "impel.compile" for name in (
+    **{name: "impel.runtime.compile" for name in (
         "TorchDynamoPlugin", "DynamoBackend", "is_compiled_module", "has_compiled_regions",
         "extract_model_from_parallel")},
-    "DDPCommunicationHookType": "impel.ddp_hooks",
-    "DistributedType": "impel.config",
-    "PrecisionType": "impel.config",
-    "LoggerType": "impel.tracking",
-    **{name: "impel.seeding" for name in ("RNGType", "set_seed", "synchronize_rng_state", "synchronize_rng_states")},
-    "DummyOptim": "impel.strategies.deepspeed_config",
-    "DummyScheduler": "impel.strategies.deepspeed_config",
-    **{name: "impel.collectives" for name in (
+    "DDPCommunicationHookType": "impel.config.ddp_hooks",
+    "DistributedType": "impel.config.run_config",
+    "PrecisionType": "impel.config.run_config",
+    "LoggerType": "impel.trackers.registry",
+    **{name: "impel.runtime.seeding" for name in (
+        "RNGType", "set_seed", "synchronize_rng_state", "synchronize_rng_states")},
+    "DummyOptim": "impel.config.deepspeed_json",
+    "DummyScheduler": "impel.config.deepspeed_json",
+    **{name: "impel.runtime.collectives" for name in (
         "gather", "gather_object", "broadcast", "broadcast_object_list", "reduce", "pad_across_processes",
         "recursively_apply", "wait_for_everyone", "send_to_device", "is_torch_tensor", "DistributedOperationException",
         "CannotPadNestedTensorWarning")},
-    **{name: "impel.operations" for name in (
+    **{name: "impel.runtime.operations" for name in (
         "TensorInformation", "is_tensor_information", "is_namedtuple", "honor_type", "listify", "concatenate",
         "find_batch_size", "ignorant_find_batch_size", "find_device", "get_data_structure", "initialize_tensors",
         "slice_tensors", "convert_to_fp32", "ConvertOutputsToFp32", "convert_outputs_to_fp32", "pad_input_tensors",
         "copy_tensor_to_devices")},
-    "tqdm": "impel.progress",
-    **{name: "impel.memory" for name in (
+    "tqdm": "impel.runtime.progress_bar",
+    **{name: "impel.runtime.memory" for name in (
         "find_executable_batch_size", "release_memory", "should_reduce_batch_size", "clear_device_cache")},
     "merge_fsdp_weights": "impel.checkpoint.merge",
-    "save": "impel.saving",
-    "load_checkpoint_in_model": "impel.model_loading",
-    **{name: "impel.availability" for name in _AVAILABILITY},
-    **{name: "impel.constants" for name in _CONSTANTS},
-    **{name: "impel.env" for name in (
+    "save": "impel.checkpoint.save_object",
+    "load_checkpoint_in_model": "impel.runtime.model_loading",
+    **{name: "impel.runtime.availability" for name in _AVAILABILITY},
+    **{name: "impel.config.constants" for name in _CONSTANTS},
+    **{name: "impel.config.environment" for name in (
         "str_to_bool", "parse_flag_from_env", "parse_choice_from_env", "get_int_from_env", "patch_environment",
         "clear_environment")},
-    **{name: "impel.pyutils" for name in (
+    **{name: "impel.runtime.pyutils" for name in (
         "convert_bytes", "merge_dicts", "get_pretty_name", "recursive_getattr", "is_port_in_use",
         "are_libraries_initialized", "convert_dict_to_env_variables", "check_os_kernel",
         "purge_accelerate_environment")},
-    **{name: "impel.module_tools" for name in (
+    **{name: "impel.runtime.module_tools" for name in (
         "id_tensor_storage", "find_tied_parameters", "dtype_byte_size", "convert_file_size_to_int",
         "compute_module_sizes", "is_peft_model", "get_module_children_bottom_up", "model_has_dtensor")},
-    **{name: "impel.unsupported" for name in REASONS},
+    **{name: "impel.config.unsupported" for name in REASONS},
 }
 
 

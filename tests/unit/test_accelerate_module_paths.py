@@ -16,7 +16,7 @@ import pytest
 
 accelerate_utils = pytest.importorskip("accelerate.utils")
 
-from impel.unsupported import REASONS, NotProvidedError  # noqa: E402
+from impel.config.unsupported import REASONS, NotProvidedError  # noqa: E402
 
 UTILS_SUBMODULES = ["dataclasses", "operations", "memory", "random", "modeling", "imports", "other", "constants",
                     "deepspeed", "environment", "fsdp_utils", "launch", "versions"]

@@ -86,7 +86,7 @@ def differences(label: str, mine: Any, theirs: Any) -> list[str]:
 def _pairs() -> list[tuple[str, Any, Any]]:
     pairs = []
     for name in sorted(iu.SOURCES):
-        if iu.SOURCES[name] == "impel.unsupported" or not callable(getattr(acc_utils, name, None)):
+        if iu.SOURCES[name] == "impel.config.unsupported" or not callable(getattr(acc_utils, name, None)):
             continue
         pairs.append((name, getattr(iu, name), getattr(acc_utils, name)))
     for name in ("prepare_data_loader", "BatchSamplerShard", "IterableDatasetShard", "SkipBatchSampler",
