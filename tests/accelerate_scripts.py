@@ -180,3 +180,21 @@ def _collect(results: Results, out: Path, processes: int) -> Results:
         else:
             results.setup_failed[label] = error
     return results
+
+
+def measure(target: str = "accelerate") -> dict[tuple[str, int], list[str]]:
+    """The checks ``target`` passes, per script and number of processes (what ACCELERATE_PASSES records)."""
+    import tempfile
+
+    table = {}
+    for name in SCRIPTS:
+        for processes in (1, 2):
+            with tempfile.TemporaryDirectory() as tmp:
+                table[(name, processes)] = sorted(run_script(name, target, processes, Path(tmp), timeout=600).passed)
+    return table
+
+
+if __name__ == "__main__":  # python tests/accelerate_scripts.py [accelerate|impel]: print the table to record
+    import pprint
+
+    pprint.pprint(measure(sys.argv[1] if len(sys.argv) > 1 else "accelerate"), width=118)

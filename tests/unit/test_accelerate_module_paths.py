@@ -111,6 +111,16 @@ def test_a_name_impel_does_not_provide_imports_and_raises_with_its_reason_on_use
     assert REASONS[name] in (value.__doc__ or "")
 
 
+@pytest.mark.parametrize("name", ["Accelerator", "DataLoaderConfiguration", "GradientAccumulationPlugin",
+                                  "DistributedDataParallelKwargs", "FullyShardedDataParallelPlugin", "DeepSpeedPlugin",
+                                  "DistributedType", "AcceleratorState", "GradientState", "AcceleratedOptimizer",
+                                  "AcceleratedScheduler", "ProjectConfiguration", "ParallelismConfig"])
+def test_names_scripts_import_from_the_accelerator_module_resolve(name):
+    accelerator_module = importlib.import_module("accelerate.accelerator")
+    mine = getattr(importlib.import_module("impel.accelerator"), name)
+    assert mine.__name__ == getattr(accelerator_module, name).__name__
+
+
 def test_unknown_names_stay_attribute_errors():
     import impel.utils.operations as ops
 
