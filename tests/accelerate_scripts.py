@@ -146,7 +146,8 @@ def run_script(name: str, target: str, processes: int, workdir: Path, timeout: f
     env = {**os.environ, "CHECKS_OUT": str(out), "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1",
            "CUDA_VISIBLE_DEVICES": "", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1", "NUM_PROCESSES": str(processes)}
     # test_notebook starts its own NUM_PROCESSES processes (notebook_launcher) from one
-    cmd = [sys.executable, str(script)] if processes == 1 or "notebook" in name else \
+    launched = 1 if "notebook" in name else processes
+    cmd = [sys.executable, str(script)] if launched == 1 else \
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes), str(script)]
     results = Results()
     try:
@@ -154,7 +155,7 @@ def run_script(name: str, target: str, processes: int, workdir: Path, timeout: f
         results.returncode, results.output = proc.returncode, proc.stdout + proc.stderr
     except subprocess.TimeoutExpired as expired:
         results.output = f"timed out after {timeout}s\n{expired.stdout or ''}{expired.stderr or ''}"
-    return _collect(results, out, processes)
+    return _collect(results, out, launched)
 
 
 def _collect(results: Results, out: Path, processes: int) -> Results:
