@@ -325,3 +325,46 @@ def test_a_batch_sampler_given_as_sampler_is_sharded_as_accelerate(drop_last):
         mine = dl.prepare_data_loader(loader(), num_processes=2, process_index=rank)
         theirs = acc_dl.prepare_data_loader(loader(), num_processes=2, process_index=rank)
         assert [b.tolist() for b in mine] == [b.tolist() for b in theirs], rank
+
+
+# --- signatures' new arguments: each takes effect or raises ------------------------------------------------------
+def test_prepare_arguments_take_effect_or_raise():
+    from impel import Accelerator, ConfigError
+
+    acc = Accelerator(cpu=True)
+    model = acc.prepare_model(nn.Linear(2, 1), evaluation_mode=True)
+    assert model(torch.ones(1, 2)).shape == (1, 1)
+    opt = acc.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), device_placement=True)
+    assert opt.param_groups[0]["lr"] == 0.1
+    with pytest.raises(ConfigError, match="device_placement=False"):
+        acc.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), device_placement=False)
+    with pytest.raises(ConfigError, match="slice_fn_for_dispatch"):
+        acc.prepare_data_loader(DataLoader(list(range(4))), slice_fn_for_dispatch=lambda b, *a: b)
+    with acc.trigger_sync_in_backward(model):  # one process: nothing to force
+        model(torch.ones(1, 2)).sum().backward()
+
+
+@pytest.mark.parametrize("plugin,kwargs", [
+    ("FullyShardedDataParallelPlugin", {"ignored_modules": [nn.Linear(1, 1)]}),
+    ("FullyShardedDataParallelPlugin", {"state_dict_config": object()}),
+    ("FullyShardedDataParallelPlugin", {"optim_state_dict_config": object()}),
+    ("FullyShardedDataParallelPlugin", {"limit_all_gathers": False}),
+    ("FullyShardedDataParallelPlugin", {"param_init_fn": lambda m: m}),
+    ("FullyShardedDataParallelPlugin", {"activation_checkpointing_offload": True}),
+    ("DeepSpeedPlugin", {"transformer_moe_cls_names": "MoEBlock"}),
+    ("DeepSpeedPlugin", {"enable_msamp": True}),
+    ("DeepSpeedPlugin", {"msamp_opt_level": "O2"}),
+])
+def test_plugin_arguments_impel_does_not_drive_raise_naming_them(plugin, kwargs):
+    import impel
+    from impel import ConfigError
+
+    cls = getattr(impel, plugin)
+    cls(**({"limit_all_gathers": True} if "limit_all_gathers" in kwargs else {}))  # Accelerate's default: accepted
+    with pytest.raises(ConfigError, match=f"{plugin}\\({next(iter(kwargs))}="):
+        cls(**kwargs)
+
+
+def test_synchronize_rng_state_without_a_type_names_the_choices():
+    with pytest.raises(ValueError, match="'torch', 'cuda' or 'generator'"):
+        iu.synchronize_rng_state()
