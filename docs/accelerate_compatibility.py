@@ -10,10 +10,17 @@ import types
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 import accelerate
+import accelerate.state
+import accelerate.utils
 
 import impel
+import impel.state
 import impel.utils as iu
 from impel.accelerator import Accelerator as IAcc
+from impel.config.unsupported import REASONS
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "unit"))
+import test_accelerate_signatures as signatures  # noqa: E402  (the compared signatures and the listed differences)
 
 # --- reasons for names impel does not have, or has with limits ------------------------------------------------
 MISSING = {
@@ -37,10 +44,7 @@ MISSING = {
     "load_and_quantize_model": "quantised loading is not in impel's scope",
     "HfDeepSpeedConfig": "impel resolves the DeepSpeed JSON itself; pass it as DeepSpeedPlugin(hf_ds_config=...)",
     "ProjectConfiguration": None,
-    "extract_model_from_parallel": "use accelerator.unwrap_model(model)",
     "write_basic_config": "use `impel config default`",
-    "patch_environment": "not provided; set os.environ in the test",
-    "convert_outputs_to_fp32": "the prepared model's forward casts its outputs (not a public helper)",
     "get_max_memory": "big-model inference helper, not in impel's scope",
     "load_fsdp_model": "use accelerator.load_state", "save_fsdp_model": "use accelerator.save_state",
     "load_fsdp_optimizer": "use accelerator.load_state", "save_fsdp_optimizer": "use accelerator.save_state",
@@ -52,7 +56,6 @@ MISSING = {
     "msamp_recipe_handler": "impel has no fp8 mode", "fp8_recipe_handler": "impel has no fp8 mode",
     "delayed_fp8_autocast": "impel has no fp8 mode",
     "lomo_backward": "LOMO optimizers are not supported", "has_lomo_optimizer": "LOMO optimizers are not supported",
-    "trigger_sync_in_backward": "not provided yet; use accelerator.no_sync / accumulate",
     "arg:mixed_precision": None,
     "arg:dispatch_batches": "removed from Accelerate's signature long ago; DataLoaderConfiguration holds it",
 }
@@ -183,6 +186,24 @@ LIMITS = {
     "context_parallel_rank": "the rank along the mesh's cp dim (Accelerate raises NotImplementedError)",
     "pipeline_parallel_rank": "NotImplementedError, as Accelerate",
     "should_save_model": "True on every rank, as Accelerate 1.15 (saving is collective)",
+    "reduce": "default 'mean' (accelerate.utils.reduce's; the Accelerator's method keeps 'sum', as Accelerate's), "
+              "'sum', 'max' as Accelerate; 'min' takes the minimum and 'none' leaves each rank's tensor (Accelerate "
+              "sums for both); `scale` multiplies on every device (Accelerate applies it on XLA only); another "
+              "reduction raises",
+    "recursively_apply": "Accelerate's signature (func, data, *args, test_type=, error_on_other_type=False, **kwargs)",
+    "extract_model_from_parallel": "strips DataParallel / DDP / a DeepSpeed engine, inside torch.compile too; FSDP2 "
+                                   "shards in place, so `recursive` changes nothing",
+    "prepare_model": "evaluation_mode=True prepares the model as for training (same outputs; Accelerate leaves out "
+                     "the DDP wrapper)",
+    "prepare_optimizer": "device_placement=False raises (the optimizer state lives with its parameters)",
+    "prepare_data_loader": "slice_fn_for_dispatch raises when given (impel never dispatches batches)",
+    "trigger_sync_in_backward": "DDP: the next backward in the block reduces gradients (as Accelerate's); "
+                                "elsewhere nothing to do",
+    "state:_reset_state": "provided because transformers calls it: forgets the state, keeps the process group",
+    "state:debug": "collectives check shapes across ranks first (DistributedOperationException), also with "
+                   "ACCELERATE_DEBUG_MODE=1",
+    "state:split_between_processes": "lists, tuples, dicts, tensors and datasets.Dataset, as Accelerate",
+    "state:destroy_process_group": "without a group: only a group impel created; with one: that group",
     "GradientState": "impel keeps one per Accelerator: GradientState() without a plugin raises, naming "
                      "accelerator.gradient_state",
 }
@@ -196,10 +217,14 @@ UTILS_USED = sorted(set(iu.__all__) | {
     "save_fsdp_optimizer", "BnbQuantizationConfig", "load_and_quantize_model"})
 
 
+def placeholder(value):
+    return type(value).__module__ == "impel.config.unsupported"
+
+
 def has(module, name):
+    """The name resolves to something real (a placeholder that raises NotProvidedError on use does not count)."""
     try:
-        getattr(module, name)
-        return True
+        return not placeholder(getattr(module, name))
     except AttributeError:
         return False
 
@@ -208,6 +233,8 @@ def row(name, present):
     if present:
         note = LIMITS.get(name, "")
         return f"| `{name}` | supported | {note} |"
+    if name in REASONS:
+        return f"| `{name}` | not provided (imports; NotProvidedError on use) | {REASONS[name]} |"
     return f"| `{name}` | missing (AttributeError) | {MISSING.get(name) or 'not provided yet'} |"
 
 
@@ -218,6 +245,8 @@ def section(title, names, present):
     return out + ["", f"{n_ok} of {len(names)} present.", ""]
 
 
+signatures_subs = ["dataclasses", "operations", "memory", "random", "modeling", "imports", "other", "constants",
+                   "deepspeed", "environment", "fsdp_utils", "launch", "versions"]
 top = sorted(n for n in dir(accelerate)
              if not n.startswith("_") and not isinstance(getattr(accelerate, n), types.ModuleType))
 acc_a = accelerate.Accelerator(cpu=True)
@@ -227,7 +256,11 @@ acc_i = IAcc(cpu=True)
 paths = [("accelerate.accelerator", "impel.accelerator", ["Accelerator"]),
          ("accelerate.state", "impel.state", ["PartialState", "AcceleratorState", "GradientState"]),
          ("accelerate.logging", "impel.logging", ["get_logger", "MultiProcessAdapter"]),
-         ("accelerate.data_loader", "impel.data_loader", ["skip_first_batches", "DataLoaderShard"]),
+         ("accelerate.data_loader", "impel.data_loader", ["skip_first_batches", "DataLoaderShard",
+                                                          "prepare_data_loader", "BatchSamplerShard",
+                                                          "IterableDatasetShard", "SeedableRandomSampler",
+                                                          "SkipBatchSampler", "SkipDataLoader"]),
+         ("accelerate.commands.config", "impel.commands.config", ["default_config_file", "load_config_from_file"]),
          ("accelerate.big_modeling", "impel.big_modeling", ["init_empty_weights", "init_on_device"]),
          ("accelerate.launchers", "impel.launchers", ["notebook_launcher", "debug_launcher"]),
          ("accelerate.local_sgd", "impel.local_sgd", ["LocalSGD"]),
@@ -239,9 +272,12 @@ lines = ["# Accelerate compatibility", "",
          "Accelerate 1.15's public surface, listed from its own `__init__`, `accelerate.utils` (the names scripts",
          "import) and `dir(Accelerator)` plus an Accelerator instance's attributes, each checked against impel by",
          "importing it (a script in the dev venv, where accelerate is installed, wrote this file).",
-         "After `sed 's/\\baccelerate\\b/impel/g'` the \"supported\" names resolve; \"missing\" ones raise",
-         "AttributeError / ImportError (or TypeError for constructor arguments), with the reason here: nothing is",
-         "accepted and ignored. Where a supported name refuses some of its settings, the notes say which and why.",
+         "After `sed 's/\\baccelerate\\b/impel/g'` the \"supported\" names resolve; \"not provided\" ones import",
+         "and raise `NotProvidedError` (a `NotImplementedError`) naming the reason on use",
+         "(`impel.config.unsupported`);",
+         "\"missing\" ones raise AttributeError / ImportError (or TypeError for constructor arguments), with the",
+         "reason here: nothing is accepted and ignored. Where a supported name refuses some of its settings, the",
+         "notes say which and why.",
          "`tests/unit/test_dropin_surface.py` checks that every \"supported\" row still resolves.", "",
          "## Module paths", "", "| Accelerate | impel | names checked | notes |", "|---|---|---|---|"]
 for a_mod, i_mod, names in paths:
@@ -249,7 +285,25 @@ for a_mod, i_mod, names in paths:
     ok = all(has(m, n) for n in names)
     lines.append(f"| `{a_mod}` | `{i_mod}` {'supported' if ok else 'MISSING'} | {', '.join(names)} | "
                  f"{LIMITS.get(a_mod, '')} |")
-lines += ["| `accelerate.utils` | `impel.utils` supported | see below | |", ""]
+lines += ["| `accelerate.utils` | `impel.utils` supported | see below | |",
+          "| `accelerate.hooks` | `impel.hooks` (every name imports; NotProvidedError on use) | "
+          f"{', '.join(importlib.import_module('impel.hooks').__all__)} | big-model inference hooks: "
+          f"{REASONS['add_hook_to_module']} |", ""]
+lines += ["## Module paths below `accelerate.utils`", "",
+          "Each of Accelerate's `accelerate.utils.<submodule>` paths is a face over impel's modules. Checked: the",
+          "names of each submodule that are in `accelerate.utils`' namespace (its documented names) or constants.",
+          "", "| Accelerate | names | real | not provided (NotProvidedError on use) |", "|---|---|---|---|"]
+for sub in signatures_subs:
+    acc_mod = importlib.import_module(f"accelerate.utils.{sub}")
+    names = [n for n in dir(acc_mod) if not n.startswith("_") and not isinstance(getattr(acc_mod, n), types.ModuleType)
+             and (n in dir(accelerate.utils) or n.isupper())]
+    face = importlib.import_module(f"impel.utils.{sub}")
+    real = [n for n in names if has(face, n)]
+    refused = [n for n in names if n in REASONS and n not in real]
+    absent = [n for n in names if n not in real and n not in refused]
+    extra = f"; internal, absent: {', '.join(absent)}" if absent else ""
+    lines.append(f"| `accelerate.utils.{sub}` | {len(names)} | {len(real)} | {', '.join(refused) or '-'}{extra} |")
+lines.append("")
 lines += section("Top-level names (`import accelerate`)", top, lambda n: has(impel, n))
 lines += section("`accelerate.utils` names scripts use", UTILS_USED, lambda n: has(iu, n))
 lines += section("`Accelerator` members", members, lambda n: n in dir(acc_i))  # listed, not read (some raise)
@@ -262,6 +316,22 @@ for p in a_params:
     else:
         lines.append(f"| `{p}` | missing (TypeError) | {MISSING.get('arg:' + p, 'a separate task in issue 14')} |")
 lines += ["", f"{sum(p in i_params for p in a_params)} of {len(a_params)} present.", ""]
+lines += ["## State classes", "", "| member | PartialState | AcceleratorState | notes |", "|---|---|---|---|"]
+state_members = sorted({n for cls in (accelerate.state.PartialState, accelerate.state.AcceleratorState)
+                        for n in dir(cls) if not n.startswith("_") or n == "_reset_state"})
+for n in state_members:
+    cells = []
+    for acc_cls, imp_cls in ((accelerate.state.PartialState, impel.state.PartialState),
+                             (accelerate.state.AcceleratorState, impel.state.AcceleratorState)):
+        cells.append("-" if not hasattr(acc_cls, n) else "supported" if hasattr(imp_cls, n) else "missing")
+    lines.append(f"| `{n}` | {cells[0]} | {cells[1]} | {LIMITS.get('state:' + n, '')} |")
+lines += ["", "## Signature differences", "",
+          "`tests/unit/test_accelerate_signatures.py` compares the parameters (names, relative order, defaults) of",
+          f"{len(signatures._pairs())} callables with Accelerate's: the `impel.utils` names, the Accelerator's and the",
+          "state classes' methods, the Accelerator's constructor and `impel.data_loader`. These differences remain:",
+          "", "| where | why |", "|---|---|"]
+lines += [f"| {k} | {v} |" for k, v in sorted(signatures.ALLOWED.items())]
+lines.append("")
 out = (sys.argv[1] if len(sys.argv) > 1
        else os.path.join(os.path.dirname(os.path.abspath(__file__)), "accelerate-compatibility.md"))
 open(out, "w").write("\n".join(lines))

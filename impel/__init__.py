@@ -59,6 +59,11 @@ _EXPORTS = {
     "DDPCommunicationHookType": "impel.config.ddp_hooks",
     "ProfileKwargs": "impel.config.profiling",
     "is_rich_available": "impel.runtime.availability",
+    # Accelerate's big-model inference and PiPPy names: importable, raising NotProvidedError (with the reason) on use
+    "cpu_offload": "impel.config.unsupported", "cpu_offload_with_hook": "impel.config.unsupported",
+    "disk_offload": "impel.config.unsupported", "dispatch_model": "impel.config.unsupported",
+    "infer_auto_device_map": "impel.config.unsupported", "load_checkpoint_and_dispatch": "impel.config.unsupported",
+    "prepare_pippy": "impel.config.unsupported",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -5,7 +5,8 @@ from __future__ import annotations
 from impel.exports import lazy_face
 
 _EXPORTS = {"PartialState": "impel.runtime.process", "AcceleratorState": "impel.runtime.process",
-            "ProcessState": "impel.runtime.process", "GradientState": "impel.runtime.accumulation"}
+            "ProcessState": "impel.runtime.process", "GradientState": "impel.runtime.accumulation",
+            "is_initialized": "impel.runtime.process"}
 
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_face(__name__, _EXPORTS)

@@ -13,7 +13,23 @@ from __future__ import annotations
 from impel.exports import lazy_face
 
 # lazily: the facade imports torch, and the command line imports ``resilience`` from here without it
-_EXPORTS = {"Accelerator": "impel.accelerator.facade"}
+_EXPORTS = {
+    "Accelerator": "impel.accelerator.facade",
+    # what scripts import from Accelerate's ``accelerate.accelerator`` module besides the Accelerator
+    "AutocastKwargs": "impel.config.plugins", "DataLoaderConfiguration": "impel.config.plugins",
+    "DeepSpeedPlugin": "impel.config.plugins", "DistributedDataParallelKwargs": "impel.config.plugins",
+    "FullyShardedDataParallelPlugin": "impel.config.plugins", "GradScalerKwargs": "impel.config.plugins",
+    "GradientAccumulationPlugin": "impel.config.plugins", "InitProcessGroupKwargs": "impel.config.plugins",
+    "KwargsHandler": "impel.config.plugins", "ProjectConfiguration": "impel.config.plugins",
+    "ProfileKwargs": "impel.config.profiling", "DistributedType": "impel.config.run_config",
+    "PrecisionType": "impel.config.run_config", "ParallelismConfig": "impel.config.parallelism",
+    "DummyOptim": "impel.config.deepspeed_json", "DummyScheduler": "impel.config.deepspeed_json",
+    "PartialState": "impel.runtime.process", "AcceleratorState": "impel.runtime.process",
+    "GradientState": "impel.runtime.accumulation", "RNGType": "impel.runtime.seeding",
+    "AcceleratedOptimizer": "impel.runtime.optimizer", "AcceleratedScheduler": "impel.runtime.optimizer",
+    "TorchDynamoPlugin": "impel.runtime.compile", "DynamoBackend": "impel.runtime.compile",
+    "LoggerType": "impel.trackers.registry",
+}
 
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_face(__name__, _EXPORTS)

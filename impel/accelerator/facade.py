@@ -235,13 +235,26 @@ class Accelerator(ProcessUtilities, RunSettings):
         self.prepared.optimizers.append(wrapped)
         return wrapped
 
-    def prepare_model(self, model: nn.Module, device_placement: bool | None = None) -> nn.Module:
+    def prepare_model(self, model: nn.Module, device_placement: bool | None = None,
+                      evaluation_mode: bool = False) -> nn.Module:
+        """``evaluation_mode=True`` (transformers' evaluation) prepares the model as for training: the same outputs
+        (Accelerate leaves out the DDP wrapper, which only acts in backward)."""
         return self.prepare(model, device_placement=None if device_placement is None else [device_placement])
 
-    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> AcceleratedOptimizer:
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer,
+                          device_placement: bool | None = None) -> AcceleratedOptimizer:
+        """``device_placement`` True / None as Accelerate's (the state lives where the parameters do); False raises:
+        impel keeps an optimizer's state on its parameters' device."""
+        if device_placement is False:
+            raise ConfigError("prepare_optimizer(device_placement=False): impel keeps the optimizer state on its "
+                              "parameters' device (loading a state moves it there); leave device_placement out")
         return self.prepare(optimizer)
 
-    def prepare_data_loader(self, data_loader: DataLoader, device_placement: bool | None = None) -> DataLoaderShard:
+    def prepare_data_loader(self, data_loader: DataLoader, device_placement: bool | None = None,
+                            slice_fn_for_dispatch: Callable[..., Any] | None = None) -> DataLoaderShard:
+        if slice_fn_for_dispatch is not None:
+            raise ConfigError("prepare_data_loader(slice_fn_for_dispatch=...) only applies to dispatched batches, "
+                              "which impel does not do (every rank reads its own shard); leave it None")
         if isinstance(data_loader, DataLoaderShard):
             return data_loader
         place = self.device_placement if device_placement is None else device_placement
@@ -290,6 +303,11 @@ class Accelerator(ProcessUtilities, RunSettings):
         """Skip the cross-rank gradient reduction for backward passes of forwards run inside this block."""
         with self.gradient_state.no_sync_block():
             yield
+
+    def trigger_sync_in_backward(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
+        """Inside ``no_sync`` / accumulation: the next backward in this block reduces gradients across ranks anyway
+        (DDP; elsewhere nothing to do), as Accelerate's."""
+        return self.strategy.forced_sync(uncompiled(model))
 
     @contextlib.contextmanager
     def autocast(self, autocast_handler: Any = None) -> Iterator[None]:

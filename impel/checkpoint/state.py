@@ -89,11 +89,11 @@ def describe(obj: Any) -> str:
 
 
 def check_registrable(objects: Sequence[Any]) -> None:
-    """Every object needs callable ``state_dict`` and ``load_state_dict``; a TypeError naming the first that lacks
-    them."""
+    """Every object needs callable ``state_dict`` and ``load_state_dict``; a ValueError (as Accelerate's) naming the
+    first that lacks them."""
     for index, obj in enumerate(objects):
         missing = [m for m in ("state_dict", "load_state_dict") if not callable(getattr(obj, m, None))]
         if missing:
-            raise TypeError(f"register_for_checkpointing got {describe(obj)} (argument {index}), which has no "
-                            f"{' or '.join(m + '()' for m in missing)}; give it state_dict() and load_state_dict(), "
-                            "or save it yourself in a register_save_state_pre_hook hook")
+            raise ValueError(f"register_for_checkpointing got {describe(obj)} (argument {index}), which has no "
+                             f"{' or '.join(m + '()' for m in missing)}; give it state_dict() and load_state_dict(), "
+                             "or save it yourself in a register_save_state_pre_hook hook")

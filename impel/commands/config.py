@@ -12,7 +12,12 @@ from typing import Any
 from impel.commands.flags import add_field_flag
 from impel.config import environment as env
 from impel.config.run_config import ConfigError, RunConfig
+from impel.config.yaml_file import LoadedConfig as LoadedConfig  # re-exported: Accelerate's accelerate.commands.config
 from impel.config.yaml_file import dump_yaml, file_document, read_config_file, write_config_file
+from impel.config.yaml_file import load_config_from_file as load_config_from_file
+
+# Accelerate's ``accelerate.commands.config.default_config_file``: the file ``impel config`` writes
+default_config_file = env.default_config_path()
 
 
 def register(subparsers: Any) -> None:

@@ -264,3 +264,66 @@ def stall_warning_seconds() -> float:
 def rank_exit_dir() -> str | None:
     """The folder ``impel launch`` gave its ranks to note a normal exit in, or None outside it."""
     return os.environ.get(RANK_EXIT_DIR_VAR) or None
+
+
+# --- Accelerate's environment utilities (``accelerate.utils.environment``): scripts' and test suites' helpers -----
+def str_to_bool(value: str, to_bool: bool = False) -> int | bool:
+    """Accelerate's truth parser: ``y/yes/t/true/on/1`` -> 1, ``n/no/f/false/off/0`` -> 0 (bools with ``to_bool``)."""
+    lowered = value.lower()
+    if lowered in ("y", "yes", "t", "true", "on", "1"):
+        return True if to_bool else 1
+    if lowered in ("n", "no", "f", "false", "off", "0"):
+        return False if to_bool else 0
+    raise ValueError(f"invalid truth value {value!r}; use one of y/yes/t/true/on/1 or n/no/f/false/off/0")
+
+
+def parse_flag_from_env(key: str, default: bool = False) -> bool:
+    """Whether ``$key`` holds a true value (:func:`str_to_bool`); ``default`` when unset."""
+    return str_to_bool(os.environ.get(key, str(default))) == 1
+
+
+def parse_choice_from_env(key: str, default: str = "no") -> str:
+    """``$key``, or ``default`` when unset."""
+    return os.environ.get(key, str(default))
+
+
+def get_int_from_env(env_keys: Iterable[str], default: int) -> int:
+    """The first of ``env_keys`` set to a non-negative integer, else ``default``."""
+    for key in env_keys:
+        value = int(os.environ.get(key, -1))
+        if value >= 0:
+            return value
+    return default
+
+
+@contextlib.contextmanager
+def patch_environment(**kwargs: Any) -> Iterator[None]:
+    """Set each keyword (upper-cased, its value as a string) in ``os.environ`` for the block, then put back what was
+    there (or remove it)."""
+    with scoped_environ({key.upper(): str(value) for key, value in kwargs.items()}):
+        yield
+
+
+@contextlib.contextmanager
+def clear_environment() -> Iterator[None]:
+    """An empty ``os.environ`` for the block; afterwards the environment is exactly what it was before."""
+    saved = os.environ.copy()
+    os.environ.clear()
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+@contextlib.contextmanager
+def restored_prefix(prefix: str) -> Iterator[None]:
+    """The variables starting with ``prefix`` are, after the block, what they were before it (new ones removed)."""
+    saved = {k: v for k, v in os.environ.items() if k.startswith(prefix)}
+    try:
+        yield
+    finally:
+        for key in [k for k in os.environ if k.startswith(prefix)]:
+            if key not in saved:
+                del os.environ[key]
+        os.environ.update(saved)

@@ -13,6 +13,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from impel.config.kwargs_handler import KwargsHandler
+from impel.config.plugin_refusals import DEEPSPEED_REFUSED, FSDP_REFUSED, refuse_set
 from impel.config.profiling import ProfileKwargs
 from impel.config.run_config import (
     ConfigError,
@@ -327,11 +328,19 @@ class FullyShardedDataParallelPlugin:
     # one keyword per FSDPConfig field is generated (config_backed); written by hand:
     cpu_offload: Any = by_hand(before="offload_params")
     mixed_precision_policy: Any = None
+    # Accelerate's arguments impel refuses when set (impel.config.plugin_refusals says why and what to use instead)
+    ignored_modules: Any = None
+    state_dict_config: Any = None
+    optim_state_dict_config: Any = None
+    limit_all_gathers: bool = True
+    param_init_fn: Any = None
+    activation_checkpointing_offload: Any = None
 
     if TYPE_CHECKING:  # the dataclass __init__ config_backed builds, with keywords type checkers cannot see
         def __init__(self, *args: Any, **kwargs: Any) -> None: ...
 
     def __post_init__(self) -> None:
+        refuse_set(self, FSDP_REFUSED)
         self.mixed_precision = _mixed_precision_mode(self.mixed_precision_policy)
         self.to_config_section()  # validate now, with the YAML key names in the messages
 
@@ -453,11 +462,15 @@ class DeepSpeedPlugin:
     hf_ds_config: Any = by_hand(before="gradient_clipping")  # deepspeed_config_file, or a dict
     gradient_accumulation_steps: int | None = by_hand(before="gradient_clipping")  # the top-level key
     is_train_batch_min: bool = by_hand(True, before="offload_optimizer_device")
+    transformer_moe_cls_names: Any = None  # these three: refused when set (impel.config.plugin_refusals)
+    enable_msamp: Any = None
+    msamp_opt_level: Any = None
 
     if TYPE_CHECKING:  # the dataclass __init__ config_backed builds, with keywords type checkers cannot see
         def __init__(self, *args: Any, **kwargs: Any) -> None: ...
 
     def __post_init__(self) -> None:
+        refuse_set(self, DEEPSPEED_REFUSED)
         source = self.hf_ds_config
         if source is not None and not isinstance(source, (str, os.PathLike, dict)):
             raise ConfigError(f"DeepSpeedPlugin(hf_ds_config={source!r}) must be a path to a DeepSpeed JSON or a dict")

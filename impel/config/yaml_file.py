@@ -14,6 +14,7 @@ import tempfile
 from collections.abc import Mapping
 from typing import Any
 
+from impel.config import environment as env
 from impel.config.run_config import SECTIONS, ConfigError, RunConfig
 
 # Accelerate keys that load only with their "off" value: key -> (values meaning off, what the key is for).
@@ -223,3 +224,27 @@ def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
             raise DuplicateKey(key, 0, 0)
         out[key] = value
     return out
+
+
+class LoadedConfig(dict[str, Any]):
+    """A config file's settings as :func:`load_config_from_file` returns them: a dict whose keys also read as
+    attributes, with ``to_dict()`` (the shape of Accelerate's ``ClusterConfig``)."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(f"the config file sets no {name!r}; its keys are {sorted(self)}") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self)
+
+
+def load_config_from_file(config_file: str | None) -> LoadedConfig:
+    """Accelerate's ``load_config_from_file``: the settings of ``config_file`` (default: the file ``impel launch``
+    reads, impel's or Accelerate's), validated; a missing file raises FileNotFoundError, as Accelerate's."""
+    path = config_file if config_file is not None else env.config_to_read()[0]
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"config file {path!r} does not exist; pass an existing file or write one with "
+                                "`impel config`")
+    return LoadedConfig(read_config_file(path))

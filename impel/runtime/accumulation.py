@@ -61,6 +61,12 @@ class GradientState:
         self._warned_direct_backward = False
         self._step = 0  # Accelerate's ``accelerator.step``: micro-steps begun, reset when one ends a dataloader
 
+    @staticmethod
+    def _reset_state() -> None:
+        """Accelerate's reset (test suites call it): until another Accelerator is built, ``GradientState()`` is a
+        fresh state again; live Accelerators keep theirs."""
+        GradientState._newest = None
+
     def __reduce__(self) -> tuple[Any, ...]:  # pickles as its values, never as the shared instance
         state = {k: v for k, v in self.__dict__.items() if k != "_dataloaders"}
         return (_rebuild, (self._plugin, state))

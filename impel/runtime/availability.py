@@ -100,8 +100,10 @@ def is_matplotlib_available() -> bool:
     return _installed("matplotlib")
 
 
-def is_bnb_available() -> bool:
-    return _installed("bitsandbytes")
+def is_bnb_available(min_version: str | None = None) -> bool:
+    if min_version is None or not _installed("bitsandbytes"):
+        return _installed("bitsandbytes")
+    return compare_versions("bitsandbytes", ">=", min_version)
 
 
 def is_schedulefree_available() -> bool:
@@ -239,3 +241,100 @@ def compare_versions(library_or_version: str, operation: str, requirement_versio
 
         version = installed_version(library_or_version)
     return ops[operation](parse(version), parse(requirement_version))
+
+
+# --- packages impel does not use itself: the answer is only whether they are installed -------------------------
+def is_pytest_available() -> bool:
+    return _installed("pytest")
+
+
+def is_torchdata_available() -> bool:
+    return _installed("torchdata")
+
+
+def is_triton_available() -> bool:
+    return _installed("triton")
+
+
+def is_boto3_available() -> bool:
+    return _installed("boto3")
+
+
+def is_pynvml_available() -> bool:
+    return _installed("pynvml")
+
+
+def is_amdsmi_available() -> bool:
+    return _installed("amdsmi")
+
+
+def is_lomo_available() -> bool:
+    return _installed("lomo_optim")
+
+
+def is_import_timer_available() -> bool:
+    return _installed("import_timer")
+
+
+def is_pippy_available() -> bool:
+    """Whether torch ships pipelining (impel does not drive PiPPy inference)."""
+    return _installed("torch.distributed.pipelining")
+
+
+def is_transformer_engine_available() -> bool:
+    return _installed("transformer_engine")
+
+
+def is_transformer_engine_mxfp8_available() -> bool:
+    return False  # needs Transformer Engine on Blackwell GPUs, and impel has no fp8 mode anyway
+
+
+def is_msamp_available() -> bool:
+    return _installed("msamp")
+
+
+def is_torchao_available() -> bool:
+    return _installed("torchao")
+
+
+def is_megatron_lm_available() -> bool:
+    return _installed("megatron")
+
+
+def is_sagemaker_available() -> bool:
+    return _installed("sagemaker")
+
+
+def is_4bit_bnb_available() -> bool:
+    return is_bnb_available()
+
+
+def is_8bit_bnb_available() -> bool:
+    return is_bnb_available()
+
+
+def is_bitsandbytes_multi_backend_available() -> bool:
+    return False  # bitsandbytes' multi-backend preview; impel drives CUDA only
+
+
+def is_weights_only_available() -> bool:
+    """``torch.load(weights_only=True)`` exists (torch >= 2.4, which impel requires)."""
+    return True
+
+
+def is_rocm_available() -> bool:
+    """Whether torch was built for AMD ROCm."""
+    import torch
+
+    return torch.version.hip is not None
+
+
+def is_xccl_available() -> bool:
+    """Whether torch.distributed has Intel's XCCL backend."""
+    import torch.distributed as dist
+
+    return bool(dist.is_available() and getattr(dist, "is_xccl_available", lambda: False)())
+
+
+def is_habana_gaudi1() -> bool:
+    return False  # a Gaudi generation check; impel does not drive HPUs

@@ -4,12 +4,14 @@ Every function is a no-op copy on one process, so a loop calls them unconditiona
 """
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from impel.config import environment as env
 from impel.runtime import rank_health
 
 
@@ -18,25 +20,39 @@ def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def recursively_apply(fn: Callable[[torch.Tensor], Any], data: Any, error_on_other_type: bool = True) -> Any:
-    """Apply ``fn`` to every tensor in nested lists, tuples, namedtuples and mappings; other leaves raise, or with
-    ``error_on_other_type=False`` are returned unchanged."""
-    if isinstance(data, torch.Tensor):
-        return fn(data)
+def is_torch_tensor(tensor: Any) -> bool:
+    return isinstance(tensor, torch.Tensor)
+
+
+def recursively_apply(func: Callable[..., Any], data: Any, *args: Any,
+                      test_type: Callable[[Any], bool] = is_torch_tensor, error_on_other_type: bool = False,
+                      **kwargs: Any) -> Any:
+    """Apply ``func(leaf, *args, **kwargs)`` to every leaf passing ``test_type`` (a tensor by default) in nested
+    lists, tuples, namedtuples and mappings (Accelerate's signature); other leaves are returned unchanged, or with
+    ``error_on_other_type=True`` raise a TypeError."""
     if isinstance(data, (list, tuple)):
-        items = [recursively_apply(fn, d, error_on_other_type) for d in data]
+        items = [recursively_apply(func, d, *args, test_type=test_type, error_on_other_type=error_on_other_type,
+                                   **kwargs) for d in data]
         return type(data)(*items) if hasattr(data, "_fields") else type(data)(items)
     if isinstance(data, Mapping):
-        out = {k: recursively_apply(fn, v, error_on_other_type) for k, v in data.items()}
+        out = {k: recursively_apply(func, v, *args, test_type=test_type, error_on_other_type=error_on_other_type,
+                                    **kwargs) for k, v in data.items()}
         rebuild: Callable[..., Any] = type(data)  # the concrete mapping class (dict, BatchEncoding, ...)
         try:
             return rebuild(out)
         except TypeError:
             return out
+    if test_type(data):
+        return func(data, *args, **kwargs)
     if not error_on_other_type:
         return data
-    raise TypeError(f"cannot apply a collective to {type(data).__name__}; pass tensors or lists/tuples/dicts of "
-                    "tensors (use gather_object for other Python objects)")
+    raise TypeError(f"cannot apply {getattr(func, '__name__', 'the operation')} to {type(data).__name__}; pass "
+                    "tensors or lists/tuples/dicts of tensors (use gather_object for other Python objects)")
+
+
+def _tensors(fn: Callable[[torch.Tensor], Any], data: Any) -> Any:
+    """``recursively_apply`` for the collectives: every leaf must be a tensor."""
+    return recursively_apply(fn, data, error_on_other_type=True)
 
 
 SELF = "self"  # a ``group`` of this process alone (a data-parallel group of one: tensor parallelism only)
@@ -47,6 +63,48 @@ def _size(group: Any) -> int:
     if group == SELF or not is_distributed():
         return 1
     return dist.get_world_size(group)
+
+
+class CannotPadNestedTensorWarning(UserWarning):
+    """``pad_across_processes`` left a nested tensor unpadded (Accelerate's warning class)."""
+
+
+class DistributedOperationException(Exception):
+    """A collective cannot run as called: the tensors' shapes differ across ranks, or a tensor is on another device
+    than the process's (Accelerate's exception of that name)."""
+
+
+_DEBUG: dict[str, bool | None] = {"on": None}  # None: follow $ACCELERATE_DEBUG_MODE
+
+
+def debug_mode() -> bool:
+    """Whether collectives check shapes across ranks first (``state.debug``, else ``$ACCELERATE_DEBUG_MODE``)."""
+    on = _DEBUG["on"]
+    return bool(env.parse_flag_from_env("ACCELERATE_DEBUG_MODE")) if on is None else on
+
+
+def set_debug_mode(on: bool | None) -> None:
+    """Turn debug mode on or off for this process (None: follow ``$ACCELERATE_DEBUG_MODE`` again)."""
+    _DEBUG["on"] = on
+
+
+def _shapes(data: Any) -> Any:
+    return recursively_apply(lambda t: list(t.shape), data)
+
+
+def _verify(operation: str, data: Any, group: Any = None, dims_only: bool = False) -> None:
+    """Debug mode's check before ``operation``: the same (nested) shapes on every rank (with ``dims_only``, the same
+    number of dimensions), else :class:`DistributedOperationException` listing each rank's."""
+    if _size(group) == 1 or not debug_mode():
+        return
+    everyone: list[Any] = [None] * _size(group)
+    mine = recursively_apply(lambda t: t.ndim, data) if dims_only else _shapes(data)
+    dist.all_gather_object(everyone, mine, group=group)
+    if any(s != everyone[0] for s in everyone):
+        listed = "\n  - ".join(f"Process {i}: {s}" for i, s in enumerate(everyone))
+        raise DistributedOperationException(
+            "Cannot apply desired operation due to shape mismatches. All shapes across devices must be valid."
+            f"\n\nOperation: `impel.utils.operations.{operation}`\nInput shapes:\n  - {listed}")
 
 
 def _gather_one(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
@@ -62,18 +120,20 @@ def _gather_one(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
 
 
 @rank_health.blocking("gather")
-def gather(data: Any, group: Any = None) -> Any:
-    """Concatenate each tensor across ranks along dim 0 (0-d tensors become 1-d); shapes must match. ``group``: a
-    process group (default every rank) or :data:`SELF`."""
+def gather(tensor: Any, group: Any = None) -> Any:
+    """Concatenate each tensor across ranks along dim 0 (0-d tensors become 1-d); shapes must match (checked, a
+    :class:`DistributedOperationException` naming each rank's shapes). ``group``: a process group (default every
+    rank) or :data:`SELF`."""
     if _size(group) > 1:
-        _check_same_shapes(data, group)
-    return recursively_apply(lambda t: _gather_one(t, group), data)
+        _verify("gather", tensor, group)
+        _check_same_shapes(tensor, group)
+    return _tensors(lambda t: _gather_one(t, group), tensor)
 
 
 def _check_same_shapes(data: Any, group: Any = None) -> None:
     """One tiny all_gather of a shape fingerprint; the detailed (pickled) exchange only when they differ."""
     shapes: list[Any] = []
-    recursively_apply(lambda t: shapes.append(tuple(t.shape)), data)
+    _tensors(lambda t: shapes.append(tuple(t.shape)), data)
     mine = torch.tensor([hash(tuple(shapes)) & (2**62 - 1)], dtype=torch.int64)
     prints = [torch.empty_like(mine) for _ in range(_size(group))]
     dist.all_gather(prints, mine, group=group)
@@ -81,48 +141,55 @@ def _check_same_shapes(data: Any, group: Any = None) -> None:
         return
     everyone: list[Any] = [None] * _size(group)
     dist.all_gather_object(everyone, shapes, group=group)
-    raise ValueError(f"gather needs the same shapes on every rank, got {everyone}; call "
-                     "pad_across_processes first")
+    raise DistributedOperationException(f"gather needs the same shapes on every rank, got {everyone}; call "
+                                        "pad_across_processes first")
 
 
 @rank_health.blocking("gather_object")
-def gather_object(obj: Any, group: Any = None) -> list[Any]:
+def gather_object(object: Any, group: Any = None) -> list[Any]:  # noqa: A002 (Accelerate's keyword)
     """Gather picklable objects; lists are flattened one level (as Accelerate does)."""
     if _size(group) == 1:
-        return list(obj) if isinstance(obj, list) else [obj]
+        return list(object) if isinstance(object, list) else [object]
     out: list[Any] = [None] * _size(group)
-    dist.all_gather_object(out, obj, group=group)
+    dist.all_gather_object(out, object, group=group)
     if all(isinstance(o, list) for o in out):
         return [x for o in out for x in o]
     return out
 
 
+_REDUCE_OPS = {"sum": "SUM", "mean": "SUM", "max": "MAX", "min": "MIN"}
+
+
 @rank_health.blocking("reduce")
-def reduce(data: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
-    """Sum (or average) tensors across ranks; ``reduction`` is 'sum', 'mean' or 'none'."""
-    if reduction not in ("sum", "mean", "none"):
-        raise ValueError(f"reduction={reduction!r} is not supported; use 'sum', 'mean' or 'none'")
+def reduce(tensor: Any, reduction: str = "mean", scale: float = 1.0) -> Any:
+    """Reduce each tensor across ranks: ``reduction`` 'mean' (the default, as Accelerate's), 'sum', 'max', 'min' or
+    'none' (each rank keeps its own); the result is multiplied by ``scale``. The Accelerator's ``reduce`` defaults
+    to 'sum', as Accelerate's."""
+    if reduction not in (*_REDUCE_OPS, "none"):
+        raise ValueError(f"reduction={reduction!r} is not supported; use 'mean', 'sum', 'max', 'min' or 'none'")
+    _verify("reduce", tensor)
 
     def one(t: torch.Tensor) -> torch.Tensor:
         t = t.clone()
         if is_distributed() and reduction != "none":
-            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+            dist.all_reduce(t, op=getattr(dist.ReduceOp, _REDUCE_OPS[reduction]))
             if reduction == "mean":
                 t = t / dist.get_world_size()
         return t * scale if scale != 1.0 else t
 
-    return recursively_apply(one, data)
+    return _tensors(one, tensor)
 
 
 @rank_health.blocking("broadcast")
-def broadcast(data: Any, from_process: int = 0) -> Any:
+def broadcast(tensor: Any, from_process: int = 0) -> Any:
     """Tensors are broadcast in place; other objects are sent pickled. Returns the received value."""
     if not is_distributed():
-        return data
+        return tensor
+    _verify("broadcast", tensor)
     try:
-        return recursively_apply(lambda t: (dist.broadcast(t, src=from_process), t)[1], data)
+        return _tensors(lambda t: (dist.broadcast(t, src=from_process), t)[1], tensor)
     except TypeError:
-        box = [data]
+        box = [tensor]
         dist.broadcast_object_list(box, src=from_process)
         return box[0]
 
@@ -134,10 +201,14 @@ def broadcast_object_list(object_list: list[Any], from_process: int = 0) -> list
     return object_list
 
 
-def pad_across_processes(data: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
+def pad_across_processes(tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
     """Pad each tensor along ``dim`` to the largest size any rank holds, so it can be gathered."""
 
     def one(t: torch.Tensor) -> torch.Tensor:
+        if getattr(t, "is_nested", False):
+            warnings.warn("Cannot pad nested tensors without more information. Leaving unprocessed.",
+                          CannotPadNestedTensorWarning, stacklevel=4)
+            return t
         if not is_distributed() or t.ndim == 0 or dim >= t.ndim:
             return t
         size = torch.tensor([t.shape[dim]], device=t.device)
@@ -154,12 +225,18 @@ def pad_across_processes(data: Any, dim: int = 0, pad_index: int = 0, pad_first:
         out[tuple(index)] = t
         return out
 
-    return recursively_apply(one, data)
+    try:
+        _verify("pad_across_processes", tensor, dims_only=True)
+        return _tensors(one, tensor)
+    except DistributedOperationException as error:
+        raise DistributedOperationException("Error found while calling `impel.utils.operations."
+                                            "pad_across_processes`. Please see the earlier error for more "
+                                            "details.") from error
 
 
 def truncate(data: Any, length: int) -> Any:
     """Keep the first ``length`` rows of each gathered tensor (drops even-batches padding)."""
-    return recursively_apply(lambda t: t[:length], data)
+    return _tensors(lambda t: t[:length], data)
 
 
 @rank_health.blocking("wait_for_everyone")
@@ -169,24 +246,28 @@ def wait_for_everyone() -> None:
         dist.barrier()
 
 
-def send_to_device(obj: Any, device: torch.device, non_blocking: bool = False) -> Any:
-    """Move every tensor inside dicts, lists, tuples, namedtuples and ``.to``-able objects to ``device``."""
-    if isinstance(obj, torch.Tensor):
-        return obj if obj.device == device else obj.to(device, non_blocking=non_blocking)
-    if isinstance(obj, (list, tuple)):
-        moved = [send_to_device(o, device, non_blocking) for o in obj]
-        return type(obj)(*moved) if hasattr(obj, "_fields") else type(obj)(moved)
-    if isinstance(obj, Mapping):
-        moved_map = {k: send_to_device(v, device, non_blocking) for k, v in obj.items()}
-        rebuild: Callable[..., Any] = type(obj)  # the concrete mapping class (dict, BatchEncoding, ...)
+def send_to_device(tensor: Any, device: torch.device | str | int, non_blocking: bool = False,
+                   skip_keys: str | list[str] | None = None) -> Any:
+    """Move every tensor inside dicts, lists, tuples, namedtuples and ``.to``-able objects to ``device``; the values
+    of a mapping under ``skip_keys`` (a key or a list of keys) stay where they are."""
+    if isinstance(tensor, torch.Tensor):
+        return tensor if tensor.device == torch.device(device) else tensor.to(device, non_blocking=non_blocking)
+    if isinstance(tensor, (list, tuple)):
+        moved = [send_to_device(o, device, non_blocking, skip_keys) for o in tensor]
+        return type(tensor)(*moved) if hasattr(tensor, "_fields") else type(tensor)(moved)
+    if isinstance(tensor, Mapping):
+        skip = [skip_keys] if isinstance(skip_keys, str) else (skip_keys or [])
+        moved_map = {k: v if k in skip else send_to_device(v, device, non_blocking, skip_keys)
+                     for k, v in tensor.items()}
+        rebuild: Callable[..., Any] = type(tensor)  # the concrete mapping class (dict, BatchEncoding, ...)
         try:
             return rebuild(moved_map)
         except TypeError:
             return moved_map
-    to = getattr(obj, "to", None)
+    to = getattr(tensor, "to", None)
     if callable(to):
         try:
             return to(device)
         except TypeError:
-            return obj
-    return obj
+            return tensor
+    return tensor

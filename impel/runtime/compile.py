@@ -332,13 +332,26 @@ def uncompiled(model: nn.Module) -> nn.Module:
     return _orig_mod(model) if is_compiled_module(model) else model
 
 
+def _strip_parallel(module: nn.Module) -> nn.Module:
+    """``module`` without torch's ``DataParallel`` / ``DistributedDataParallel`` or a DeepSpeed engine around it
+    (several layers too): what a user or a library wrapped by hand."""
+    wrappers: tuple[type, ...] = (nn.DataParallel, nn.parallel.DistributedDataParallel)
+    deepspeed = sys.modules.get("deepspeed")
+    if deepspeed is not None:
+        wrappers += (deepspeed.DeepSpeedEngine,)
+    while isinstance(module, wrappers):
+        module = cast(nn.Module, module.module)
+    return module
+
+
 def unwrap(strategy: Unwrapping, model: nn.Module, keep_fp32_wrapper: bool, keep_torch_compile: bool) -> nn.Module:
-    """``accelerator.unwrap_model`` (Accelerate's semantics): the user's module without distributed wrappers; with
-    ``keep_torch_compile`` (the default) a compiled model stays compiled (an ``OptimizedModule`` around the unwrapped
-    module), else the module under the compile wrapper. Regionally compiled blocks are compiled in place and stay so."""
+    """``accelerator.unwrap_model`` (Accelerate's semantics): the user's module without distributed wrappers (the
+    strategy's, and a ``DataParallel`` / DDP the user added); with ``keep_torch_compile`` (the default) a compiled
+    model stays compiled (an ``OptimizedModule`` around the unwrapped module), else the module under the compile
+    wrapper. Regionally compiled blocks are compiled in place and stay so."""
     compiled = model if is_compiled_module(model) else None
     base = uncompiled(model)
-    inner = strategy.unwrap_model(base)
+    inner = _strip_parallel(strategy.unwrap_model(_strip_parallel(base)))
     if not keep_fp32_wrapper:
         unpatch_forward(inner)
         if compiled is not None:
@@ -348,3 +361,16 @@ def unwrap(strategy: Unwrapping, model: nn.Module, keep_fp32_wrapper: bool, keep
     if inner is base:
         return compiled
     return _compile(inner, compiled.__dict__.get("_impel_compile_kwargs", {}))
+
+
+class _NoStrategy:
+    def unwrap_model(self, model: nn.Module) -> nn.Module:
+        return model
+
+
+def extract_model_from_parallel(model: nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True,
+                                recursive: bool = False) -> nn.Module:
+    """Accelerate's ``extract_model_from_parallel``: ``model`` without ``DataParallel`` / DDP / DeepSpeed wrappers
+    (inside ``torch.compile`` too), as ``accelerator.unwrap_model`` does; FSDP2 shards in place, so there is no
+    wrapper to remove (``recursive`` is accepted for that reason and changes nothing)."""
+    return unwrap(_NoStrategy(), model, keep_fp32_wrapper, keep_torch_compile)

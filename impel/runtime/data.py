@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler
 
 from impel.config.plugins import DataLoaderConfiguration
@@ -24,28 +24,8 @@ from impel.runtime import collectives
 from impel.runtime.collectives import send_to_device
 from impel.runtime.dispatch import dispatching_loader
 from impel.runtime.loader_attributes import loader_attributes
+from impel.runtime.samplers import SeedableRandomSampler as SeedableRandomSampler  # re-exported: Accelerate's path
 from impel.runtime.seeding import synchronize_rng_states
-
-
-class SeedableRandomSampler(RandomSampler):
-    """A RandomSampler whose epoch ``e`` order comes from ``seed + e`` (``use_seedable_sampler=True``).
-
-    The same draws as Accelerate's sampler of that name: the generator is re-seeded at each pass, then torch's
-    RandomSampler draws the order from it.
-    """
-
-    def __init__(self, source: RandomSampler, seed: int) -> None:
-        super().__init__(source.data_source, replacement=source.replacement, num_samples=source._num_samples,
-                         generator=source.generator if source.generator is not None else torch.Generator())
-        self.seed = seed
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __iter__(self) -> Iterator[int]:
-        self.generator.manual_seed(self.seed + self.epoch)
-        yield from super().__iter__()
 
 
 class _ShardLayout:
@@ -393,9 +373,9 @@ def _check_loader(loader: DataLoader) -> None:
     if any(isinstance(s, DistributedSampler) for s in (loader.sampler, getattr(loader, "batch_sampler", None))):
         raise ConfigError("the DataLoader already uses a DistributedSampler; impel shards data itself, so build "
                           "the DataLoader with shuffle=True/False instead of a DistributedSampler")
-    if loader.batch_size is None and loader.batch_sampler is None:
-        raise ConfigError("DataLoader(batch_size=None) (no automatic batching) cannot be sharded; give it a "
-                          "batch_size or a batch_sampler")
+    if loader.batch_size is None and loader.batch_sampler is None and not isinstance(loader.sampler, BatchSampler):
+        raise ConfigError("DataLoader(batch_size=None) (no automatic batching) cannot be sharded unless its sampler "
+                          "is a BatchSampler; give it a batch_size, a batch_sampler or sampler=BatchSampler(...)")
 
 
 def _agree_on_generator(sampler: Any) -> None:
@@ -418,7 +398,7 @@ def _order_sampler(sampler: Any, world: int, config: DataLoaderConfiguration, sh
     """The sampler that orders one epoch's indices: the user's, made seedable or agreed across ranks."""
     if isinstance(sampler, RandomSampler) and config.use_seedable_sampler:
         seed = config.data_seed if config.data_seed is not None else torch.initial_seed()
-        return SeedableRandomSampler(sampler, int(collectives.broadcast(int(seed), from_process=0)))
+        return SeedableRandomSampler.from_sampler(sampler, int(collectives.broadcast(int(seed), from_process=0)))
     if world > 1 and share_generator:
         _agree_on_generator(sampler)
     return sampler
@@ -457,6 +437,14 @@ def shard_dataloader(loader: DataLoader, *, world: int, rank: int, device: torch
                               "iterable datasets in the main process; use num_workers=0 or a map-style dataset")
         shard = IterableShard(loader.dataset, per_rank, world, rank, loader.drop_last, config.even_batches)
         new = DataLoader(shard, batch_size=per_rank, drop_last=loader.drop_last, **extra)
+    elif loader.batch_sampler is None:  # sampler=BatchSampler(...), batch_size=None: one fetch per index batch
+        if config.split_batches:
+            raise ConfigError("split_batches=True needs a DataLoader with batch_size, not sampler=BatchSampler(...)")
+        batches: Any = loader.sampler
+        if getattr(batches, "sampler", None) is not None:
+            batches.sampler = _order_sampler(batches.sampler, world, config, "generator" in rng_types)
+        shard = BatchShardSampler(batches, world, rank, config.even_batches)
+        new = DataLoader(loader.dataset, sampler=shard, batch_size=None, **extra)
     elif loader.batch_size is None:  # the user's own batch_sampler
         if config.split_batches:
             raise ConfigError("split_batches=True needs a DataLoader with batch_size, not a custom batch_sampler")

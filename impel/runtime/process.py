@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from impel.config import environment as env
 from impel.config.run_config import ConfigError, DistributedType
-from impel.runtime import rank_health
+from impel.runtime import collectives, rank_health
 from impel.runtime.accumulation import (
     GradientState as GradientState,  # re-exported: impel.runtime.process.GradientState, as Accelerate's
 )
@@ -201,7 +201,7 @@ class ProcessState:
         atexit.unregister(_destroy_at_exit)
         atexit.register(_destroy_at_exit)
 
-    def destroy_process_group(self) -> None:
+    def destroy_process_group(self, group: Any = None) -> None:
         """Destroy the default process group if impel created it (a group the script made stays the script's).
 
         ``Accelerator.end_training()`` calls this after a final barrier, as Accelerate does; impel also calls it
@@ -210,6 +210,9 @@ class ProcessState:
         that gloo's worker threads are joined before the interpreter finalises (see :mod:`impel.runtime.teardown`).
         """
         rank_health.stop_watchdog()
+        if group is not None:  # a group the script made with new_group: destroyed as asked, as Accelerate does
+            dist.destroy_process_group(group)
+            return
         if self.__dict__.get("owns_group") and dist.is_initialized():
             dist.destroy_process_group()
         self.owns_group = False
@@ -225,6 +228,16 @@ class ProcessState:
             self.__dict__ = ProcessState._shared
         else:
             self.__dict__.update(state)
+
+    @classmethod
+    def _reset_state(cls) -> None:
+        """Accelerate's reset, which transformers (``TrainingArguments``, the Trainer, its test utilities) and test
+        suites call: forget this process's state, so the next ``PartialState()`` / Accelerator reads the
+        environment again. The process group stays alive and is reused, as in Accelerate."""
+        shared = ProcessState._shared
+        keep = {"owns_group": shared.get("owns_group", False)} if dist.is_initialized() else {}
+        shared.clear()
+        shared.update(keep)
 
     @classmethod
     def _reset(cls) -> None:
@@ -285,6 +298,32 @@ class PartialState(ProcessState, ProcessControl):
     def default_device(self) -> Any:
         return self.device
 
+    @property
+    def debug(self) -> bool:
+        """Debug mode: collectives first check the shapes on every rank and raise a
+        ``DistributedOperationException`` naming them. Set it here, or ``ACCELERATE_DEBUG_MODE=1``."""
+        return collectives.debug_mode()
+
+    @debug.setter
+    def debug(self, on: bool) -> None:
+        collectives.set_debug_mode(bool(on))
+
+    @property
+    def fork_launched(self) -> bool:
+        """Whether this process was started by a fork-based launcher (``$FORK_LAUNCHED``, as Accelerate)."""
+        return env.parse_flag_from_env("FORK_LAUNCHED")
+
+    def set_device(self) -> None:
+        """Make this process's device the current CUDA device (nothing to do elsewhere); the state already did at
+        creation, as Accelerate's does."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+
+
+def is_initialized() -> bool:
+    """Whether this process's state exists (a ``PartialState`` or an Accelerator was created)."""
+    return bool(ProcessState._shared.get("initialized"))
+
 
 class AcceleratorState(PartialState):
     """``PartialState`` plus the settings the live Accelerator resolved; ``accelerator.state`` is one."""
@@ -299,6 +338,14 @@ class AcceleratorState(PartialState):
         if accelerator is not None:
             refs = [r for r in self.__dict__.get("accelerator_refs", []) if r() is not None]
             self.__dict__["accelerator_refs"] = [*refs, weakref.ref(accelerator)]
+
+    @classmethod
+    def _reset_state(cls, reset_partial_state: bool = False) -> None:
+        """Accelerate's ``AcceleratorState._reset_state``: forget the Accelerators whose settings this state reads
+        (and with ``reset_partial_state`` the process state too, see :meth:`PartialState._reset_state`)."""
+        ProcessState._shared.pop("accelerator_refs", None)
+        if reset_partial_state:
+            PartialState._reset_state()
 
     def _accelerator(self, what: str) -> Any:
         for ref in reversed(self.__dict__.get("accelerator_refs", [])):

@@ -73,7 +73,7 @@ def _rng_accessors(kind: RNGType, generator: torch.Generator | None) -> tuple[An
                      "'generator'")
 
 
-def synchronize_rng_state(rng_type: str | RNGType, generator: torch.Generator | None = None) -> None:
+def synchronize_rng_state(rng_type: str | RNGType | None = None, generator: torch.Generator | None = None) -> None:
     """Give every rank rank 0's state of one generator (a no-op in a single process).
 
     Example::
@@ -84,6 +84,9 @@ def synchronize_rng_state(rng_type: str | RNGType, generator: torch.Generator | 
 
     from impel.runtime.collectives import is_distributed
 
+    if rng_type is None:  # Accelerate's default, which fails there (UnboundLocalError)
+        raise ValueError("synchronize_rng_state() needs rng_type: one of 'torch', 'cuda' or 'generator' (with "
+                         "generator=...)")
     get_state, set_state = _rng_accessors(RNGType(rng_type), generator)
     state = get_state()
     if not is_distributed():

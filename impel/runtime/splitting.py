@@ -1,6 +1,7 @@
 """split_between_processes: each rank's contiguous share of a list, tuple, dict of sequences or tensor."""
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -25,8 +26,11 @@ def split_for_rank(inputs: Any, world: int, rank: int, apply_padding: bool = Fal
                               "give every value the same length")
         rebuild: Callable[..., Any] = type(inputs)  # the concrete mapping class (dict, BatchEncoding, ...)
         return rebuild({k: split_for_rank(v, world, rank, apply_padding) for k, v in inputs.items()})
+    if _is_hf_dataset(inputs):
+        return _split_dataset(inputs, world, rank, apply_padding)
     if not isinstance(inputs, (list, tuple, torch.Tensor)):
-        raise ConfigError(f"split_between_processes got {type(inputs).__name__}; pass a list, tuple, dict or tensor")
+        raise ConfigError(f"split_between_processes got {type(inputs).__name__}; pass a list, tuple, dict, tensor "
+                          "or datasets.Dataset")
     n = len(inputs)
     start, end = _bounds(n, world, rank)
     part = inputs[start:end]
@@ -39,3 +43,18 @@ def split_for_rank(inputs: Any, world: int, rank: int, apply_padding: bool = Fal
             else:
                 part = type(inputs)(list(part) + list(inputs[-1:]) * missing)
     return part
+
+
+def _is_hf_dataset(inputs: Any) -> bool:
+    datasets = sys.modules.get("datasets")  # a Dataset exists only once the package is imported
+    return datasets is not None and isinstance(inputs, datasets.Dataset)
+
+
+def _split_dataset(inputs: Any, world: int, rank: int, apply_padding: bool) -> Any:
+    """This rank's rows of a ``datasets.Dataset`` (``select``); padding repeats the last row."""
+    n = len(inputs)
+    start, end = _bounds(n, world, rank)
+    rows = list(range(start, end))
+    if apply_padding and n:
+        rows += [n - 1] * (-(-n // world) - len(rows))
+    return inputs.select(rows)

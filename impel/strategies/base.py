@@ -134,6 +134,10 @@ class Strategy:
         """Turn the cross-rank gradient reduction of the next backward on or off (accumulation)."""
         return
 
+    def forced_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
+        """``trigger_sync_in_backward``: a block whose backward reduces gradients even inside ``no_sync``."""
+        return contextlib.nullcontext()
+
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         self.precision.backward(loss, **kwargs)
 

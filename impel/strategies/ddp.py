@@ -56,6 +56,21 @@ class DDPStrategy(Strategy):
     def unwrap_model(self, model: nn.Module) -> nn.Module:
         return model.module if isinstance(model, DistributedDataParallel) else model
 
+    @contextlib.contextmanager
+    def forced_sync(self, model: nn.Module) -> Iterator[None]:
+        """As Accelerate's ``trigger_sync_in_backward``: DDP reduces in the next backward (its reducer is told
+        to expect one), then the flags are back as they were."""
+        if not isinstance(model, DistributedDataParallel):
+            yield
+            return
+        before = (model.require_backward_grad_sync, model.require_forward_param_sync)
+        model.require_backward_grad_sync = model.require_forward_param_sync = True
+        model.reducer.prepare_for_backward([])
+        try:
+            yield
+        finally:
+            model.require_backward_grad_sync, model.require_forward_param_sync = before
+
     def set_grad_sync(self, model: nn.Module, enabled: bool) -> None:
         if isinstance(model, DistributedDataParallel):
             # DDP reads this flag when forward prepares the reducer; flipping it is what no_sync() does.

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -63,6 +64,10 @@ def register_tracker_class(tracker_class: type[GeneralTracker]) -> None:
         raise ValueError("The tracker class to register must define a non-empty `name` attribute.")
     if not hasattr(tracker_class, "requires_logging_directory"):
         raise ValueError("The tracker class to register must define a `requires_logging_directory` class attribute.")
+    if tracker_class.name in LOGGER_TYPE_TO_CLASS:
+        warnings.warn(f"A tracker with the name '{tracker_class.name}' is already registered and will be overwritten "
+                      f"by {tracker_class}. This is especially significant when shadowing a built-in tracker.",
+                      stacklevel=2)
     LOGGER_TYPE_TO_CLASS[tracker_class.name] = tracker_class
 
 

@@ -55,7 +55,7 @@ LAYERS = {
     "accelerator.*": 6,
     "trainer.*": 7,
     "commands.*": 8,
-    "*": 9,
+    "utils.*": 9, "*": 9,
 }
 
 

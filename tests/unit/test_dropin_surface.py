@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import impel
+import impel.state
 from impel import Accelerator, ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -82,6 +83,8 @@ def test_every_supported_row_of_the_compatibility_table_resolves():
             assert hasattr(utils, name), name
         elif "arguments" in section:
             assert name in params, name
+        elif "State classes" in section:
+            assert hasattr(impel.state.PartialState, name), name
         else:  # listed, not read: some properties raise without their setting (tensor_parallel_rank), as Accelerate's
             assert name in dir(acc), name
 

@@ -21,6 +21,7 @@ from impel.config import plugins as plugins_module
 from impel.config.convert import convert
 from impel.config.mesh_sizes import ParallelismSection
 from impel.config.parallelism import ParallelismConfig, TorchContextParallelConfig
+from impel.config.plugin_refusals import DEEPSPEED_REFUSED, FSDP_REFUSED
 from impel.config.run_config import (
     FALSE_WORDS,
     TRUE_WORDS,
@@ -146,9 +147,10 @@ def _plugin_fields(plugin_cls: type) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("plugin_cls, cls, table, by_hand", [
-    (FullyShardedDataParallelPlugin, FSDPConfig, "_FSDP_KEYS", {"cpu_offload", "mixed_precision_policy"}),
+    (FullyShardedDataParallelPlugin, FSDPConfig, "_FSDP_KEYS", {"cpu_offload", "mixed_precision_policy",
+                                                                *FSDP_REFUSED}),
     (DeepSpeedPlugin, DeepSpeedConfig, "_DEEPSPEED_KEYS", {"hf_ds_config", "gradient_accumulation_steps",
-                                                           "is_train_batch_min"}),
+                                                           "is_train_batch_min", *DEEPSPEED_REFUSED}),
 ], ids=["fsdp", "deepspeed"])
 def test_plugin_keywords_are_computed_from_the_config_fields(plugin_cls, cls, table, by_hand):
     derived = {plugin_keyword(f): f.name for f in fields(cls) if plugin_keyword(f) is not None}

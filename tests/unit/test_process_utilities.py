@@ -104,8 +104,9 @@ def test_collectives_on_one_process_are_copies():
     assert acc.broadcast_object_list([1, "a"]) == [1, "a"]
     nested = acc.gather({"a": t, "b": [t, t]})
     assert torch.equal(nested["a"], t) and len(nested["b"]) == 2
-    with pytest.raises(ValueError, match="'max'"):
-        acc.reduce(t, "max")
+    assert torch.equal(acc.reduce(t, "max"), t) and torch.equal(acc.reduce(t, "min"), t)
+    with pytest.raises(ValueError, match="'prod'"):
+        acc.reduce(t, "prod")
 
 
 def test_gather_for_metrics_on_one_process_keeps_every_sample():

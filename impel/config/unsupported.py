@@ -1,0 +1,126 @@
+"""Names of Accelerate's module tree that impel deliberately does not provide, each with its reason.
+
+Accelerate's module paths under impel's name (``impel.utils.modeling``, ``impel.hooks``, ...) resolve these names
+so that ``from impel.hooks import add_hook_to_module`` imports, as it does under Accelerate; *using* one (calling
+it, building it, reading an attribute) raises :class:`NotProvidedError` naming it, why impel does not have it and
+what to use instead. A name Accelerate does not have at all stays an ``AttributeError``.
+
+Example::
+
+    from impel.utils import FP8RecipeKwargs      # imports
+    FP8RecipeKwargs(backend="te")                # NotProvidedError: impel does not provide FP8RecipeKwargs: ...
+"""
+from __future__ import annotations
+
+from typing import Any, NoReturn
+
+_BIG_MODEL = "big-model inference (device maps, offloading, dispatch hooks) is not in impel's scope: impel trains; " \
+             "load weights with impel.load_checkpoint_in_model and place the model with accelerator.prepare"
+_FP8 = "impel has no fp8 mode; train in bf16 (mixed_precision='bf16')"
+_MEGATRON = "impel does not drive Megatron-LM; use FSDP, DeepSpeed or ParallelismConfig(tp_size=...)"
+_QUANT = "quantised loading is not in impel's scope; quantise with transformers' " \
+         "from_pretrained(quantization_config=...)"
+_FSDP_IO = "impel saves and loads FSDP models itself; use accelerator.save_state / load_state (or save_model)"
+_FSDP_INTERNAL = "an internal step of Accelerate's FSDP2 preparation; impel's FSDP runs through accelerator.prepare"
+_DS_INTERNAL = "impel resolves and drives DeepSpeed itself; pass the JSON as DeepSpeedPlugin(hf_ds_config=...) and " \
+               "use accelerator.prepare"
+_LAUNCH_INTERNAL = "an internal step of `accelerate launch`; use `impel launch` (same flags)"
+_SAGEMAKER = "SageMaker launching is not in impel's scope; use `impel launch` inside the job"
+_PIPPY = "pipeline-parallel inference (PiPPy) is not in impel's scope"
+_OTHER_DEVICES = "impel runs on CPUs and CUDA GPUs only"
+_DISPATCH = "impel never dispatches batches from rank 0 (dispatch_batches=True is refused); every rank reads its " \
+            "own shard: use accelerator.prepare(dataloader) or impel.data_loader.prepare_data_loader"
+
+REASONS: dict[str, str] = {
+    **{name: _BIG_MODEL for name in (
+        "cpu_offload", "cpu_offload_with_hook", "disk_offload", "dispatch_model", "infer_auto_device_map",
+        "load_checkpoint_and_dispatch", "get_balanced_memory", "get_max_layer_size", "clean_device_map",
+        "check_device_map", "load_offloaded_weight", "load_offloaded_weights", "offload_weight", "save_offload_index",
+        "align_module_device", "has_offloaded_params", "set_module_tensor_to_device", "OffloadedWeightsLoader",
+        "PrefixedDataset", "offload_state_dict", "extract_submodules_state_dict", "get_max_memory",
+        "ModelHook", "SequentialHook", "AlignDevicesHook", "CpuOffload", "UserCpuOffloadHook", "LayerwiseCastingHook",
+        "add_hook_to_module", "remove_hook_from_module", "attach_align_device_hook", "remove_hook_from_submodules",
+        "attach_align_device_hook_on_blocks", "attach_execution_device_hook", "attach_layerwise_casting_hooks",
+        "named_module_tensors", "retie_parameters", "check_tied_parameters_on_same_device",
+        "check_tied_parameters_in_config", "calculate_maximum_sizes", "load_state_dict", "CustomDtype")},
+    **{name: _FP8 for name in (
+        "FP8RecipeKwargs", "AORecipeKwargs", "TERecipeKwargs", "MSAMPRecipeKwargs", "check_cuda_fp8_capability",
+        "torchao_required", "apply_fp8_autowrap", "convert_model")},
+    **{name: _MEGATRON for name in (
+        "MegatronLMPlugin", "MegatronLMDummyScheduler", "MegatronLMDummyDataLoader",
+        "add_model_config_to_megatron_parser")},
+    **{name: _QUANT for name in ("BnbQuantizationConfig", "load_and_quantize_model")},
+    **{name: _FSDP_IO for name in (
+        "load_fsdp_model", "save_fsdp_model", "load_fsdp_optimizer", "save_fsdp_optimizer")},
+    **{name: _FSDP_INTERNAL for name in (
+        "fsdp2_prepare_model", "fsdp2_load_full_state_dict", "fsdp2_switch_optimizer_parameters", "fsdp2_apply_ac",
+        "fsdp2_canonicalize_names", "get_fsdp2_grad_scaler", "ensure_weights_retied",
+        "enable_fsdp_ram_efficient_loading", "disable_fsdp_ram_efficient_loading", "compile_regions_fsdp2",
+        "compile_regions_deepspeed")},
+    **{name: _DS_INTERNAL for name in (
+        "HfDeepSpeedConfig", "DeepSpeedEngineWrapper", "DeepSpeedOptimizerWrapper", "DeepSpeedSchedulerWrapper",
+        "map_pytorch_optim_to_deepspeed", "get_active_deepspeed_plugin", "DeepSpeedSequenceParallelConfig",
+        "deepspeed_required")},
+    **{name: _LAUNCH_INTERNAL for name in (
+        "PrepareForLaunch", "prepare_deepspeed_cmd_env", "prepare_multi_gpu_env", "prepare_simple_launcher_cmd_env",
+        "prepare_tpu", "TORCH_LAUNCH_PARAMS")},
+    **{name: _SAGEMAKER for name in (
+        "SageMakerDistributedType", "prepare_sagemager_args_inputs")},
+    "prepare_pippy": _PIPPY,
+    "TorchTensorParallelPlugin": "deprecated in Accelerate; use ParallelismConfig(tp_size=...)",
+    "DataLoaderDispatcher": _DISPATCH,
+    "GatheredParameters": "DeepSpeed ZeRO-3's parameter gathering; use deepspeed.zero.GatheredParameters",
+    "write_basic_config": "use `impel config default` (it writes the same file for this machine's hardware)",
+    "get_gpu_info": _OTHER_DEVICES + "; read torch.cuda.device_count() / get_device_name()",
+    "set_numa_affinity": "NUMA pinning is not in impel's scope; use numactl around `impel launch`",
+    "check_cuda_p2p_ib_support": _OTHER_DEVICES + "; NCCL picks the transport itself",
+    "compile_regions": "use TorchDynamoPlugin(use_regional_compilation=True) (impel compiles the repeated blocks at "
+                       "prepare)",
+    "clean_state_dict_for_safetensors": "use accelerator.get_state_dict(model) or accelerator.save_model (they write "
+                                        "safetensors-ready weights)",
+    "load": "use torch.load (impel's checkpoints load with accelerator.load_state)",
+    "get_model_tp_size": "use accelerator.parallelism_config.tp_size",
+    "get_cpu_distributed_information": "use PartialState() (process_index, local_process_index, num_processes)",
+    "get_current_device_type": "use PartialState().device.type",
+    "get_grad_scaler": "impel builds the fp16 GradScaler itself; pass GradScalerKwargs to the Accelerator",
+    "get_mixed_precision_context_manager": "use accelerator.autocast()",
+}
+
+
+class NotProvidedError(NotImplementedError):
+    """A name of Accelerate's API that impel deliberately does not provide was used."""
+
+
+def _refuse(name: str) -> NoReturn:
+    raise NotProvidedError(f"impel does not provide {name}: {REASONS[name]}")
+
+
+class _NotProvided(type):
+    """The type of a placeholder: building or calling it, or reading an attribute of it, raises."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> NoReturn:
+        _refuse(cls.__name__)
+
+    def __getattr__(cls, attr: str) -> NoReturn:
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        _refuse(cls.__name__)
+
+
+def placeholder(name: str) -> type:
+    """The stand-in for ``name`` (one of :data:`REASONS`): importable, raising :class:`NotProvidedError` on use."""
+    if name not in REASONS:
+        raise KeyError(f"{name!r} is not one of impel.config.unsupported.REASONS")
+    return _NotProvided(name, (), {"__doc__": f"Not provided by impel: {REASONS[name]}",
+                                    "__module__": __name__})
+
+
+_made: dict[str, type] = {}
+
+
+def __getattr__(name: str) -> type:
+    if name not in REASONS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if name not in _made:
+        _made[name] = placeholder(name)
+    return _made[name]
