@@ -12,6 +12,7 @@ from dataclasses import MISSING, Field, dataclass, field, fields
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+from impel.config.fsdp_values import class_names, enum_name, mixed_precision_mode, offload_flag
 from impel.config.kwargs_handler import KwargsHandler
 from impel.config.plugin_refusals import DEEPSPEED_REFUSED, FSDP_REFUSED, refuse_set
 from impel.config.profiling import ProfileKwargs
@@ -341,7 +342,7 @@ class FullyShardedDataParallelPlugin:
 
     def __post_init__(self) -> None:
         refuse_set(self, FSDP_REFUSED)
-        self.mixed_precision = _mixed_precision_mode(self.mixed_precision_policy)
+        self.mixed_precision = mixed_precision_mode(self.mixed_precision_policy)
         self.to_config_section()  # validate now, with the YAML key names in the messages
 
     def to_config_section(self) -> dict[str, Any]:
@@ -356,7 +357,7 @@ class FullyShardedDataParallelPlugin:
         for attr, name in _FSDP_KEYS.items():
             value = getattr(self, attr)
             if attr == "offload_params":  # cpu_offload is the same switch
-                value = _offload_flag(self.cpu_offload, value)
+                value = offload_flag(self.cpu_offload, value)
             if value is None:
                 continue
             if attr == "auto_wrap_policy" and callable(value):
@@ -364,8 +365,8 @@ class FullyShardedDataParallelPlugin:
                                   "name; use 'TRANSFORMER_BASED_WRAP' with transformer_cls_names_to_wrap=[...], "
                                   "'SIZE_BASED_WRAP' with min_num_params=N, or 'NO_WRAP'")
             if _LISTED[name]:
-                value = _class_names(value)
-            out[name] = _enum_name(value)
+                value = class_names(value)
+            out[name] = enum_name(value)
         return out
 
     def code_arguments(self, mixed_precision: str | None) -> dict[str, Any]:
@@ -377,69 +378,6 @@ class FullyShardedDataParallelPlugin:
                               f" (= {mode!r}); set only one of them")
         return {"distributed_type": "FSDP", "fsdp_config": self.to_config_section(),
                 "mixed_precision": mixed_precision or mode}
-
-
-def _enum_name(value: Any) -> Any:
-    import enum
-
-    return value.name if isinstance(value, enum.Enum) else value
-
-
-def _class_names(value: Any) -> str:
-    items = value.split(",") if isinstance(value, str) else list(value)
-    names = [item.__name__ if isinstance(item, type) else str(item).strip() for item in items]
-    return ",".join(n for n in names if n)
-
-
-def _offload_flag(cpu_offload: Any, offload_params: bool | None) -> bool | None:
-    flag = cpu_offload
-    if flag is not None and not isinstance(flag, bool):
-        if hasattr(flag, "offload_params"):  # FSDP1's CPUOffload
-            flag = bool(flag.offload_params)
-        elif type(flag).__name__ in ("CPUOffloadPolicy", "OffloadPolicy"):  # FSDP2
-            flag = type(flag).__name__ == "CPUOffloadPolicy"
-        else:
-            raise ConfigError(f"FullyShardedDataParallelPlugin(cpu_offload={cpu_offload!r}) must be True/False, "
-                              "CPUOffload(offload_params=...) or CPUOffloadPolicy()")
-    if flag is not None and offload_params is not None and flag != offload_params:
-        raise ConfigError(f"FullyShardedDataParallelPlugin(cpu_offload={cpu_offload!r}, offload_params="
-                          f"{offload_params!r}) disagree; they are the same switch, set one")
-    return flag if flag is not None else offload_params
-
-
-_MODE_OF_DTYPE = {"bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "fp16": "fp16", "half": "fp16",
-                  "float32": "no", "fp32": "no", "float": "no", "no": "no"}
-
-
-def _dtype_name(value: Any) -> str | None:
-    if value is None:
-        return None
-    return str(value).replace("torch.", "").lower()
-
-
-def _mixed_precision_mode(policy: Any) -> str | None:
-    """The mixed_precision mode a plugin's ``mixed_precision_policy`` asks for; None when not given."""
-    if policy is None:
-        return None
-    if isinstance(policy, str):
-        mode = _MODE_OF_DTYPE.get(policy.lower())
-        if mode is None:
-            raise ConfigError(f"FullyShardedDataParallelPlugin(mixed_precision_policy={policy!r}) is unknown; use "
-                              "'bf16', 'fp16' or 'no'")
-        return mode
-    get = policy.get if isinstance(policy, dict) else (lambda name: getattr(policy, name, None))
-    param = _dtype_name(get("param_dtype"))
-    mode = _MODE_OF_DTYPE.get(param or "no")
-    if mode is None:
-        raise ConfigError(f"mixed_precision_policy param_dtype={get('param_dtype')!r} is not supported; use "
-                          "torch.bfloat16, torch.float16 or None")
-    for name in ("reduce_dtype", "buffer_dtype", "output_dtype"):
-        value = _dtype_name(get(name))
-        if value is not None and value not in ("float32", "float"):
-            raise ConfigError(f"mixed_precision_policy {name}={get(name)!r} is not supported: impel's FSDP keeps "
-                              "buffers and outputs as computed and reduces gradients in float32; drop "
-                              f"{name} or set it to torch.float32")
-    return mode
 
 
 @config_backed(DeepSpeedConfig)
