@@ -8,6 +8,7 @@ loss is divided by that group's real length, so a short final group still produc
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -94,6 +95,15 @@ class GradientState:
                            "accumulated gradient is a sum; call accelerator.backward(loss) instead of "
                            "loss.backward()", self.num_steps)
         self.end_auto()
+
+    def _set_sync_gradients(self, sync_gradients: bool) -> None:
+        """Accelerate's setter, which transformers' Trainer calls before each micro-batch it prefetched."""
+        self.sync_gradients = bool(sync_gradients)
+
+    @property
+    def plugin_kwargs(self) -> dict[str, Any]:
+        """Accelerate's name: the plugin's settings (transformers' Trainer reads ``sync_each_batch``)."""
+        return dataclasses.asdict(self.plugin)
 
     @property
     def loss_divisor(self) -> int:

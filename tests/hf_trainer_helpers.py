@@ -1,0 +1,65 @@
+"""A transformers-example-style Trainer script on a tiny causal LM with variable-length, padded sequences.
+
+``run_script(source, ...)`` imports ``Trainer`` / ``TrainingArguments`` from ``source`` ("transformers" or
+"impel.trainer.hf": the import renamed, nothing else) and returns what the comparison tests read.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import torch
+
+SEQ = 16
+VOCAB = 64
+
+
+def padded_lm_data(n: int = 64, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    """Sequences of 2..15 real tokens padded to 16 (labels -100 and attention 0 on the padding)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(n):
+        length = int(torch.randint(2, SEQ, (1,), generator=g))
+        ids = torch.randint(0, VOCAB, (SEQ,), generator=g)
+        labels = ids.clone()
+        labels[length:] = -100
+        mask = torch.ones(SEQ, dtype=torch.long)
+        mask[length:] = 0
+        rows.append({"input_ids": ids, "labels": labels, "attention_mask": mask})
+    return rows
+
+
+def tiny_gpt2() -> Any:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=SEQ, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return GPT2LMHeadModel(config)
+
+
+EXAMPLE = {"do_train": True, "do_eval": True, "optim": "adamw_torch", "learning_rate": 5e-3,
+           "lr_scheduler_type": "cosine", "warmup_steps": 2, "gradient_checkpointing": True, "max_steps": 6,
+           "eval_strategy": "steps", "eval_steps": 2, "logging_steps": 1, "include_num_input_tokens_seen": True,
+           "average_tokens_across_devices": True, "eval_accumulation_steps": 2,
+           "train_sampling_strategy": "sequential", "per_device_eval_batch_size": 4, "save_strategy": "no",
+           "report_to": [], "use_cpu": True, "disable_tqdm": True, "seed": 3}
+
+
+def run_script(source: str, output_dir: str, **overrides: Any) -> dict[str, Any]:
+    """Train and evaluate like transformers' examples; return weights, eval losses, lr trace and tokens seen."""
+    module = importlib.import_module(source)
+    args = module.TrainingArguments(output_dir=output_dir, **dict(EXAMPLE, **overrides))
+    trainer = module.Trainer(model=tiny_gpt2(), args=args, train_dataset=padded_lm_data(),
+                             eval_dataset=padded_lm_data(12, seed=1))
+    if args.do_train:
+        trainer.train()
+    final = trainer.evaluate() if args.do_eval else {}
+    history = trainer.state.log_history
+    weights = trainer.accelerator.unwrap_model(trainer.model).state_dict()
+    return {"weights": {k: v.detach().clone() for k, v in weights.items()},
+            "eval_loss": [row["eval_loss"] for row in history if "eval_loss" in row] + [final.get("eval_loss")],
+            "loss": [row["loss"] for row in history if "loss" in row],
+            "learning_rate": [row["learning_rate"] for row in history if "learning_rate" in row],
+            "tokens_seen": trainer.state.num_input_tokens_seen,
+            "accelerator": type(trainer.accelerator).__module__}
