@@ -35,6 +35,7 @@ from .compile import Compiler, TorchDynamoPlugin, uncompiled, unwrap
 from .config import ConfigError, DistributedType, RunConfig
 from .data import DataLoaderShard, shard_dataloader, skip_first_batches
 from .ddp_hooks import refuse_hook_without_ddp
+from .item_windows import ItemWindows
 from .model import ForwardContext, is_prepared, patch_forward
 from .optimizer import AcceleratedOptimizer, AcceleratedScheduler
 from .parallelism_config import ParallelismConfig
@@ -273,13 +274,19 @@ class Accelerator(ProcessUtilities, RunSettings):
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """Backward through the strategy; divides the loss by the accumulation group's length."""
         gs = self.gradient_state
-        if gs.num_steps > 1:
+        if gs.num_steps > 1 or gs.item_scale is not None:
             gs.begin_auto()
             loss = gs.scale_loss(loss)
         if self._resilience is not None:
             self._resilience.observe(loss)
         self.strategy.backward(loss, **kwargs)
         gs.end_auto()
+
+    def item_windows(self, dataloader: Any, count: Callable[[Any], Any] | None = None) -> ItemWindows:
+        """impel: iterate ``dataloader`` so that ``backward`` makes token-level losses exact under accumulation and
+        across ranks (each window's loss items counted on all ranks; :mod:`impel.item_windows`)."""
+        return ItemWindows(dataloader, self.gradient_state, lambda t: self.reduce(t, "sum"), self.num_processes,
+                           self.device, count)
 
     def accumulate(self, *models: nn.Module) -> MicroStep:
         """One micro-step: gradients sync (and the optimizer steps) only when it ends a group."""

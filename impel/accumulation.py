@@ -36,6 +36,9 @@ class GradientState:
         self.saw_backward = True  # accelerator.backward() ran in the current micro-step
         self.warned_direct_backward = False
         self.step = 0  # Accelerate's ``accelerator.step``: micro-steps begun, reset when one ends a dataloader
+        # set by item_windows() while it yields: the current window's length and this batch's loss multiplier
+        self.planned_group: int | None = None
+        self.item_scale: Any = None
 
     # --- dataloader link --------------------------------------------------------------------------------------
     @property
@@ -57,13 +60,14 @@ class GradientState:
     def begin(self) -> None:
         at_end = self.plugin.sync_with_dataloader and self.end_of_dataloader
         self.step = 0 if at_end else self.step + 1
+        at_end = at_end and self.planned_group is None  # item_windows() read the window ahead: it decides
         if self.num_steps == 1:
             self.sync_gradients = True
             self.group_size = 1
             return
         self.saw_backward = False
         if self.micro_in_group == 0:
-            self.group_size = self._next_group_size()
+            self.group_size = self.planned_group or self._next_group_size()
         self.micro_in_group += 1
         self.sync_gradients = self.micro_in_group >= self.group_size or at_end
         if self.sync_gradients:
@@ -110,8 +114,11 @@ class GradientState:
         return self.group_size
 
     def scale_loss(self, loss: Any) -> Any:
-        """Divide by the group's real length and note that this micro-step's backward went through impel."""
+        """Divide by the group's real length (under item_windows(): multiply by this batch's share of the window's
+        loss items on all ranks, times the processes) and note that this micro-step's backward went through impel."""
         self.saw_backward = True
+        if self.item_scale is not None:
+            return loss * self.item_scale.to(loss.dtype)
         return loss / self.group_size
 
     @property

@@ -63,3 +63,51 @@ def run_script(source: str, output_dir: str, **overrides: Any) -> dict[str, Any]
             "learning_rate": [row["learning_rate"] for row in history if "learning_rate" in row],
             "tokens_seen": trainer.state.num_input_tokens_seen,
             "accelerator": type(trainer.accelerator).__module__}
+
+
+def custom_loop(source: str, mode: str, batch: int, accumulation: int, steps: int = 3) -> dict[str, Any]:
+    """A custom loop on ``source``'s Accelerator ("impel" or "accelerate"): SGD on the tiny causal LM, ``steps``
+    optimizer steps. ``mode``: "plain" (accumulate() and mean losses), "windows" (impel's item_windows) or "recipe"
+    (Accelerate's documented recipe for token-level losses: count the window's items, gather them across ranks,
+    multiply the summed loss by accumulation x processes / items)."""
+    import contextlib
+
+    from torch.utils.data import DataLoader
+
+    accelerator = importlib.import_module(source).Accelerator(gradient_accumulation_steps=accumulation)
+    model = tiny_gpt2()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    loader = DataLoader(padded_lm_data(), batch_size=batch)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    losses: list[float] = []
+    if mode == "recipe":
+        iterator = iter(loader)
+        for _ in range(steps):
+            window = [next(iterator) for _ in range(accumulation)]
+            items = sum((b["labels"][..., 1:] != -100).sum() for b in window)
+            items = accelerator.gather(items).sum().item()
+            for i, b in enumerate(window):
+                last = i == len(window) - 1 or accelerator.num_processes == 1
+                with contextlib.nullcontext() if last else model.no_sync():
+                    logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
+                    loss = torch.nn.functional.cross_entropy(
+                        logits[:, :-1].reshape(-1, logits.size(-1)), b["labels"][:, 1:].reshape(-1),
+                        ignore_index=-100, reduction="sum")
+                    accelerator.backward(loss * accumulation * accelerator.num_processes / items)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(float(loss))
+    else:
+        batches = accelerator.item_windows(loader) if mode == "windows" else loader
+        for i, b in enumerate(batches):
+            if i == steps * accumulation:
+                break
+            with accelerator.accumulate(model):
+                loss = model(**b).loss
+                accelerator.backward(loss)
+                optimizer.step()
+                optimizer.zero_grad()
+            losses.append(float(loss))
+    weights = accelerator.unwrap_model(model).state_dict()
+    return {"weights": {k: v.detach().clone() for k, v in weights.items()}, "losses": losses,
+            "processes": accelerator.num_processes}

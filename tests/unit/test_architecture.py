@@ -52,7 +52,7 @@ LAYERS = {
     # 2 the process and the training step
     "state": 2, "process_control": 2, "collectives": 2, "splitting": 2, "seeding": 2, "accumulation": 2,
     "optimizer": 2, "precision": 2, "precision_report": 2, "model": 2, "model_loading": 2, "data": 2,
-    "process_logging": 2, "progress": 2, "context_parallel": 2,
+    "process_logging": 2, "progress": 2, "context_parallel": 2, "item_windows": 2,
     # 3 checkpoint storage: layout, files, digests, formats, export
     "checkpoint.*": 3, "saving": 3,
     # 4 resolving the run: the RunRecord every built object reads, with torch.compile's settings and compiler and
