@@ -46,6 +46,14 @@ EXAMPLE = {"do_train": True, "do_eval": True, "optim": "adamw_torch", "learning_
            "report_to": [], "use_cpu": True, "disable_tqdm": True, "seed": 3}
 
 
+def _files(output_dir: str) -> list[str]:
+    """``checkpoint-N/name`` for every entry (file or folder) of every checkpoint."""
+    import os
+
+    return [f"{ckpt}/{name}" for ckpt in os.listdir(output_dir) if ckpt.startswith("checkpoint-")
+            for name in os.listdir(os.path.join(output_dir, ckpt))]
+
+
 def run_script(source: str, output_dir: str, **overrides: Any) -> dict[str, Any]:
     """Train and evaluate like transformers' examples; return weights, eval losses, lr trace and tokens seen."""
     module = importlib.import_module(source)
@@ -53,11 +61,13 @@ def run_script(source: str, output_dir: str, **overrides: Any) -> dict[str, Any]
     trainer = module.Trainer(model=tiny_gpt2(), args=args, train_dataset=padded_lm_data(),
                              eval_dataset=padded_lm_data(12, seed=1))
     if args.do_train:
-        trainer.train()
+        trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)  # as transformers examples do
     final = trainer.evaluate() if args.do_eval else {}
     history = trainer.state.log_history
     weights = trainer.accelerator.unwrap_model(trainer.model).state_dict()
+    weights = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in weights.items()}  # FSDP2
     return {"weights": {k: v.detach().clone() for k, v in weights.items()},
+            "global_step": trainer.state.global_step, "files": sorted(_files(output_dir)),
             "eval_loss": [row["eval_loss"] for row in history if "eval_loss" in row] + [final.get("eval_loss")],
             "loss": [row["loss"] for row in history if "loss" in row],
             "learning_rate": [row["learning_rate"] for row in history if "learning_rate" in row],

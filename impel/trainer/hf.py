@@ -6,8 +6,9 @@ with ``average_tokens_across_devices``, across ranks) with one method replaced: 
 Every call transformers makes through Accelerate (``prepare``, ``backward``, ``no_sync``, ``clip_grad_norm_``,
 ``gather_for_metrics``, ``pad_across_processes``, ``unwrap_model``, ``get_state_dict``, ...) reaches impel, so the
 launch config, impel's DDP and process group, and its prepared dataloaders run transformers' loop.
-``TrainingArguments`` is transformers' class; the fields impel's Accelerator cannot honour yet raise
-(:data:`impel.trainer.hf_fields.UNSUPPORTED`, with the reason), the others are transformers' own behaviour.
+``TrainingArguments`` is transformers' class; ``fsdp`` / ``fsdp_config`` build impel's FSDP2 plugin (transformers'
+FSDP checkpoint calls are served by :mod:`impel.trainer.hf_fsdp`); the fields impel cannot honour here yet raise
+(:data:`impel.trainer.hf_fields.UNSUPPORTED`, with the reason); the others are transformers' own behaviour.
 
 Example (a transformers script with the import renamed)::
 
@@ -32,7 +33,13 @@ from ..compile import TorchDynamoPlugin
 from ..config import ConfigError
 from ..data import DataLoaderShard
 from ..data import skip_first_batches as impel_skip_first_batches
-from ..plugins import DataLoaderConfiguration, DistributedDataParallelKwargs, GradientAccumulationPlugin
+from ..plugins import (
+    DataLoaderConfiguration,
+    DistributedDataParallelKwargs,
+    FullyShardedDataParallelPlugin,
+    GradientAccumulationPlugin,
+)
+from . import hf_fsdp
 from .hf_fields import check_supported
 
 __all__ = ["Trainer", "TrainingArguments", "accelerator_arguments"]
@@ -49,6 +56,7 @@ def skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:
 
 
 transformers.trainer.skip_first_batches = skip_first_batches
+hf_fsdp.install()
 
 _LOADER_KEYS = ("split_batches", "dispatch_batches", "even_batches", "use_seedable_sampler")
 
@@ -94,9 +102,23 @@ def accelerator_arguments(args: Any, model: Any) -> dict[str, Any]:
     dynamo = None
     if args.torch_compile:
         dynamo = TorchDynamoPlugin(backend=args.torch_compile_backend, mode=args.torch_compile_mode)
+    fsdp = None if args.fsdp_plugin_args is None else FullyShardedDataParallelPlugin(**args.fsdp_plugin_args)
     return {"mixed_precision": args.mixed_precision, "cpu": True if args.use_cpu else None,
             "gradient_accumulation_plugin": _accumulation_plugin(args), "dataloader_config": _loader_config(args),
-            "kwargs_handlers": [_ddp_kwargs(args, model)], "dynamo_plugin": dynamo}
+            "kwargs_handlers": [_ddp_kwargs(args, model)], "dynamo_plugin": dynamo, "fsdp_plugin": fsdp}
+
+
+def _check_fsdp(args: Any, plugin: Any) -> None:
+    """transformers' checks after building the Accelerator, for impel's FSDP plugin."""
+    if getattr(plugin, "activation_checkpointing", False) and args.activation_checkpointing:
+        raise ConfigError("fsdp_config activation_checkpointing=True and activation_checkpointing=True (or "
+                          "gradient_checkpointing=True): set only one; under FSDP use fsdp_config's")
+    if args.save_only_model and args.load_best_model_at_end:
+        raise ConfigError("save_only_model=True with load_best_model_at_end=True under fsdp: the best checkpoint "
+                          "needs the full state; set one of them to False")
+    if args.save_only_model and "SHARDED_STATE_DICT" in str(plugin.state_dict_type):
+        raise ConfigError("save_only_model=True with fsdp_config state_dict_type='SHARDED_STATE_DICT': use "
+                          "FULL_STATE_DICT or save_only_model=False")
 
 
 class Trainer(transformers.Trainer):
@@ -108,6 +130,12 @@ class Trainer(transformers.Trainer):
         if "use_gather_object" in inspect.signature(gather).parameters:
             gather = functools.partial(gather, use_gather_object=self.args.eval_use_gather_object)
         self.gather_function = gather
-        # FSDP and DeepSpeed through transformers' own save/load paths raise in check_supported (see hf_fields)
-        self.is_deepspeed_enabled = False
-        self.is_fsdp_enabled = False
+        plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
+        self.is_fsdp_enabled = plugin is not None  # its checkpoints: impel.trainer.hf_fsdp
+        if plugin is not None:
+            _check_fsdp(self.args, plugin)
+        if str(self.accelerator.distributed_type).endswith("DEEPSPEED"):  # from the launch config
+            raise ConfigError("transformers' Trainer on impel (impel.trainer.hf) was launched with DeepSpeed; it "
+                              "is not served there yet: launch without DeepSpeed, or use impel's own Trainer "
+                              "(`from impel import Trainer, TrainingArguments`) with its deepspeed= knob")
+        self.is_deepspeed_enabled = False  # the deepspeed= field raises in check_supported (see hf_fields)

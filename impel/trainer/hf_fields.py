@@ -1,10 +1,11 @@
 """Which of transformers' ``TrainingArguments`` fields and ``Trainer`` members hold on impel's Accelerator.
 
 :class:`impel.trainer.hf.Trainer` is transformers' Trainer, so every field and member is transformers' own code;
-the ones that reach Accelerate's FSDP / DeepSpeed / parallelism paths (which transformers drives with Accelerate's
-own ``save_fsdp_model``, ``DeepSpeedPlugin`` and ``ParallelismConfig`` objects, not through the Accelerator) are
-not served by impel yet: set to anything but their default, they raise with the reason. ``docs/trainer.md``'s
-table is :func:`fields_table` (a test keeps it current).
+the ones that reach Accelerate's DeepSpeed / parallelism paths (which transformers drives with Accelerate's own
+``DeepSpeedPlugin`` and ``ParallelismConfig`` objects, not through the Accelerator) are not served by impel yet: set
+to anything but their default, they raise with the reason. ``fsdp`` / ``fsdp_config`` build impel's FSDP2 plugin
+(checkpoints: :mod:`impel.trainer.hf_fsdp`). ``docs/trainer.md``'s table is :func:`fields_table` (a test keeps it
+current).
 
 Example::
 
@@ -19,24 +20,19 @@ from typing import Any
 from ..config import ConfigError
 
 _IMPEL_TRAINER = ("use impel's own Trainer (`from impel import Trainer, TrainingArguments`), which plumbs this knob "
-                  "into impel's Accelerator, or launch with the strategy in the `impel launch` config")
+                  "into impel's Accelerator")
 
 # field -> why it raises when set; every other field is transformers' behaviour, unchanged
 UNSUPPORTED: dict[str, str] = {
-    "fsdp": "transformers' FSDP path saves and loads through Accelerate's save_fsdp_model / load_fsdp_model, "
-            f"which do not drive impel's FSDP2; {_IMPEL_TRAINER}",
-    "fsdp_config": "read only with `fsdp` (see fsdp)",
     "deepspeed": "transformers builds Accelerate's DeepSpeedPlugin and reads Accelerate's state; "
                  f"{_IMPEL_TRAINER}",
-    "parallelism_config": "an Accelerate ParallelismConfig object; pass impel's ParallelismConfig to impel's "
-                          "Accelerator or set the parallelism in the `impel launch` config",
+    "parallelism_config": "transformers passes an Accelerate ParallelismConfig object to the Accelerator; pass "
+                          "impel's ParallelismConfig to impel's Accelerator in a custom loop",
 }
 
 
 def _is_set(args: Any, name: str) -> bool:
     value = getattr(args, name)
-    if name == "fsdp_config":  # transformers fills a dict of defaults whether or not fsdp is set
-        return bool(args.fsdp) and bool(value)
     return value not in (None, "", [], {}, False)
 
 

@@ -48,3 +48,25 @@ def test_the_example_script_on_two_ranks_gives_transformers_numbers(tmp_path):
     for key in ("eval_loss", "loss", "learning_rate"):
         assert ours[key] == pytest.approx(reference[key], abs=1e-6), key
     assert ours["tokens_seen"] == reference["tokens_seen"] == 6 * 2 * 2 * 4 * 16
+
+
+@pytest.mark.parametrize("state_dict_type, files", [
+    ("FULL_STATE_DICT", {"pytorch_model_fsdp.bin", "optimizer.bin"}),
+    ("SHARDED_STATE_DICT", {"pytorch_model_fsdp_0", "optimizer_0"}),
+])
+def test_the_fsdp_knob_trains_like_one_process_and_resumes_exactly(tmp_path, state_dict_type, files):
+    """fsdp="full_shard" on 2 ranks: impel's FSDP2 runs transformers' loop; its checkpoints (Accelerate's layout,
+    written by impel.trainer.hf_fsdp) resume mid-epoch to the uninterrupted run's weights."""
+    knobs = {"gradient_checkpointing": False, "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2}
+    one = run_script("impel.trainer.hf", str(tmp_path / "one"), **dict(knobs, per_device_train_batch_size=8))
+    fsdp = dict(knobs, fsdp="full_shard", save_strategy="steps", save_steps=3,
+                fsdp_config={"transformer_layer_cls_to_wrap": ["GPT2Block"], "state_dict_type": state_dict_type})
+    full = run_on_ranks(_run, 2, args=("impel.trainer.hf", str(tmp_path / "fsdp"), fsdp), timeout=150)[0]
+    resumed = run_on_ranks(_run, 2, args=("impel.trainer.hf", str(tmp_path / "resumed"),
+                                          dict(fsdp, resume_from_checkpoint=str(tmp_path / "fsdp" / "checkpoint-3"))),
+                           timeout=150)[0]
+    assert full["world"] == 2 and full["global_step"] == resumed["global_step"] == 6
+    assert _max_diff(full["weights"], one["weights"]) <= 1e-5
+    assert full["loss"] == pytest.approx(one["loss"], abs=1e-6)
+    assert files <= {name.split("/")[1] for name in full["files"] if name.startswith("checkpoint-3/")}
+    assert _max_diff(resumed["weights"], full["weights"]) == 0.0

@@ -44,7 +44,6 @@ def test_token_level_loss_is_exact_under_accumulation(tmp_path):
 
 @pytest.mark.parametrize("field, value, words", [
     ("deepspeed", {"zero_optimization": {"stage": 1}, "train_micro_batch_size_per_gpu": "auto"}, "DeepSpeedPlugin"),
-    ("fsdp", "full_shard", "save_fsdp_model"),
 ])
 def test_a_field_impel_cannot_honour_yet_raises_with_the_reason(tmp_path, field, value, words):
     from transformers import TrainingArguments
