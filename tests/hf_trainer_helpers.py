@@ -106,7 +106,7 @@ def custom_loop(source: str, mode: str, batch: int, accumulation: int, steps: in
                     accelerator.backward(loss * accumulation * accelerator.num_processes / items)
             optimizer.step()
             optimizer.zero_grad()
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
     else:
         batches = accelerator.item_windows(loader) if mode == "windows" else loader
         for i, b in enumerate(batches):
@@ -117,7 +117,7 @@ def custom_loop(source: str, mode: str, batch: int, accumulation: int, steps: in
                 accelerator.backward(loss)
                 optimizer.step()
                 optimizer.zero_grad()
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
     weights = accelerator.unwrap_model(model).state_dict()
     return {"weights": {k: v.detach().clone() for k, v in weights.items()}, "losses": losses,
             "processes": accelerator.num_processes}

@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from . import staging
-from .digests import appending, seal
-from .layout import CheckpointError
+from impel.checkpoint import staging
+from impel.checkpoint.digests import appending, seal
+from impel.checkpoint.layout import CheckpointError
 
 ALIASES_KEY = "impel_aliases"
 

@@ -19,7 +19,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from . import hashing
+from impel.checkpoint import hashing
 
 logger = logging.getLogger("impel")
 

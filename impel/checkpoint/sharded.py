@@ -22,12 +22,12 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 
-from ..collectives import is_distributed
-from .digests import appending
-from .files import crc32_off
-from .full import optimizer_state, pair_optimizers, suffix
-from .layout import CheckpointError
-from .staging import deferrable_dcp_save
+from impel.checkpoint.digests import appending
+from impel.checkpoint.files import crc32_off
+from impel.checkpoint.full import optimizer_state, pair_optimizers, suffix
+from impel.checkpoint.layout import CheckpointError
+from impel.checkpoint.staging import deferrable_dcp_save
+from impel.runtime.collectives import is_distributed
 
 FORMAT = "sharded"
 

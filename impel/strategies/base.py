@@ -17,17 +17,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ..checkpoint.options import DEFAULT_LOAD, DEFAULT_SAVE, LoadOptions, SaveOptions
-from ..config import ConfigError
-from ..precision import Precision, make_precision
-from .fsdp_loading import ParamReplacements
-from .tensor_parallel import check_user_plan, clip_by_total_norm, has_dtensor, is_dtensor, parallelize
+from impel.checkpoint.options import DEFAULT_LOAD, DEFAULT_SAVE, LoadOptions, SaveOptions
+from impel.config.run_config import ConfigError
+from impel.runtime.precision import Precision, make_precision
+from impel.strategies.fsdp_loading import ParamReplacements
+from impel.strategies.tensor_parallel import check_user_plan, clip_by_total_norm, has_dtensor, is_dtensor, parallelize
 
 if TYPE_CHECKING:
-    from ..accumulation import GradientState
-    from ..precision_report import PrecisionReport
-    from ..resolve import RunRecord
-    from ..state import ProcessState
+    from impel.runtime.accumulation import GradientState
+    from impel.runtime.precision_report import PrecisionReport
+    from impel.runtime.process import ProcessState
+    from impel.runtime.run_record import RunRecord
 
 REGISTRY: dict[str, str] = {
     "NO": "impel.strategies.single:SingleDeviceStrategy",
@@ -144,7 +144,7 @@ class Strategy:
     def precision_report(self, models: Sequence[nn.Module],
                          optimizers: Sequence[torch.optim.Optimizer]) -> PrecisionReport:
         """The dtypes in effect: stored parameters, compute, gradients, reduction, optimizer states."""
-        from ..precision_report import basic_report
+        from impel.runtime.precision_report import basic_report
 
         return basic_report(self.name, self.precision.mode, self.precision.dtype, self.state.use_distributed,
                             [self.unwrap_model(m) for m in models], optimizers)
@@ -172,10 +172,10 @@ class Strategy:
         Base (single device, DDP): full ``model*.safetensors`` and ``optimizer*.pt`` written by the writer.
         """
         if any(has_dtensor(self.unwrap_model(m)) for m in models):  # tensor parallel: every rank its shards, DCP
-            from ..checkpoint.sharded import save_sharded
+            from impel.checkpoint.sharded import save_sharded
 
             return save_sharded(models, optimizers, directory, skip_models=skip_models)
-        from ..checkpoint.full import save_full
+        from impel.checkpoint.full import save_full
 
         return save_full(models, optimizers, directory, writer=writer, safe_serialization=safe_serialization,
                          skip_models=skip_models)
@@ -190,7 +190,7 @@ class Strategy:
         """
         from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-        from ..checkpoint import full, sharded
+        from impel.checkpoint import full, sharded
 
         state_options = StateDictOptions(strict=options.strict)
         if metadata.get("format") == sharded.FORMAT:

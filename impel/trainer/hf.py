@@ -28,19 +28,19 @@ import transformers
 import transformers.trainer
 from transformers import TrainingArguments
 
-from ..accelerator import Accelerator
-from ..compile import TorchDynamoPlugin
-from ..config import ConfigError
-from ..data import DataLoaderShard
-from ..data import skip_first_batches as impel_skip_first_batches
-from ..plugins import (
+from impel.accelerator.facade import Accelerator
+from impel.config.plugins import (
     DataLoaderConfiguration,
     DistributedDataParallelKwargs,
     FullyShardedDataParallelPlugin,
     GradientAccumulationPlugin,
 )
-from . import hf_fsdp
-from .hf_fields import check_supported
+from impel.config.run_config import ConfigError
+from impel.runtime.compile import TorchDynamoPlugin
+from impel.runtime.data import DataLoaderShard
+from impel.runtime.data import skip_first_batches as impel_skip_first_batches
+from impel.trainer import hf_fsdp
+from impel.trainer.hf_fields import check_supported
 
 __all__ = ["Trainer", "TrainingArguments", "accelerator_arguments"]
 

@@ -17,7 +17,7 @@ import dataclasses
 import inspect
 from typing import Any
 
-from ..config import ConfigError
+from impel.config.run_config import ConfigError
 
 _IMPEL_TRAINER = ("use impel's own Trainer (`from impel import Trainer, TrainingArguments`), which plumbs this knob "
                   "into impel's Accelerator")

@@ -27,8 +27,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from ..config import ConfigError
-from ..plugins import FullyShardedDataParallelPlugin
+from impel.config.plugins import FullyShardedDataParallelPlugin
+from impel.config.run_config import ConfigError
 
 MODEL_NAME = "pytorch_model_fsdp"
 OPTIMIZER_NAME = "optimizer"

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from impel import FullyShardedDataParallelPlugin
-from impel.config import ConfigError, FSDPConfig, merge_code_arguments
+from impel.config.run_config import ConfigError, FSDPConfig, merge_code_arguments
 from impel.strategies.fsdp import mesh_layout
 from impel.strategies.fsdp_wrap import check_requested, select_units
 from tiny_transformers import tiny_bert, tiny_gpt2, tiny_llama

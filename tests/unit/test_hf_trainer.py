@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hf_trainer_helpers import padded_lm_data, run_script, tiny_gpt2
-from impel.config import ConfigError
+from impel.config.run_config import ConfigError
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 START, END = "<!-- hf-fields:start -->", "<!-- hf-fields:end -->"
@@ -24,7 +24,7 @@ def _max_diff(a, b):
 def test_an_example_style_script_gives_transformers_numbers_with_the_import_renamed(tmp_path):
     reference = run_script("transformers", str(tmp_path / "hf"))
     ours = run_script("impel.trainer.hf", str(tmp_path / "impel"))
-    assert (reference["accelerator"], ours["accelerator"]) == ("accelerate.accelerator", "impel.accelerator")
+    assert (reference["accelerator"], ours["accelerator"]) == ("accelerate.accelerator", "impel.accelerator.facade")
     assert _max_diff(ours["weights"], reference["weights"]) <= 1e-5
     for key in ("eval_loss", "loss", "learning_rate"):
         assert ours[key] == pytest.approx(reference[key], abs=1e-6), key

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from hf_trainer_helpers import custom_loop
-from impel.config import ConfigError
-from impel.item_windows import count_loss_items
+from impel.config.run_config import ConfigError
+from impel.runtime.item_windows import count_loss_items
 
 
 def _max_diff(a, b):
