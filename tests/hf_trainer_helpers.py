@@ -121,3 +121,20 @@ def custom_loop(source: str, mode: str, batch: int, accumulation: int, steps: in
     weights = accelerator.unwrap_model(model).state_dict()
     return {"weights": {k: v.detach().clone() for k, v in weights.items()}, "losses": losses,
             "processes": accelerator.num_processes}
+
+
+def own_trainer(output_dir: str, batch: int, accumulation: int, steps: int = 3) -> dict[str, Any]:
+    """impel's own Trainer (``from impel import Trainer``) with SGD on the tiny causal LM; its final weights."""
+    from impel import Trainer, TrainingArguments
+
+    args = TrainingArguments(output_dir=output_dir, per_device_train_batch_size=batch, max_steps=steps,
+                             gradient_accumulation_steps=accumulation, use_cpu=True, disable_tqdm=True,
+                             plot_loss=False, save_strategy="no", logging_steps=1, seed=3, data_seed=3)
+    model = tiny_gpt2()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    trainer = Trainer(model, args, train_dataset=padded_lm_data(), optimizers=(optimizer, scheduler))
+    trainer.train()
+    weights = trainer.accelerator.get_state_dict(trainer.model)
+    return {"weights": {k: v.detach().clone() for k, v in weights.items()},
+            "processes": trainer.accelerator.num_processes}
