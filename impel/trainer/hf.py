@@ -74,8 +74,11 @@ def _accumulation_plugin(args: Any) -> GradientAccumulationPlugin:
 
 
 def _loader_config(args: Any) -> DataLoaderConfiguration:
+    """``data_seed`` seeds the seedable sampler only (Accelerate ignores it otherwise; transformers' own sampler
+    reads it either way), so it is passed only with ``use_seedable_sampler``."""
     config = args.accelerator_config.to_dict()
-    return DataLoaderConfiguration(**{key: config[key] for key in _LOADER_KEYS}, data_seed=args.data_seed,
+    seed = args.data_seed if config["use_seedable_sampler"] else None
+    return DataLoaderConfiguration(**{key: config[key] for key in _LOADER_KEYS}, data_seed=seed,
                                    non_blocking=config["non_blocking"])
 
 

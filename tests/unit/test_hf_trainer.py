@@ -117,3 +117,34 @@ def test_a_mid_epoch_resume_ends_with_the_uninterrupted_weights(tmp_path):
     assert _max_diff(resumed.model.state_dict(), full.model.state_dict()) == 0.0
     losses = [[row["loss"] for row in t.state.log_history if "loss" in row] for t in (full, resumed)]
     assert losses[0] == losses[1]
+
+
+def test_the_accelerator_arguments_carry_the_fields(tmp_path):
+    """The fields transformers hands its Accelerator reach impel's (built by impel.trainer.hf.accelerator_arguments)."""
+    from transformers import TrainingArguments
+
+    from impel.trainer.hf import accelerator_arguments
+
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], torch_compile=True,
+                             torch_compile_mode="reduce-overhead", ddp_find_unused_parameters=False,
+                             ddp_bucket_cap_mb=7, ddp_static_graph=True, gradient_accumulation_steps=3, data_seed=11,
+                             accelerator_config={"even_batches": False, "use_seedable_sampler": False,
+                                                 "gradient_accumulation_kwargs": {"sync_each_batch": True}})
+    kwargs = accelerator_arguments(args, tiny_gpt2())
+    dynamo = kwargs["dynamo_plugin"]
+    assert (str(dynamo.backend).lower().endswith("inductor"), dynamo.mode) == (True, "reduce-overhead")
+    ddp = kwargs["kwargs_handlers"][0]
+    assert (ddp.find_unused_parameters, ddp.bucket_cap_mb, ddp.static_graph) == (False, 7, True)
+    loader = kwargs["dataloader_config"]
+    assert (loader.even_batches, loader.use_seedable_sampler, loader.data_seed) == (False, False, None)
+    plugin = kwargs["gradient_accumulation_plugin"]
+    assert (plugin.num_steps, plugin.sync_each_batch) == (1, True)  # transformers accumulates (3) itself
+    assert kwargs["cpu"] is True and kwargs["fsdp_plugin"] is None and kwargs["mixed_precision"] == "no"
+    gpt2 = tiny_gpt2()
+    gpt2.gradient_checkpointing_enable()  # transformers' rule: a checkpointing model does not look for unused ones
+    default = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    seeded = accelerator_arguments(TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[],
+                                                     data_seed=11), gpt2)["dataloader_config"]
+    assert (seeded.use_seedable_sampler, seeded.data_seed) == (True, 11)
+    assert accelerator_arguments(default, gpt2)["kwargs_handlers"][0].find_unused_parameters is False
+    assert accelerator_arguments(default, torch.nn.Linear(2, 2))["kwargs_handlers"][0].find_unused_parameters
