@@ -171,7 +171,7 @@ class Accelerator(ProcessUtilities, RunSettings):
 
     @property
     def scaler(self) -> Any:
-        return self.strategy.precision.scaler
+        return self.strategy.scaler
 
     # --- prepare ----------------------------------------------------------------------------------------------
     def prepare(self, *args: Any, device_placement: Sequence[bool] | None = None) -> Any:
@@ -215,7 +215,7 @@ class Accelerator(ProcessUtilities, RunSettings):
 
     def _finish_model(self, model: nn.Module) -> nn.Module:
         inner = self.strategy.unwrap_model(model)
-        autocast = self.strategy.precision.autocast if self.strategy.precision.dtype is not None else None
+        autocast = self.strategy.forward_autocast()
         cast = autocast is not None and self.cast_outputs_to_fp32  # as Accelerate: mixed precision returns fp32
         if inner is model:
             patch_forward(model, ForwardContext(self.strategy, self.gradient_state, autocast, track=True,
@@ -228,8 +228,7 @@ class Accelerator(ProcessUtilities, RunSettings):
         return self._compiler.prepared(model, self.strategy)
 
     def _finish_optimizer(self, optimizer: torch.optim.Optimizer) -> AcceleratedOptimizer:
-        wrapped = AcceleratedOptimizer(optimizer, self.strategy, self.gradient_state)
-        wrapped.guard = self._resilience
+        wrapped = AcceleratedOptimizer(optimizer, self.strategy, self.gradient_state, guard=self._resilience)
         self.prepared.optimizers.append(wrapped)
         return wrapped
 
@@ -296,11 +295,7 @@ class Accelerator(ProcessUtilities, RunSettings):
 
     @contextlib.contextmanager
     def autocast(self, autocast_handler: Any = None) -> Iterator[None]:
-        precision = self.strategy.precision
-        if precision.dtype is None:
-            yield
-            return
-        with precision.autocast(None if autocast_handler is None else autocast_handler.enabled):
+        with self.strategy.autocast(None if autocast_handler is None else autocast_handler.enabled):
             yield
 
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor | None:

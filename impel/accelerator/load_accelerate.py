@@ -196,7 +196,7 @@ def load(run: TrainingRun, directory: Path, plan: dict[str, Any], skip: Abstract
                        run.num_processes)
 
     if scaler is not None:  # before the optimizers, as in impel's own load (FSDP2 steps a dummy optimizer)
-        run.strategy.precision.load_state_dict({"scaler": scaler})
+        run.strategy.load_precision_state_dict({"scaler": scaler})
     load_models_and_optimizers(run, directory, plan, skip, options)
     for scheduler, state in zip(prepared.schedulers, schedulers):
         scheduler.load_state_dict(state)
@@ -249,7 +249,7 @@ def _check_counts(run: TrainingRun, directory: Path, plan: dict[str, Any], skip:
 
 
 def _scaler_state(run: TrainingRun, directory: Path, plan: dict[str, Any]) -> Any:
-    has_scaler = "scaler" in run.strategy.precision.state_dict()
+    has_scaler = "scaler" in run.strategy.precision_state_dict()
     path = directory / "scaler.pt"
     if has_scaler and not plan["scaler"]:
         raise CheckpointError(f"{path} is missing: this run scales fp16 losses with a GradScaler but the Accelerate "

@@ -25,7 +25,7 @@ from impel.config.plugins import GradientAccumulationPlugin, Handlers
 from impel.config.run_config import ConfigError, DistributedType, RunConfig, merge_code_arguments
 from impel.runtime.compile import dynamo_code_arguments, settle_dynamo
 from impel.runtime.process import live_device, pick_device
-from impel.runtime.run_record import RunArguments, RunRecord, cpu_only_config
+from impel.runtime.run_record import RunArguments, RunRecord, cpu_only_config, plugins_in_effect
 
 if TYPE_CHECKING:
     import torch
@@ -52,8 +52,9 @@ def resolve(launched: Mapping[str, Any] | None, args: RunArguments, topology: To
     fsdp_strategy = config.fsdp.resolved_sharding_strategy if distributed_type == DistributedType.FSDP else None
     parallelism = settle(config.parallelism_config, asked, topology.world_size, str(distributed_type), fsdp_strategy)
     config.freeze()
+    plugins = plugins_in_effect(config, str(distributed_type), args.deepspeed_plugin)
     return RunRecord(config, handlers, topology, device, distributed_type, accumulation, dynamo, deepspeed,
-                     args.deepspeed_plugin, args.fsdp_plugin, parallelism)
+                     args.deepspeed_plugin, args.fsdp_plugin, parallelism, plugins)
 
 
 def _code_arguments(args: RunArguments) -> dict[str, Any]:

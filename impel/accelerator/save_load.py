@@ -243,7 +243,7 @@ class Checkpointer:
             for i, scheduler in enumerate(prepared.schedulers):
                 write_torch(scheduler.state_dict(), temp / f"scheduler{suffix(i)}.pt")
             write_torch(collect_training_state(run.step, run.gradient_state, prepared.optimizers,
-                                               prepared.dataloaders, run.strategy.precision),
+                                               prepared.dataloaders, run.strategy.precision_state_dict()),
                         temp / TRAINING_STATE_FILE)
             for i, obj in enumerate(prepared.registered):
                 self._write_registered(i, obj, temp / f"custom_checkpoint_{i}.pt")
@@ -372,7 +372,7 @@ class Checkpointer:
     def _read(self, directory: Path, metadata: dict[str, Any], skip: frozenset[int], options: LoadOptions) -> None:
         run, prepared = self.run, self.run.prepared
         training = read_torch(directory / TRAINING_STATE_FILE, "training state")
-        run.strategy.precision.load_state_dict(training["precision"])  # the scaler before the optimizers (FSDP2)
+        run.strategy.load_precision_state_dict(training["precision"])  # the scaler before the optimizers (FSDP2)
         run.strategy.load_checkpoint(list(prepared.models), prepared.inner_optimizers(), directory,
                                      metadata["strategy"], skip_models=skip, options=options)
         for i, scheduler in enumerate(prepared.schedulers):

@@ -6,7 +6,6 @@ A mixin over ``self.config`` (the resolved :class:`impel.config.run_config.RunCo
 """
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING, Any
 
 from impel.config.run_config import ConfigError, DistributedType
@@ -181,32 +180,17 @@ class RunSettings:
         """Always False: impel has no fp8 mode."""
         return False
 
-    @functools.cached_property
+    @property
     def deepspeed_plugin(self) -> DeepSpeedPlugin | None:
-        """The DeepSpeed settings in effect (the plugin passed in code, else one built from the resolved config);
-        None when DeepSpeed is not used."""
-        if self.distributed_type != DistributedType.DEEPSPEED:
-            return None
-        if self.record.deepspeed_plugin is not None:
-            return self.record.deepspeed_plugin
-        from impel.config.plugins import _DEEPSPEED_KEYS, DeepSpeedPlugin
+        """The DeepSpeed settings in effect (the plugin passed in code, else one built from the resolved config when
+        the run was resolved); None when DeepSpeed is not used."""
+        return self.record.plugins.deepspeed
 
-        section = self.config.deepspeed
-        return DeepSpeedPlugin(hf_ds_config=section.deepspeed_config_file,
-                               gradient_accumulation_steps=self.config.gradient_accumulation_steps,
-                               **{attr: getattr(section, name) for attr, name in _DEEPSPEED_KEYS.items()})
-
-    @functools.cached_property
+    @property
     def fsdp_plugin(self) -> FullyShardedDataParallelPlugin | None:
-        """The FSDP settings in effect as a plugin (built from the resolved config); None when FSDP is not used."""
-        if self.distributed_type != DistributedType.FSDP:
-            return None
-        from impel.config.plugins import _FSDP_KEYS, FullyShardedDataParallelPlugin
-
-        section = self.config.fsdp
-        return FullyShardedDataParallelPlugin(
-            mixed_precision_policy=self.config.mixed_precision,
-            **{attr: getattr(section, name) for attr, name in _FSDP_KEYS.items()})
+        """The FSDP settings in effect as a plugin (built from the resolved config when the run was resolved); None
+        when FSDP is not used."""
+        return self.record.plugins.fsdp
 
     # --- N-D parallelism (ParallelismConfig) ----------------------------------------------------------------
     @property

@@ -30,14 +30,15 @@ def optimizer_owners(models: Sequence[torch.nn.Module],
 class AcceleratedOptimizer(torch.optim.Optimizer):
     """Wraps a user's optimizer; everything not overridden reads through to it."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, strategy: Any, gradient_state: GradientState) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, strategy: Any, gradient_state: GradientState,
+                 guard: Any = None) -> None:
         # Deliberately no super().__init__: this object is a view on ``optimizer``, which owns the state.
         self.optimizer = optimizer
         self.strategy = strategy
         self.gradient_state = gradient_state
         self.step_was_skipped = False
         self.steps_taken = 0
-        self.guard: Any = None  # impel.accelerator.resilience.Resilience when nonfinite_loss is checked
+        self.guard = guard  # impel.accelerator.resilience.Resilience when nonfinite_loss is checked, else None
 
     # torch.optim.Optimizer fields, read through
     @property

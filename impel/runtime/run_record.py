@@ -45,6 +45,34 @@ class RunArguments:
 
 
 @dataclass(frozen=True)
+class PluginsInEffect:
+    """``accelerator.deepspeed_plugin`` / ``fsdp_plugin``: the plugin given in code, else one built from the resolved
+    config when the run is resolved (never on read); None for the strategy not in use."""
+
+    deepspeed: DeepSpeedPlugin | None = None
+    fsdp: FullyShardedDataParallelPlugin | None = None
+
+
+def plugins_in_effect(config: RunConfig, distributed_type: str, deepspeed_plugin: DeepSpeedPlugin | None
+                      ) -> PluginsInEffect:
+    from impel.config.plugins import _DEEPSPEED_KEYS, _FSDP_KEYS, DeepSpeedPlugin, FullyShardedDataParallelPlugin
+
+    if distributed_type == "DEEPSPEED":
+        if deepspeed_plugin is not None:
+            return PluginsInEffect(deepspeed=deepspeed_plugin)
+        ds = config.deepspeed
+        return PluginsInEffect(deepspeed=DeepSpeedPlugin(
+            hf_ds_config=ds.deepspeed_config_file, gradient_accumulation_steps=config.gradient_accumulation_steps,
+            **{attr: getattr(ds, name) for attr, name in _DEEPSPEED_KEYS.items()}))
+    if distributed_type == "FSDP":
+        fsdp = config.fsdp
+        return PluginsInEffect(fsdp=FullyShardedDataParallelPlugin(
+            mixed_precision_policy=config.mixed_precision,
+            **{attr: getattr(fsdp, name) for attr, name in _FSDP_KEYS.items()}))
+    return PluginsInEffect()
+
+
+@dataclass(frozen=True)
 class RunRecord:
     """A run, fully settled. ``config`` is read-only; ``deepspeed`` is the DeepSpeed JSON after settlement."""
 
@@ -59,6 +87,7 @@ class RunRecord:
     deepspeed_plugin: DeepSpeedPlugin | None = None  # the one given in code (its dict JSON stays in the process)
     fsdp_plugin: FullyShardedDataParallelPlugin | None = None
     parallelism: ParallelismConfig | None = None  # the mesh sizes, settled against the world size
+    plugins: PluginsInEffect = PluginsInEffect()
 
     @property
     def cpu_only(self) -> bool:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-from collections.abc import Iterable, Mapping, Sequence, Set
+from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -107,6 +107,27 @@ class Strategy:
     def unwrap_model(self, model: nn.Module) -> nn.Module:
         """The user's module without any distributed wrapper."""
         return model
+
+    # --- mixed precision, as the facade and the checkpoints see it ------------------------------------------
+    @property
+    def scaler(self) -> Any:
+        """fp16's GradScaler, else None."""
+        return self.precision.scaler
+
+    def forward_autocast(self) -> Callable[[], contextlib.AbstractContextManager[Any]] | None:
+        """What the prepared forward enters (autocast to the mixed-precision dtype); None without mixed precision."""
+        return self.precision.autocast if self.precision.dtype is not None else None
+
+    def autocast(self, enabled: bool | None = None) -> contextlib.AbstractContextManager[Any]:
+        """``accelerator.autocast()``: the mixed-precision autocast, or nothing without mixed precision."""
+        return self.precision.autocast(enabled) if self.precision.dtype is not None else contextlib.nullcontext()
+
+    def precision_state_dict(self) -> dict[str, Any]:
+        """The loss scaler's state (empty without fp16), saved in the checkpoint's training state."""
+        return self.precision.state_dict()
+
+    def load_precision_state_dict(self, state: dict[str, Any]) -> None:
+        self.precision.load_state_dict(state)
 
     # --- the training step ----------------------------------------------------------------------------------
     def set_grad_sync(self, model: nn.Module, enabled: bool) -> None:
