@@ -24,9 +24,13 @@ import functools
 import inspect
 from typing import Any
 
-import transformers
-import transformers.trainer
-from transformers import TrainingArguments
+try:
+    import transformers
+    import transformers.trainer
+    from transformers import TrainingArguments
+except ImportError as exc:  # pragma: no cover - the extra is installed in the test environment
+    raise ImportError("impel.trainer.hf is transformers' Trainer on impel and needs transformers 5.24 or newer: "
+                      "pip install 'impel[transformers]'") from exc
 
 from impel.accelerator.facade import Accelerator
 from impel.config.plugins import (
