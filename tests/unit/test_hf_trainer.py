@@ -21,14 +21,23 @@ def _max_diff(a, b):
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-def test_an_example_style_script_gives_transformers_numbers_with_the_import_renamed(tmp_path):
-    reference = run_script("transformers", str(tmp_path / "hf"))
-    ours = run_script("impel.trainer.hf", str(tmp_path / "impel"))
+MORE_FIELDS = {"label_smoothing_factor": 0.1, "auto_find_batch_size": True, "lr_scheduler_type": "cosine_with_min_lr",
+               "lr_scheduler_kwargs": {"min_lr": 1e-3}, "optim": "adafactor", "max_grad_norm": 0.5,
+               "weight_decay": 0.01, "logging_first_step": True, "eval_on_start": True}
+
+
+@pytest.mark.parametrize("knobs", [{}, MORE_FIELDS], ids=["example", "more-fields"])
+def test_an_example_style_script_gives_transformers_numbers_with_the_import_renamed(tmp_path, knobs):
+    reference = run_script("transformers", str(tmp_path / "hf"), **knobs)
+    ours = run_script("impel.trainer.hf", str(tmp_path / "impel"), **knobs)
     assert (reference["accelerator"], ours["accelerator"]) == ("accelerate.accelerator", "impel.accelerator.facade")
     assert _max_diff(ours["weights"], reference["weights"]) <= 1e-5
     for key in ("eval_loss", "loss", "learning_rate"):
         assert ours[key] == pytest.approx(reference[key], abs=1e-6), key
-    assert len(ours["eval_loss"]) == 5 and len(ours["learning_rate"]) == 6  # 2, 4, 6, evaluate()'s row, its result
+    # steps 2, 4, 6, evaluate()'s row, its result (and step 0 with eval_on_start)
+    assert len(ours["eval_loss"]) == 5 + bool(knobs) and len(ours["learning_rate"]) == 6
+    if knobs:  # lr_scheduler_kwargs took effect: the cosine ends at min_lr, not 0
+        assert min(ours["learning_rate"][2:]) >= 1e-3
     assert ours["tokens_seen"] == reference["tokens_seen"] == 6 * 8 * 16  # include_num_input_tokens_seen
 
 
