@@ -50,6 +50,7 @@ from impel.runtime import rank_health
 from impel.runtime.accumulation import GradientState, MicroStep
 from impel.runtime.compile import Compiler, TorchDynamoPlugin, uncompiled, unwrap
 from impel.runtime.data import DataLoaderShard, shard_dataloader, skip_first_batches
+from impel.runtime.item_windows import ItemWindows
 from impel.runtime.model_forward import ForwardContext, is_prepared, patch_forward
 from impel.runtime.optimizer import AcceleratedOptimizer, AcceleratedScheduler
 from impel.runtime.process import AcceleratorState, current_topology
@@ -285,7 +286,7 @@ class Accelerator(ProcessUtilities, RunSettings):
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """Backward through the strategy; divides the loss by the accumulation group's length."""
         gs = self.gradient_state
-        if gs.num_steps > 1:
+        if gs.num_steps > 1 or gs.item_scale is not None:
             gs.begin_auto()
             loss = gs.scale_loss(loss)
         if self._resilience is not None:
@@ -293,6 +294,12 @@ class Accelerator(ProcessUtilities, RunSettings):
         with rank_health.blocking("backward"):  # the gradient all-reduce waits for the other ranks in here
             self.strategy.backward(loss, **kwargs)
         gs.end_auto()
+
+    def item_windows(self, dataloader: Any, count: Callable[[Any], Any] | None = None) -> ItemWindows:
+        """impel: iterate ``dataloader`` so that ``backward`` makes token-level losses exact under accumulation and
+        across ranks (each window's loss items counted on all ranks; :mod:`impel.runtime.item_windows`)."""
+        return ItemWindows(dataloader, self.gradient_state, lambda t: self.reduce(t, "sum"), self.num_processes,
+                           self.device, count)
 
     def accumulate(self, *models: nn.Module) -> MicroStep:
         """One micro-step: gradients sync (and the optimizer steps) only when it ends a group."""

@@ -60,6 +60,8 @@ class GradientState:
         self._saw_backward = True  # accelerator.backward() ran in the current micro-step
         self._warned_direct_backward = False
         self._step = 0  # Accelerate's ``accelerator.step``: micro-steps begun, reset when one ends a dataloader
+        self._planned_group: int | None = None  # item_windows(): the window read ahead decides the group
+        self._item_scale: Any = None  # item_windows(): this batch's loss multiplier, replacing the division
 
     @staticmethod
     def _reset_state() -> None:
@@ -160,6 +162,17 @@ class GradientState:
     def set_step(self, value: int) -> None:
         self._step = int(value)
 
+    # --- item_windows(): token-level losses -------------------------------------------------------------------
+    @property
+    def item_scale(self) -> Any:
+        return self._item_scale
+
+    def set_item_window(self, length: int | None, item_scale: Any = None) -> None:
+        """The window ``item_windows()`` read ahead (its length decides the group, whatever the dataloader's end
+        flag says) and the multiplier of the batch it yields; ``(None, None)`` when it is done."""
+        self._planned_group = length
+        self._item_scale = item_scale
+
     # --- dataloaders being iterated ---------------------------------------------------------------------------
     def register_dataloader(self, dataloader: Any) -> None:
         self._dataloaders.append(dataloader)
@@ -183,13 +196,14 @@ class GradientState:
     def begin(self) -> None:
         at_end = self._plugin.sync_with_dataloader and self.end_of_dataloader
         self._step = 0 if at_end else self._step + 1
+        at_end = at_end and self._planned_group is None  # item_windows() read the window ahead: it decides
         if self._num_steps == 1:
             self._sync = True
             self._group_size = 1
             return
         self._saw_backward = False
         if self._micro == 0:
-            self._group_size = self._next_group_size()
+            self._group_size = self._planned_group or self._next_group_size()
         self._micro += 1
         self._sync = self._micro >= self._group_size or at_end
         if self._sync:
@@ -237,8 +251,11 @@ class GradientState:
         return self._group_size if self._plugin.short_group_divisor == "actual" else self._num_steps
 
     def scale_loss(self, loss: Any) -> Any:
-        """Divide by :attr:`loss_divisor` and note that this micro-step's backward went through impel."""
+        """Divide by :attr:`loss_divisor` (under item_windows(): multiply by this batch's share of the window's loss
+        items on all ranks, times the processes) and note that this micro-step's backward went through impel."""
         self._saw_backward = True
+        if self._item_scale is not None:
+            return loss * self._item_scale.to(loss.dtype)
         return loss / self.loss_divisor
 
     @property

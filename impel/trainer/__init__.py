@@ -4,7 +4,8 @@ Modules by job: ``arguments`` (TrainingArguments and its checks), ``distributed`
 arguments and plugins), ``trainer`` (the loop), ``callbacks`` (hooks, early stopping), ``progress`` (progress bar,
 summary), ``best_model`` (best checkpoint, rotation), ``optimization`` (weight-decay groups), ``collate`` (default
 collator, column pruning), ``schedules`` (learning-rate schedules, step planning), ``evaluation`` (gathering
-predictions), ``state`` (TrainerState, TrainerControl, EvalPrediction, PredictionOutput), ``plot`` (loss PNGs).
+predictions), ``state`` (TrainerState, TrainerControl, EvalPrediction, PredictionOutput), ``plot`` (loss PNGs);
+``hf`` is transformers' own Trainer on impel's Accelerator (``hf_fields``: which of its fields hold).
 Names resolve lazily, so building ``TrainingArguments`` does not import torch.
 
 Example::

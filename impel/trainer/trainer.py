@@ -43,6 +43,7 @@ from impel.trainer.callbacks import CallbackHandler, TrainerCallback, export_sta
 from impel.trainer.collate import default_data_collator, padding_collator, remove_unused_columns
 from impel.trainer.distributed import accelerator_kwargs, deepspeed_sections
 from impel.trainer.evaluation import EvalLoopOutput, evaluate_batches, model_loss
+from impel.trainer.loss_items import loss_items
 from impel.trainer.optimization import parameter_groups
 from impel.trainer.plot import write_loss_plot
 from impel.trainer.progress import ProgressCallback, format_summary
@@ -224,7 +225,7 @@ class Trainer:
         return (loss, outputs) if return_outputs else loss
 
     def training_step(self, model: nn.Module, inputs: Any) -> torch.Tensor:
-        """One micro-step: forward, backward (divided by the accumulation group's length), clip at sync, step."""
+        """One micro-step: forward, backward (weighted by its share of the window's loss items), clip at sync, step."""
         acc, args = self.accelerator, self.args
         with acc.accumulate(model):
             loss = self.compute_loss(model, inputs)
@@ -298,7 +299,7 @@ class Trainer:
         self._event("on_epoch_begin")
         batches = 0
         per_step = self.args.per_device_train_batch_size * self.accelerator.num_processes
-        for batch in loader:
+        for batch in self.accelerator.item_windows(loader, count=loss_items):  # token-level losses exact
             batches += 1
             if self.accelerator.gradient_state.micro_in_group == 0:
                 self._event("on_step_begin")

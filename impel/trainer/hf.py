@@ -1,0 +1,148 @@
+"""transformers' ``Trainer``, running on impel's Accelerator.
+
+``impel.trainer.hf.Trainer`` is ``transformers.Trainer`` itself (its loop, arguments, callbacks, logging, evaluation,
+checkpoint format and token-level loss bookkeeping: ``num_items_in_batch`` counted over the accumulation window and,
+with ``average_tokens_across_devices``, across ranks) with one method replaced: the Accelerator it builds is impel's.
+Every call transformers makes through Accelerate (``prepare``, ``backward``, ``no_sync``, ``clip_grad_norm_``,
+``gather_for_metrics``, ``pad_across_processes``, ``unwrap_model``, ``get_state_dict``, ...) reaches impel, so the
+launch config, impel's DDP and process group, and its prepared dataloaders run transformers' loop.
+``TrainingArguments`` is transformers' class; ``fsdp`` / ``fsdp_config`` build impel's FSDP2 plugin (transformers'
+FSDP checkpoint calls are served by :mod:`impel.trainer.hf_fsdp`); the fields impel cannot honour here yet raise
+(:data:`impel.trainer.hf_fields.UNSUPPORTED`, with the reason); the others are transformers' own behaviour.
+
+Example (a transformers script with the import renamed)::
+
+    from impel.trainer.hf import Trainer, TrainingArguments
+
+    args = TrainingArguments(output_dir="out", do_train=True, per_device_train_batch_size=4,
+                             gradient_accumulation_steps=2, average_tokens_across_devices=True)
+    Trainer(model=model, args=args, train_dataset=train).train()
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any
+
+try:
+    import transformers
+    import transformers.trainer
+    from transformers import TrainingArguments
+except ImportError as exc:  # pragma: no cover - the extra is installed in the test environment
+    raise ImportError("impel.trainer.hf is transformers' Trainer on impel and needs transformers 5.24 or newer: "
+                      "pip install 'impel[transformers]'") from exc
+
+from impel.accelerator.facade import Accelerator
+from impel.config.plugins import (
+    DataLoaderConfiguration,
+    DistributedDataParallelKwargs,
+    FullyShardedDataParallelPlugin,
+    GradientAccumulationPlugin,
+)
+from impel.config.run_config import ConfigError
+from impel.runtime.compile import TorchDynamoPlugin
+from impel.runtime.data import DataLoaderShard
+from impel.runtime.data import skip_first_batches as impel_skip_first_batches
+from impel.trainer import hf_fsdp
+from impel.trainer.hf_fields import check_supported
+
+__all__ = ["Trainer", "TrainingArguments", "accelerator_arguments"]
+
+_ACCELERATE_SKIP_FIRST_BATCHES = transformers.trainer.skip_first_batches
+
+
+def skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:
+    """transformers' module-level ``skip_first_batches`` (a mid-epoch resume), resolved to impel's for impel's
+    prepared loaders and left to Accelerate's for the others (transformers' Trainer on Accelerate is unchanged)."""
+    if isinstance(dataloader, DataLoaderShard):
+        return impel_skip_first_batches(dataloader, num_batches)
+    return _ACCELERATE_SKIP_FIRST_BATCHES(dataloader, num_batches)
+
+
+transformers.trainer.skip_first_batches = skip_first_batches
+hf_fsdp.install()
+
+_LOADER_KEYS = ("split_batches", "dispatch_batches", "even_batches", "use_seedable_sampler")
+
+
+def _accumulation_plugin(args: Any) -> GradientAccumulationPlugin:
+    """transformers accumulates itself: impel's Accelerator gets ``num_steps=1`` (no second division)."""
+    kwargs = dict(args.accelerator_config.gradient_accumulation_kwargs or {})
+    if "num_steps" in kwargs:
+        if args.gradient_accumulation_steps > 1:
+            raise ConfigError(f"accelerator_config gradient_accumulation_kwargs num_steps={kwargs['num_steps']!r} "
+                              f"and gradient_accumulation_steps={args.gradient_accumulation_steps}: set one of them")
+        args.gradient_accumulation_steps = kwargs["num_steps"]
+    kwargs["num_steps"] = 1
+    return GradientAccumulationPlugin(**kwargs)
+
+
+def _loader_config(args: Any) -> DataLoaderConfiguration:
+    """``data_seed`` seeds the seedable sampler only (Accelerate ignores it otherwise; transformers' own sampler
+    reads it either way), so it is passed only with ``use_seedable_sampler``."""
+    config = args.accelerator_config.to_dict()
+    seed = args.data_seed if config["use_seedable_sampler"] else None
+    return DataLoaderConfiguration(**{key: config[key] for key in _LOADER_KEYS}, data_seed=seed,
+                                   non_blocking=config["non_blocking"])
+
+
+def _ddp_kwargs(args: Any, model: Any) -> DistributedDataParallelKwargs:
+    """transformers' rule: ``ddp_find_unused_parameters`` if set, else False for a checkpointing PreTrainedModel."""
+    find_unused = args.ddp_find_unused_parameters
+    if find_unused is None:
+        if isinstance(model, transformers.PreTrainedModel):
+            find_unused = not (model.is_activation_checkpointing or args.activation_checkpointing)
+        else:
+            find_unused = True
+    kwargs: dict[str, Any] = {"find_unused_parameters": find_unused}
+    for name in ("bucket_cap_mb", "broadcast_buffers", "static_graph"):
+        value = getattr(args, f"ddp_{name}")
+        if value is not None:
+            kwargs[name] = value
+    return DistributedDataParallelKwargs(**kwargs)
+
+
+def accelerator_arguments(args: Any, model: Any) -> dict[str, Any]:
+    """impel ``Accelerator(...)`` keywords for transformers' ``TrainingArguments`` (what transformers hands
+    Accelerate's, built from impel's classes)."""
+    check_supported(args)
+    dynamo = None
+    if args.torch_compile:
+        dynamo = TorchDynamoPlugin(backend=args.torch_compile_backend, mode=args.torch_compile_mode)
+    fsdp = None if args.fsdp_plugin_args is None else FullyShardedDataParallelPlugin(**args.fsdp_plugin_args)
+    return {"mixed_precision": args.mixed_precision, "cpu": True if args.use_cpu else None,
+            "gradient_accumulation_plugin": _accumulation_plugin(args), "dataloader_config": _loader_config(args),
+            "kwargs_handlers": [_ddp_kwargs(args, model)], "dynamo_plugin": dynamo, "fsdp_plugin": fsdp}
+
+
+def _check_fsdp(args: Any, plugin: Any) -> None:
+    """transformers' checks after building the Accelerator, for impel's FSDP plugin."""
+    if getattr(plugin, "activation_checkpointing", False) and args.activation_checkpointing:
+        raise ConfigError("fsdp_config activation_checkpointing=True and activation_checkpointing=True (or "
+                          "gradient_checkpointing=True): set only one; under FSDP use fsdp_config's")
+    if args.save_only_model and args.load_best_model_at_end:
+        raise ConfigError("save_only_model=True with load_best_model_at_end=True under fsdp: the best checkpoint "
+                          "needs the full state; set one of them to False")
+    if args.save_only_model and "SHARDED_STATE_DICT" in str(plugin.state_dict_type):
+        raise ConfigError("save_only_model=True with fsdp_config state_dict_type='SHARDED_STATE_DICT': use "
+                          "FULL_STATE_DICT or save_only_model=False")
+
+
+class Trainer(transformers.Trainer):
+    """``transformers.Trainer`` on impel's Accelerator: same constructor, members and behaviour."""
+
+    def create_accelerator_and_postprocess(self) -> None:
+        self.accelerator = Accelerator(**accelerator_arguments(self.args, self.model))
+        gather = self.accelerator.gather_for_metrics
+        if "use_gather_object" in inspect.signature(gather).parameters:
+            gather = functools.partial(gather, use_gather_object=self.args.eval_use_gather_object)
+        self.gather_function = gather
+        plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
+        self.is_fsdp_enabled = plugin is not None  # its checkpoints: impel.trainer.hf_fsdp
+        if plugin is not None:
+            _check_fsdp(self.args, plugin)
+        if str(self.accelerator.distributed_type).endswith("DEEPSPEED"):  # from the launch config
+            raise ConfigError("transformers' Trainer on impel (impel.trainer.hf) was launched with DeepSpeed; it "
+                              "is not served there yet: launch without DeepSpeed, or use impel's own Trainer "
+                              "(`from impel import Trainer, TrainingArguments`) with its deepspeed= knob")
+        self.is_deepspeed_enabled = False  # the deepspeed= field raises in check_supported (see hf_fields)

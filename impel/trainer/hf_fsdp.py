@@ -1,0 +1,143 @@
+"""transformers' FSDP checkpoint calls, served by impel for impel's FSDP2 plugin.
+
+transformers' Trainer saves and loads an FSDP model and optimizer with the functions it imports from Accelerate
+(``save_fsdp_model``, ``save_fsdp_optimizer``, ``load_fsdp_model``, ``load_fsdp_optimizer``), which read Accelerate's
+plugin internals. Importing :mod:`impel.trainer.hf` resolves those names in ``transformers.trainer`` to the
+dispatchers here: impel's plugin goes to torch's ``torch.distributed.checkpoint.state_dict`` API in Accelerate's file
+layout (``FULL_STATE_DICT``: ``pytorch_model_fsdp.bin`` / ``optimizer.bin`` written by rank 0;
+``SHARDED_STATE_DICT``: ``pytorch_model_fsdp_0/`` / ``optimizer_0/`` with DCP), anything else to Accelerate's own.
+
+Example::
+
+    save_fsdp_model(accelerator.state.fsdp_plugin, accelerator, model, "out/checkpoint-3")
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+import transformers.trainer
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from impel.config.plugins import FullyShardedDataParallelPlugin
+from impel.config.run_config import ConfigError
+
+MODEL_NAME = "pytorch_model_fsdp"
+OPTIMIZER_NAME = "optimizer"
+_ACCELERATE = {name: getattr(transformers.trainer, name)
+               for name in ("save_fsdp_model", "save_fsdp_optimizer", "load_fsdp_model", "load_fsdp_optimizer")}
+
+
+def _full(plugin: Any) -> bool:
+    kind = str(plugin.state_dict_type)
+    if "FULL_STATE_DICT" in kind:
+        return True
+    if "SHARDED_STATE_DICT" in kind:
+        return False
+    raise ConfigError(f"fsdp_config state_dict_type={kind!r}: transformers' Trainer on impel saves FULL_STATE_DICT "
+                      "or SHARDED_STATE_DICT")
+
+
+def _options(plugin: Any, accelerator: Any) -> StateDictOptions:
+    full = _full(plugin)
+    return StateDictOptions(full_state_dict=full, cpu_offload=full and accelerator.num_processes > 1)
+
+
+def _path(directory: str, name: str, index: int, full: bool) -> str:
+    if full:
+        return os.path.join(directory, f"{name}.bin" if index == 0 else f"{name}_{index}.bin")
+    return os.path.join(directory, f"{name}_{index}")
+
+
+def _inner(optimizer: Any) -> Any:
+    return getattr(optimizer, "optimizer", optimizer)  # impel's AcceleratedOptimizer wraps torch's
+
+
+def _refuse_adapters(model: Any, adapter_only: bool) -> None:
+    """transformers passes ``adapter_only=True`` always; it means "the adapters alone" for a PEFT model only."""
+    if adapter_only and getattr(model, "peft_config", None) is not None:
+        raise ConfigError("a PEFT model's adapter-only FSDP checkpoint is not served on impel's FSDP yet: train it "
+                          "without fsdp, or use impel's own Trainer (`from impel import Trainer`)")
+
+
+def _save(accelerator: Any, state: dict[str, Any], path: str, key: str, full: bool) -> None:
+    if full:
+        if accelerator.process_index == 0:
+            torch.save(state, path)
+    else:
+        dcp.save({key: state}, checkpoint_id=path)
+
+
+def _load(state: dict[str, Any], path: str, key: str, full: bool) -> dict[str, Any]:
+    if full:
+        loaded: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=False)
+        return loaded
+    wrapped = {key: state}
+    dcp.load(wrapped, checkpoint_id=path)
+    return wrapped[key]
+
+
+def save_fsdp_model(plugin: Any, accelerator: Any, model: Any, output_dir: str, model_index: int = 0,
+                    adapter_only: bool = False, **kwargs: Any) -> None:
+    if not isinstance(plugin, FullyShardedDataParallelPlugin):
+        return _ACCELERATE["save_fsdp_model"](plugin, accelerator, model, output_dir, model_index, adapter_only,
+                                              **kwargs)
+    _refuse_adapters(model, adapter_only)
+    os.makedirs(output_dir, exist_ok=True)
+    full = _full(plugin)
+    state = get_model_state_dict(model, options=_options(plugin, accelerator))
+    _save(accelerator, state, _path(output_dir, MODEL_NAME, model_index, full), "model", full)
+
+
+def load_fsdp_model(plugin: Any, accelerator: Any, model: Any, input_dir: str, model_index: int = 0,
+                    adapter_only: bool = False, **kwargs: Any) -> Any:
+    if not isinstance(plugin, FullyShardedDataParallelPlugin):
+        return _ACCELERATE["load_fsdp_model"](plugin, accelerator, model, input_dir, model_index, adapter_only,
+                                              **kwargs)
+    _refuse_adapters(model, adapter_only)
+    full = _full(plugin)
+    options = _options(plugin, accelerator)
+    state = _load(get_model_state_dict(model, options=options), _path(input_dir, MODEL_NAME, model_index, full),
+                  "model", full)
+    return set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=full))
+
+
+def save_fsdp_optimizer(plugin: Any, accelerator: Any, optimizer: Any, model: Any, output_dir: str,
+                        optimizer_index: int = 0, **kwargs: Any) -> None:
+    if not isinstance(plugin, FullyShardedDataParallelPlugin):
+        return _ACCELERATE["save_fsdp_optimizer"](plugin, accelerator, optimizer, model, output_dir,
+                                                  optimizer_index, **kwargs)
+    os.makedirs(output_dir, exist_ok=True)
+    full = _full(plugin)
+    state = get_optimizer_state_dict(model, _inner(optimizer), options=_options(plugin, accelerator))
+    _save(accelerator, state, _path(output_dir, OPTIMIZER_NAME, optimizer_index, full), "optimizer", full)
+    return None
+
+
+def load_fsdp_optimizer(plugin: Any, accelerator: Any, optimizer: Any, model: Any, input_dir: str,
+                        optimizer_index: int = 0, adapter_only: bool = False, **kwargs: Any) -> None:
+    if not isinstance(plugin, FullyShardedDataParallelPlugin):
+        return _ACCELERATE["load_fsdp_optimizer"](plugin, accelerator, optimizer, model, input_dir,
+                                                  optimizer_index, adapter_only, **kwargs)
+    full = _full(plugin)
+    options = _options(plugin, accelerator)
+    inner = _inner(optimizer)
+    state = _load(get_optimizer_state_dict(model, inner, options=options),
+                  _path(input_dir, OPTIMIZER_NAME, optimizer_index, full), "optimizer", full)
+    set_optimizer_state_dict(model, inner, state, options=StateDictOptions(full_state_dict=full))
+    return None
+
+
+def install() -> None:
+    """Point transformers' module-level names at the dispatchers above (idempotent)."""
+    for name, function in (("save_fsdp_model", save_fsdp_model), ("save_fsdp_optimizer", save_fsdp_optimizer),
+                           ("load_fsdp_model", load_fsdp_model), ("load_fsdp_optimizer", load_fsdp_optimizer)):
+        setattr(transformers.trainer, name, function)

@@ -1,0 +1,72 @@
+"""transformers' Trainer on impel's Accelerator, 2 CPU ranks: token-level losses exact across ranks and
+accumulation, and the same numbers as transformers' Trainer on Accelerate under the same launch."""
+from __future__ import annotations
+
+import pytest
+
+from hf_trainer_helpers import run_script
+from impel.testing import run_on_ranks
+
+pytestmark = pytest.mark.multiprocess
+
+ACCELERATE_ENV = {"ACCELERATE_USE_CPU": "1"}  # else Accelerate on a CPU box under torchrun trains unsynchronised
+SGD = {"optim": "sgd", "learning_rate": 0.5, "max_steps": 3, "do_eval": False, "gradient_checkpointing": False}
+
+
+def _max_diff(a, b):
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def _run(source, output_dir, overrides):
+    result = run_script(source, output_dir, **overrides)
+    import torch.distributed as dist
+
+    result["world"] = dist.get_world_size() if dist.is_initialized() else 1
+    return result
+
+
+def test_two_ranks_by_4_with_accumulation_2_equal_one_process_of_16(tmp_path):
+    one = run_script("impel.trainer.hf", str(tmp_path / "one"), per_device_train_batch_size=16, **SGD)
+    ranks = run_on_ranks(_run, 2, args=("impel.trainer.hf", str(tmp_path / "ranks"),
+                                        dict(SGD, per_device_train_batch_size=4, gradient_accumulation_steps=2)),
+                         timeout=150)
+    for result in ranks:
+        assert result["world"] == 2 and result["accelerator"] == "impel.accelerator.facade"
+        assert _max_diff(result["weights"], one["weights"]) <= 1e-6
+        assert result["loss"] == pytest.approx(one["loss"], abs=1e-6)
+
+
+def test_the_example_script_on_two_ranks_gives_transformers_numbers(tmp_path):
+    knobs = {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2}
+    reference = run_on_ranks(_run, 2, args=("transformers", str(tmp_path / "hf"), knobs), env=ACCELERATE_ENV,
+                             timeout=150)[0]
+    ours = run_on_ranks(_run, 2, args=("impel.trainer.hf", str(tmp_path / "impel"), knobs), timeout=150)[0]
+    assert (reference["world"], ours["world"]) == (2, 2)
+    assert (reference["accelerator"], ours["accelerator"]) == ("accelerate.accelerator", "impel.accelerator.facade")
+    assert _max_diff(ours["weights"], reference["weights"]) <= 1e-5
+    for key in ("eval_loss", "loss", "learning_rate"):
+        assert ours[key] == pytest.approx(reference[key], abs=1e-6), key
+    assert ours["tokens_seen"] == reference["tokens_seen"] == 6 * 2 * 2 * 4 * 16
+
+
+@pytest.mark.parametrize("state_dict_type, files", [
+    ("FULL_STATE_DICT", {"pytorch_model_fsdp.bin", "optimizer.bin"}),
+    ("SHARDED_STATE_DICT", {"pytorch_model_fsdp_0", "optimizer_0"}),
+])
+def test_the_fsdp_knob_trains_like_one_process_and_resumes_exactly(tmp_path, state_dict_type, files):
+    """fsdp="full_shard" on 2 ranks: impel's FSDP2 runs transformers' loop; its checkpoints (Accelerate's layout,
+    written by impel.trainer.hf_fsdp) resume mid-epoch to the uninterrupted run's weights."""
+    knobs = {"gradient_checkpointing": False, "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2}
+    one = run_script("impel.trainer.hf", str(tmp_path / "one"), **dict(knobs, per_device_train_batch_size=8))
+    fsdp = dict(knobs, fsdp="full_shard", save_strategy="steps", save_steps=3,
+                fsdp_config={"transformer_layer_cls_to_wrap": ["GPT2Block"], "state_dict_type": state_dict_type})
+    full = run_on_ranks(_run, 2, args=("impel.trainer.hf", str(tmp_path / "fsdp"), fsdp), timeout=150)[0]
+    resumed = run_on_ranks(_run, 2, args=("impel.trainer.hf", str(tmp_path / "resumed"),
+                                          dict(fsdp, resume_from_checkpoint=str(tmp_path / "fsdp" / "checkpoint-3"))),
+                           timeout=150)[0]
+    assert full["world"] == 2 and full["global_step"] == resumed["global_step"] == 6
+    assert _max_diff(full["weights"], one["weights"]) <= 1e-5
+    assert full["loss"] == pytest.approx(one["loss"], abs=1e-6)
+    assert files <= {name.split("/")[1] for name in full["files"] if name.startswith("checkpoint-3/")}
+    assert _max_diff(resumed["weights"], full["weights"]) == 0.0
