@@ -262,8 +262,8 @@ class Accelerator(ProcessUtilities, RunSettings):
         rank, world = self._data_parallel()  # TP / CP ranks of one data-parallel rank read the same batches
         shard = shard_dataloader(data_loader, world=world, rank=rank,
                                  device=self.device if place else None, config=self.dataloader_config,
-                                 gradient_state=self.gradient_state, rng_types=self.rng_types)
-        shard.hooks = self._resilience
+                                 gradient_state=self.gradient_state, rng_types=self.rng_types,
+                                 hooks=self._resilience)
         self.prepared.dataloaders.append(shard)
         return shard
 

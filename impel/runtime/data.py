@@ -192,7 +192,7 @@ class DataLoaderShard(DataLoader[Any]):
 
     def __init__(self, loader: DataLoader, shard: Any, device: torch.device | None, non_blocking: bool,
                  gradient_state: Any, per_rank_batch: int, original: DataLoader,
-                 rng_types: list[str] | None = None) -> None:
+                 rng_types: list[str] | None = None, hooks: Any = None) -> None:
         self.base_dataloader = loader
         self.rng_types = [t for t in rng_types or [] if t != "generator"]  # shared from rank 0 at each pass
         self.shard = shard
@@ -204,7 +204,7 @@ class DataLoaderShard(DataLoader[Any]):
         # epoch, position and the pass's random states live in one shared record, so a skip_first_batches() view
         # advances the original, consumes a resume pending on it, and leaves its pass start for state_dict()
         self._progress: dict[str, Any] = {"epoch": 0, "position": 0, "pass_start": None, "resume_rng": None}
-        self.hooks: Any = None  # impel.accelerator.resilience.Resilience: auto-resume and preemption checks
+        self.hooks = hooks  # impel.accelerator.resilience.Resilience (auto-resume and preemption checks), or None
         self.end_of_dataloader = False
         self._skip_next = 0
         self.__dict__.update(loader_attributes(loader, original, getattr(shard, "sampler", None),
@@ -406,7 +406,7 @@ def _order_sampler(sampler: Any, world: int, config: DataLoaderConfiguration, sh
 
 def shard_dataloader(loader: DataLoader, *, world: int, rank: int, device: torch.device | None,
                      config: DataLoaderConfiguration, gradient_state: Any,
-                     rng_types: list[str] | None = None) -> DataLoaderShard:
+                     rng_types: list[str] | None = None, hooks: Any = None) -> DataLoaderShard:
     """Rebuild ``loader`` so this rank reads its shard; the result iterates like the original.
 
     ``rng_types`` (Accelerate's, default ``["generator"]``): with "generator" the order sampler's generator is
@@ -430,7 +430,8 @@ def shard_dataloader(loader: DataLoader, *, world: int, rank: int, device: torch
     if config.dispatch_batches:  # rank 0 reads, every rank receives its slice (impel.runtime.dispatch)
         shard: Any = dispatching_loader(loader, extra, world=world, rank=rank, split_batches=config.split_batches,
                                         device=device, seedable=config.use_seedable_sampler)
-        return DataLoaderShard(shard, shard, device, config.non_blocking, gradient_state, per_rank, loader, rng_types)
+        return DataLoaderShard(shard, shard, device, config.non_blocking, gradient_state, per_rank, loader, rng_types,
+                               hooks)
     if isinstance(loader.dataset, IterableDataset):
         if loader.num_workers > 0:
             raise ConfigError(f"DataLoader(num_workers={loader.num_workers}) over an IterableDataset: impel shards "
@@ -458,7 +459,7 @@ def shard_dataloader(loader: DataLoader, *, world: int, rank: int, device: torch
         sampler = _order_sampler(loader.sampler, world, config, "generator" in rng_types)
         shard = ShardSampler(sampler, per_rank, world, rank, loader.drop_last, config.even_batches)
         new = DataLoader(loader.dataset, batch_sampler=shard, **extra)
-    return DataLoaderShard(new, shard, device, config.non_blocking, gradient_state, per_rank, loader, rng_types)
+    return DataLoaderShard(new, shard, device, config.non_blocking, gradient_state, per_rank, loader, rng_types, hooks)
 
 
 class _SkipBatchSampler(Sampler[list[int]]):
