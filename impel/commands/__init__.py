@@ -2,5 +2,6 @@
 
 - ``main``: the ``impel`` command; ``launch`` (with ``flags``: launch flags from the config dataclasses), ``config``
   (with ``questionnaire``), ``env``, ``test`` (runs ``selftest`` on every rank), ``estimate`` (over ``planning/``:
-  the memory estimator), ``merge`` (merge-weights), ``compare`` (loss curves).
+  the memory estimator), ``merge`` (merge-weights), ``compare`` (loss curves); ``preflight`` (checks before any
+  rank starts) and ``rank_watch`` (ranks die with the launcher; who left first).
 """

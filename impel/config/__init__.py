@@ -8,4 +8,9 @@
   (Accelerate's plugins and kwargs handlers).
 - ``mesh_sizes``: the ``parallelism_config`` section; ``parallelism``: ``ParallelismConfig`` and its device mesh.
 - ``deepspeed_json``: the DeepSpeed JSON, reconciled with impel's settings.
+- ``environment_settings``: Accelerate's ``ACCELERATE_*`` / ``FSDP_*`` variables (and ``IMPEL_*``) as run settings.
+- ``fsdp_values``: the FSDP plugin's values in their several spellings, normalised; ``plugin_refusals``: plugin
+  arguments accepted by name and refused when set, with the reason.
+- ``constants``: Accelerate's constants; ``unsupported``: the names impel deliberately does not provide, each with
+  its reason (they import, and raise on use).
 """

@@ -9,4 +9,10 @@
 - ``data``: prepared dataloaders; ``model_loading``: weights without allocation; ``memory``: OOM retry.
 - ``logger``, ``progress_bar``: per-process logging and progress; ``availability``: ``is_*_available``.
 - ``context_parallel``: the sequence split over the cp ranks; ``launchers``: start a function on N processes.
+- ``run_record``: the run, settled before anything is built (what the strategies read).
+- ``dispatch``: ``dispatch_batches`` (rank 0 reads, ranks receive); ``loader_attributes``: what a prepared loader
+  shows of a ``DataLoader``; ``loader_wrappers`` and ``samplers``: Accelerate's standalone data-loading pieces.
+- ``item_windows``: token-level losses exact under accumulation and ranks.
+- ``operations``, ``module_tools``, ``pyutils``: Accelerate's tensor, module and small Python helpers.
+- ``rank_health``: who waits for whom (the stall watchdog) and the ranks' normal-exit notes.
 """
