@@ -35,7 +35,7 @@ from torch.utils.hooks import RemovableHandle
 from ..config import ConfigError
 from ..memory import trim_host_heap
 from ..plugins import ProjectConfiguration
-from . import accelerate_format, collective, layout, staging
+from . import accelerate_format, collective, layout, staging, verified
 from .digests import sealing, share_digests
 from .files import crc32_off, read_torch, write_torch
 from .full import suffix
@@ -319,7 +319,7 @@ class Checkpointer:
         else:
             self._check_counts(directory, metadata)
             read = lambda: self._read(directory, metadata, self._run_load_hooks(directory), options)  # noqa: E731
-        collective.run_shared(read, "load_state")
+        collective.run_shared(lambda: verified.read_checked(directory, metadata, read), "load_state")
         saved = metadata.get("iteration")  # None: an Accelerate directory not named checkpoint_N
         self.config.iteration = max(self.config.iteration if saved is None else int(saved) + 1, next_free)
         collective.barrier()
@@ -341,7 +341,8 @@ class Checkpointer:
         if layout.is_accelerate_dir(directory):
             metadata = accelerate_format.inspect(directory)
         else:
-            metadata = layout.verify(directory)
+            # sizes of every file; checksums of the files no impel reader checks while reading (verified.py)
+            metadata = layout.verify(directory, skip=verified.checked_on_read)
         next_free = layout.next_free_iteration(directory.parent) if self.config.automatic_checkpoint_naming else 0
         return str(directory), metadata, next_free
 

@@ -28,6 +28,7 @@ from .files import crc32_off
 from .full import optimizer_state, pair_optimizers, suffix
 from .layout import CheckpointError
 from .staging import deferrable_dcp_save
+from .verified import open_checked, read_all
 
 FORMAT = "sharded"
 
@@ -53,16 +54,25 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 class SafeFileSystemReader(FileSystemReader):
-    """``FileSystemReader`` whose ``.metadata`` is unpickled with an allowlist (no code execution)."""
+    """``FileSystemReader`` whose ``.metadata`` is unpickled with an allowlist (no code execution), and whose files
+    are checked against the manifest as they are read (under ``verified.checking``)."""
 
     refused: CheckpointError | None = None
+
+    def __init__(self, path: Any) -> None:
+        super().__init__(path)
+        self.fs = _checking_file_system()
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         from torch.distributed.checkpoint.metadata import StorageMeta
 
         rank = kwargs.get("rank")
         path = Path(self.path) / (".metadata" if rank is None else f"__{rank}.metadata")
-        data = path.read_bytes()  # a missing file raises as in FileSystemReader (DCP falls back on it)
+        try:
+            data = read_all(path)  # checked while read; a missing file raises as in FileSystemReader (DCP falls back)
+        except CheckpointError as exc:  # DCP swallows it and tries per-rank metadata: keep the real cause
+            self.refused = exc
+            raise
         try:
             metadata = _MetadataUnpickler(io.BytesIO(data)).load()
         except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as exc:
@@ -75,15 +85,37 @@ class SafeFileSystemReader(FileSystemReader):
         return metadata
 
 
+def _checking_file_system() -> Any:
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    class _CheckingFileSystem(FileSystem):
+        @contextmanager
+        def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+            if mode == "rb":
+                with open_checked(Path(path)) as stream:
+                    yield stream
+            else:
+                with super().create_stream(path, mode) as stream:
+                    yield stream
+
+    return _CheckingFileSystem()
+
+
 def _dcp(call: Callable[..., Any], *args: Any, reader: SafeFileSystemReader | None = None, **kwargs: Any) -> Any:
-    """Run a DCP save/load quietly (no single-process warning); a refused metadata file surfaces as itself."""
+    """Run a DCP save/load quietly (no single-process warning); a refused metadata file, or a damaged file found
+    by the checking reader on any rank, surfaces as impel's CheckpointError naming the file."""
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             return call(*args, **kwargs)
-    except BaseException:  # DCP's CheckpointException derives from BaseException
+    except BaseException as exc:  # DCP's CheckpointException derives from BaseException
         if reader is not None and reader.refused is not None:
             raise reader.refused from None
+        failures = getattr(exc, "failures", None)  # DCP's: rank -> (exception, stack), gathered from every rank
+        for _, failure in sorted(failures.items()) if isinstance(failures, dict) else ():
+            cause = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(cause, CheckpointError):
+                raise CheckpointError(str(cause)) from None
         raise
 
 
