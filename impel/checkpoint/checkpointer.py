@@ -91,7 +91,7 @@ class Checkpointer:
         self.run = run
         self.async_configured = async_save  # the run config's async_save key
         self.pending: staging.PendingSave | None = None
-        self._stager: Any = None  # DCP's stager, created by the first asynchronous save
+        self._stager: Any = None  # stager.Stager, created by the first asynchronous save
         self.save_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
         self.load_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
 
