@@ -1,8 +1,9 @@
 """Sharded model and optimizer state through ``torch.distributed.checkpoint`` (DCP): for FSDP2's SHARDED_STATE_DICT.
 
-Each rank writes its own shards; DCP's metadata records the global layout, so a checkpoint saved by N ranks loads
-on M ranks (resharding) and merges to one file on a single process (:func:`load_full_state`). Layout: one DCP
-directory per object, ``model/`` (``model_1/`` ...) and ``optimizer/`` (``optimizer_1/`` ...).
+Each rank writes its own shards (their raw bytes, one file per rank: ``dcp_raw``); DCP's metadata records the
+global layout, so a checkpoint saved by N ranks loads on M ranks (resharding) and merges to one file on a single
+process (:func:`load_full_state`). Layout: one DCP directory per object, ``model/`` (``model_1/`` ...) and
+``optimizer/`` (``optimizer_1/`` ...).
 
 DCP stores its ``.metadata`` with plain pickle; :class:`SafeFileSystemReader` reads it with an unpickler that
 rebuilds only DCP's own metadata classes, so a doctored ``.metadata`` fails instead of running code.
@@ -23,7 +24,7 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 
 from ..collectives import is_distributed
-from .digests import appending
+from . import dcp_raw
 from .files import crc32_off
 from .full import optimizer_state, pair_optimizers, suffix
 from .layout import CheckpointError
@@ -62,6 +63,17 @@ class SafeFileSystemReader(FileSystemReader):
     def __init__(self, path: Any) -> None:
         super().__init__(path)
         self.fs = _checking_file_system()
+        self.metadata: Any = None
+
+    def set_up_storage_reader(self, metadata: Any, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        self.metadata = metadata
+
+    def read_data(self, plan: Any, planner: Any) -> Any:
+        """Chunks in raw shard files (``dcp_raw``) read here, the rest (earlier releases' files) by DCP."""
+        rest, raw = dcp_raw.split_plan(self, plan)
+        dcp_raw.read_raw(self, self.metadata, raw, planner)
+        return super().read_data(rest, planner)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         from torch.distributed.checkpoint.metadata import StorageMeta
@@ -120,24 +132,10 @@ def _dcp(call: Callable[..., Any], *args: Any, reader: SafeFileSystemReader | No
 
 
 def _writer(path: Path) -> Any:
-    """DCP's file writer whose shard files (``*.distcp``) are written through ``digests.appending``: hashed and
-    fsynced in the background while they are written (under save_state), so DCP's own fsync is off."""
-    from torch.distributed.checkpoint import FileSystemWriter
-    from torch.distributed.checkpoint.filesystem import FileSystem
-
-    class _SealingFileSystem(FileSystem):
-        @contextmanager
-        def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
-            if mode == "wb" and str(path).endswith(".distcp"):
-                with appending(Path(path)) as stream:
-                    yield stream
-            else:
-                with super().create_stream(path, mode) as stream:
-                    yield stream
-
-    writer = FileSystemWriter(path, sync_files=False)
-    writer.fs = _SealingFileSystem()
-    return writer
+    """DCP's file writer writing raw chunk bytes (``dcp_raw``: no per-tensor ``torch.save``) through
+    ``digests.appending``: hashed as written and fsynced in the background (under save_state), so DCP's own fsync
+    is off."""
+    return dcp_raw.RawWriter(path)
 
 
 def model_dir(index: int) -> str:

@@ -4,6 +4,7 @@ shard fails on every rank (the rank that read it names the file, the other names
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -55,7 +56,7 @@ def _load_in_process(ckpt):
     return verified.read_checked(ckpt, metadata, lambda: sharded.load_full_state(ckpt / "optimizer"))
 
 
-@pytest.mark.parametrize("name", ["__0_0.distcp", "__1_0.distcp", ".metadata"])
+@pytest.mark.parametrize("name", ["__0_0.raw.distcp", "__1_0.raw.distcp", ".metadata"])
 def test_a_flipped_byte_in_a_shard_or_the_dcp_metadata_is_named(sharded, tmp_path, name):
     ckpt = shutil.copytree(sharded, tmp_path / "ckpt")
     assert _load_in_process(ckpt)["optimizer"]  # the undamaged copy loads
@@ -64,7 +65,8 @@ def test_a_flipped_byte_in_a_shard_or_the_dcp_metadata_is_named(sharded, tmp_pat
     (ckpt / "optimizer" / name).write_bytes(bytes(data))
     from impel import CheckpointError
 
-    with pytest.raises(CheckpointError, match=rf"optimizer/{name} is corrupted \(bytes 0-{len(data)} differ"):
+    with pytest.raises(CheckpointError,
+                       match=rf"optimizer/{re.escape(name)} is corrupted \(bytes 0-{len(data)} differ"):
         _load_in_process(ckpt)
 
 
@@ -72,24 +74,24 @@ def test_a_truncated_or_missing_shard_is_named(sharded, tmp_path):
     from impel import CheckpointError
 
     ckpt = shutil.copytree(sharded, tmp_path / "ckpt")
-    shard = ckpt / "model" / "__1_0.distcp"
+    shard = ckpt / "model" / "__1_0.raw.distcp"
     size = shard.stat().st_size
     shard.write_bytes(shard.read_bytes()[:100])
-    with pytest.raises(CheckpointError, match=rf"model/__1_0\.distcp is truncated or corrupted \(100 bytes, the "
+    with pytest.raises(CheckpointError, match=rf"model/__1_0\.raw\.distcp is truncated or corrupted \(100 bytes, the "
                                               rf"manifest says {size} bytes\)"):
         _load_in_process(ckpt)
     shard.unlink()
-    with pytest.raises(CheckpointError, match=r"model/__1_0\.distcp is missing"):
+    with pytest.raises(CheckpointError, match=r"model/__1_0\.raw\.distcp is missing"):
         _load_in_process(ckpt)
 
 
 def test_a_two_rank_load_of_a_damaged_shard_fails_on_every_rank(sharded, tmp_path):
     ckpt = shutil.copytree(sharded, tmp_path / "ckpt")
-    shard = ckpt / "model" / "__0_0.distcp"
+    shard = ckpt / "model" / "__0_0.raw.distcp"
     data = bytearray(shard.read_bytes())
     data[-1] ^= 0x01
     shard.write_bytes(bytes(data))
     messages = run_on_ranks(_job, 2, args=(None, str(ckpt)), timeout=JOB_TIMEOUT,
                             env={"IMPEL_CONFIG": json.dumps(FSDP)})
     assert all(m for m in messages), messages
-    assert any("model/__0_0.distcp is corrupted" in m for m in messages), messages
+    assert any("model/__0_0.raw.distcp is corrupted" in m for m in messages), messages
