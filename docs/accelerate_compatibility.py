@@ -40,7 +40,7 @@ MISSING = {
     "extract_model_from_parallel": "use accelerator.unwrap_model(model)",
     "write_basic_config": "use `impel config default`",
     "patch_environment": "not provided; set os.environ in the test",
-    "convert_outputs_to_fp32": "the prepared model's output cast is impel.model's job (not a public helper)",
+    "convert_outputs_to_fp32": "the prepared model's forward casts its outputs (not a public helper)",
     "get_max_memory": "big-model inference helper, not in impel's scope",
     "load_fsdp_model": "use accelerator.load_state", "save_fsdp_model": "use accelerator.save_state",
     "load_fsdp_optimizer": "use accelerator.load_state", "save_fsdp_optimizer": "use accelerator.save_state",

@@ -3,7 +3,8 @@
 Run in the dev venv: ``.venv/bin/python docs/gen_cli.py`` rewrites docs/cli.md; ``--check`` exits 1 when the file
 differs from a fresh generation (``tests/unit/test_docs.py`` checks the same). It walks
 ``impel.commands.main.build_parser()``: each command's summary, description and usage, and every flag with its
-value, default and help. The launch flags are generated from the config dataclasses in ``impel/config.py``, so a new
+value, default and help. The launch flags are generated from the config dataclasses in ``impel/config/run_config.py``,
+so a new
 config field shows up here on the next run. Importing the parsers does not import torch.
 
 The text is built from the parsers' actions, not from argparse's own help formatter, whose layout depends on the
@@ -28,9 +29,10 @@ Generated from the argparse parsers in `impel/commands/` by `docs/gen_cli.py`: d
 (`tests/unit/test_docs.py` fails when it differs from a fresh generation; `{REGENERATE}` rewrites it).
 `impel COMMAND --help` prints the same flags and help texts.
 
-The flags of `impel launch` and `impel test` are generated from the config dataclasses in `impel/config.py`: every
-config key is a flag and a YAML key of the same name (the file's value when the flag is not given, else the
-default). Bool flags (value `BOOL`) work alone (`--cpu`) or with a value (`--fsdp_offload_params false`).
+The flags of `impel launch` and `impel test` are generated from the config dataclasses in
+`impel/config/run_config.py`: every config key is a flag and a YAML key of the same name (the file's value when the
+flag is not given, else the default). Bool flags (value `BOOL`) work alone (`--cpu`) or with a value
+(`--fsdp_offload_params false`).
 How the config is merged and what `impel launch` does with it: [Configure and launch](launch.md).
 """
 

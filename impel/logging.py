@@ -1,10 +1,10 @@
 """``impel.logging``: Accelerate's ``accelerate.logging`` path (a face; the logger lives in
-:mod:`impel.process_logging`)."""
+:mod:`impel.runtime.logger`)."""
 from __future__ import annotations
 
-from .exports import lazy_face
+from impel.exports import lazy_face
 
-_EXPORTS = {"get_logger": "impel.process_logging", "MultiProcessAdapter": "impel.process_logging"}
+_EXPORTS = {"get_logger": "impel.runtime.logger", "MultiProcessAdapter": "impel.runtime.logger"}
 
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_face(__name__, _EXPORTS)

@@ -88,7 +88,7 @@ def _context() -> Any:
     # transformers' model base and its GPT-2 / Llama (what tiny test models are built from) cost each rank ~1.7 s
     # of CPU to import. A module that is not installed is skipped by the forkserver.
     ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo",
-                                "torch.distributed.checkpoint.state_dict", "impel.accelerator",
+                                "torch.distributed.checkpoint.state_dict", "impel.accelerator.facade",
                                 "transformers.modeling_utils", "transformers.models.gpt2.modeling_gpt2",
                                 "transformers.models.llama.modeling_llama"])
     return ctx

@@ -2,7 +2,7 @@
 them (a face: nothing is defined here, names are imported on first use)."""
 from __future__ import annotations
 
-from .exports import lazy_face
+from impel.exports import lazy_face
 
 _AVAILABILITY = (
     "is_rich_available", "is_tqdm_available", "is_tensorboard_available", "is_wandb_available", "is_mlflow_available",
@@ -17,33 +17,34 @@ _AVAILABILITY = (
 )
 
 _EXPORTS = {
-    **{name: "impel.plugins" for name in (
+    **{name: "impel.config.plugins" for name in (
         "AutocastKwargs", "DataLoaderConfiguration", "DeepSpeedPlugin", "DistributedDataParallelKwargs",
         "FullyShardedDataParallelPlugin", "GradScalerKwargs", "GradientAccumulationPlugin", "InitProcessGroupKwargs",
         "KwargsHandler", "ProjectConfiguration")},
-    "ProfileKwargs": "impel.profiling",
-    **{name: "impel.parallelism_config" for name in (
+    "ProfileKwargs": "impel.config.profiling",
+    **{name: "impel.config.parallelism" for name in (
         "ParallelismConfig", "TorchTensorParallelConfig", "TorchContextParallelConfig")},
-    **{name: "impel.compile" for name in (
+    **{name: "impel.runtime.compile" for name in (
         "TorchDynamoPlugin", "DynamoBackend", "is_compiled_module", "has_compiled_regions")},
-    "DDPCommunicationHookType": "impel.ddp_hooks",
-    "DistributedType": "impel.config",
-    "PrecisionType": "impel.config",
-    "LoggerType": "impel.tracking",
-    **{name: "impel.seeding" for name in ("RNGType", "set_seed", "synchronize_rng_state", "synchronize_rng_states")},
-    "DummyOptim": "impel.strategies.deepspeed_config",
-    "DummyScheduler": "impel.strategies.deepspeed_config",
-    **{name: "impel.collectives" for name in (
+    "DDPCommunicationHookType": "impel.config.ddp_hooks",
+    "DistributedType": "impel.config.run_config",
+    "PrecisionType": "impel.config.run_config",
+    "LoggerType": "impel.trackers.registry",
+    **{name: "impel.runtime.seeding"
+       for name in ("RNGType", "set_seed", "synchronize_rng_state", "synchronize_rng_states")},
+    "DummyOptim": "impel.config.deepspeed_json",
+    "DummyScheduler": "impel.config.deepspeed_json",
+    **{name: "impel.runtime.collectives" for name in (
         "gather", "gather_object", "broadcast", "broadcast_object_list", "reduce", "pad_across_processes",
         "recursively_apply", "wait_for_everyone")},
-    "send_to_device": "impel.collectives",
-    "tqdm": "impel.progress",
-    **{name: "impel.memory" for name in (
+    "send_to_device": "impel.runtime.collectives",
+    "tqdm": "impel.runtime.progress_bar",
+    **{name: "impel.runtime.memory" for name in (
         "find_executable_batch_size", "release_memory", "should_reduce_batch_size", "clear_device_cache")},
     "merge_fsdp_weights": "impel.checkpoint.merge",
-    "save": "impel.saving",
-    "load_checkpoint_in_model": "impel.model_loading",
-    **{name: "impel.availability" for name in _AVAILABILITY},
+    "save": "impel.checkpoint.save_object",
+    "load_checkpoint_in_model": "impel.runtime.model_loading",
+    **{name: "impel.runtime.availability" for name in _AVAILABILITY},
 }
 
 __all__ = sorted(_EXPORTS)

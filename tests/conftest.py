@@ -12,7 +12,7 @@ def _fresh_process_state(monkeypatch):
     """Each in-process test starts as a plain single process with no launch config."""
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "IMPEL_CONFIG"):
         monkeypatch.delenv(var, raising=False)
-    from impel.state import ProcessState
+    from impel.runtime.process import ProcessState
 
     ProcessState._reset()
     yield

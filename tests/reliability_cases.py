@@ -79,7 +79,7 @@ def _prepared(hidden: int):
 
 def _accelerator():
     from impel import Accelerator
-    from impel.state import ProcessState
+    from impel.runtime.process import ProcessState
 
     ProcessState._reset()
     return Accelerator(cpu=True)

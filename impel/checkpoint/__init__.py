@@ -1,26 +1,28 @@
-"""Checkpoints: the whole training state saved atomically, loaded safely, exported as full weights.
+"""Layer 3 (below the strategies), checkpoint storage. Checkpoints: the whole training state saved atomically, loaded
+safely, exported as full weights.
 
 Modules, by job: ``layout`` (names, atomic commit, manifest, verification, rotation), ``files`` (safe readers and
 writers: safetensors, ``torch.load(weights_only=True)``), ``state`` (RNG, counters, dataloaders, registered
 objects), ``collective`` (every rank must call; errors shared), ``full`` (model/optimizer as full files: single
 device, DDP, FSDP FULL_STATE_DICT), ``sharded`` (DCP: FSDP SHARDED_STATE_DICT, resharding), ``hf`` (Hugging Face
-weight layout), ``merge`` (any checkpoint to full weights), ``checkpointer`` (save_state/load_state in order),
-``staging`` (asynchronous saves: the state staged at the call, written and committed on a background thread),
-``accelerate_format`` / ``accelerate_weights`` (loading a directory written by Accelerate's save_state) and
-``restricted`` (its pickles, unpickled through an allowlist).
+weight layout), ``merge`` (any checkpoint to full weights), ``staging`` (asynchronous saves: the state staged at
+the call, written and committed on a background thread), ``restricted`` (Accelerate's pickles, unpickled through
+an allowlist), ``options`` (save_state / load_state keyword arguments), ``digests`` / ``hashing`` (the manifest's
+checksums), ``cooperative`` (FULL_STATE_DICT written by every rank) and ``save_object`` (Accelerate's ``save``).
+The sequence that runs them for ``save_state`` / ``load_state`` is the Accelerator's (``impel.accelerator.save_load``).
 """
 from __future__ import annotations
 
 from typing import Any
 
-from .layout import CheckpointError
+from impel.checkpoint.layout import CheckpointError
 
 __all__ = ["CheckpointError", "merge_weights"]
 
 
 def __getattr__(name: str) -> Any:
     if name == "merge_weights":  # lazily: it imports torch.distributed.checkpoint
-        from .merge import merge_weights
+        from impel.checkpoint.merge import merge_weights
 
         return merge_weights
     raise AttributeError(f"module 'impel.checkpoint' has no attribute {name!r}")

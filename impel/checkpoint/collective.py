@@ -14,8 +14,8 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from ..collectives import is_distributed
-from .layout import CheckpointError
+from impel.checkpoint.layout import CheckpointError
+from impel.runtime.collectives import is_distributed
 
 T = TypeVar("T")
 

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from .layout import CheckpointError
+from impel.checkpoint.layout import CheckpointError
 
 ALIASES_KEY = "impel_aliases"
 OPTIMIZER_GROUPS_KEY = "impel_param_groups"

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from .digests import appending
+from impel.checkpoint.digests import appending
 
 RAW_SUFFIX = ".raw.distcp"
 

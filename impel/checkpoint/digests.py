@@ -24,15 +24,15 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..collectives import is_distributed
-from . import hashing
-from .layout import (
+from impel.checkpoint import hashing
+from impel.checkpoint.layout import (
     MARKER_FILE,
     METADATA_FILE,
     CheckpointError,
     fsync_file,
     manifest_entry,
 )
+from impel.runtime.collectives import is_distributed
 
 Entry = dict[str, Any]  # layout.manifest_entry: {"size": int, "xxh3_128_blocks": [str, ...]}
 _current: contextvars.ContextVar[Sealer | None] = contextvars.ContextVar("impel_sealer", default=None)

@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
-from . import safetensors_stream, staging
-from .digests import appending
-from .layout import CheckpointError
-from .verified import open_checked
+from impel.checkpoint import safetensors_stream, staging
+from impel.checkpoint.digests import appending
+from impel.checkpoint.layout import CheckpointError
+from impel.checkpoint.verified import open_checked
 
 ALIASES_KEY = "impel_aliases"
 

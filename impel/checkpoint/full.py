@@ -19,9 +19,15 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from . import cooperative, staging
-from .files import read_safetensors, read_safetensors_file, read_torch, write_safetensors, write_torch
-from .layout import CheckpointError
+from impel.checkpoint import cooperative, staging
+from impel.checkpoint.files import (
+    read_safetensors,
+    read_safetensors_file,
+    read_torch,
+    write_safetensors,
+    write_torch,
+)
+from impel.checkpoint.layout import CheckpointError
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +49,7 @@ def optimizer_file(index: int, cooperative: bool = False) -> str:
 
 def pair_optimizers(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer]) -> list[int]:
     """For each optimizer, the index of the model that owns all its parameters."""
-    from ..optimizer import optimizer_owners
+    from impel.runtime.optimizer import optimizer_owners
 
     owners: list[int] = []
     for i, (opt, owner) in enumerate(zip(optimizers, optimizer_owners(models, optimizers))):

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from .files import dedupe_aliases, write_safetensors, write_torch
-from .layout import fsync_dir
+from impel.checkpoint.files import dedupe_aliases, write_safetensors, write_torch
+from impel.checkpoint.layout import fsync_dir
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from . import hashing
+from impel.checkpoint import hashing
 
 logger = logging.getLogger("impel")
 

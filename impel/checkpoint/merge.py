@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from .full import read_weights
-from .hf import save_pretrained_weights
-from .layout import CheckpointError, verify
+from impel.checkpoint.full import read_weights
+from impel.checkpoint.hf import save_pretrained_weights
+from impel.checkpoint.layout import CheckpointError, verify
 
 MERGERS: dict[str, str] = {
     "full": "impel.checkpoint.merge:full_weights",
@@ -32,7 +32,7 @@ def full_weights(directory: Path, metadata: Mapping[str, Any], model_index: int)
 
 def sharded_weights(directory: Path, metadata: Mapping[str, Any], model_index: int) -> dict[str, torch.Tensor]:
     """Model ``model_index`` of a DCP checkpoint, gathered on this process (DTensor shards become full tensors)."""
-    from .sharded import load_full_state
+    from impel.checkpoint.sharded import load_full_state
 
     state = load_full_state(directory / metadata["models"][model_index])
     return {k: v for k, v in state["model"].items() if isinstance(v, torch.Tensor)}
@@ -80,7 +80,7 @@ def merge_fsdp_weights(checkpoint_dir: str | os.PathLike[str], output_path: str 
     the source); every process that joined a group waits for it."""
     import shutil
 
-    from ..state import ProcessState, current_topology
+    from impel.runtime.process import ProcessState, current_topology
 
     source = Path(checkpoint_dir)
     impel_layout = (source / "impel_checkpoint.json").is_file()
@@ -91,7 +91,7 @@ def merge_fsdp_weights(checkpoint_dir: str | os.PathLike[str], output_path: str 
         if impel_layout:
             merge_weights(source, output_path, safe_serialization=safe_serialization, max_shard_size=2**62)
         else:
-            from .sharded import load_full_state
+            from impel.checkpoint.sharded import load_full_state
 
             state = load_full_state(source)
             if len(state) == 1 and isinstance(next(iter(state.values())), dict):  # {"model": {...}}

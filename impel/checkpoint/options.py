@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config import ConfigError
+from impel.config.run_config import ConfigError
 
 # what impel itself passes to DeepSpeed's engine calls: a user value would break the checkpoint layout
 _ENGINE_SAVE_OWNED = ("tag", "client_state", "save_latest")

@@ -23,13 +23,13 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 
-from ..collectives import is_distributed
-from . import dcp_raw
-from .files import crc32_off
-from .full import optimizer_state, pair_optimizers, suffix
-from .layout import CheckpointError
-from .staging import deferrable_dcp_save
-from .verified import open_checked, read_all
+from impel.checkpoint import dcp_raw
+from impel.checkpoint.files import crc32_off
+from impel.checkpoint.full import optimizer_state, pair_optimizers, suffix
+from impel.checkpoint.layout import CheckpointError
+from impel.checkpoint.staging import deferrable_dcp_save
+from impel.checkpoint.verified import open_checked, read_all
+from impel.runtime.collectives import is_distributed
 
 FORMAT = "sharded"
 

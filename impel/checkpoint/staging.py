@@ -31,9 +31,9 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from ..collectives import is_distributed
-from .layout import CheckpointError
-from .stager import Stager
+from impel.checkpoint.layout import CheckpointError
+from impel.checkpoint.stager import Stager
+from impel.runtime.collectives import is_distributed
 
 T = TypeVar("T")
 
@@ -124,7 +124,7 @@ def background_group(timeout: timedelta) -> Any:
 
 def release_group() -> None:
     """Forget the dedicated group (the default group's destruction destroys it): its gloo threads can then be joined
-    at exit (:mod:`impel.teardown`)."""
+    at exit (:mod:`impel.runtime.teardown`)."""
     _group.clear()
 
 

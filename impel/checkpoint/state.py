@@ -56,15 +56,16 @@ def restore_rng_state(state: dict[str, Any], device: torch.device) -> None:
 
 # --- counters, dataloaders, precision ---------------------------------------------------------------------------
 def collect_training_state(step: int, gradient_state: Any, optimizers: Sequence[Any], dataloaders: Sequence[Any],
-                           precision: Any) -> dict[str, Any]:
-    """Counters of the Accelerator and its prepared objects, dataloader positions and the GradScaler."""
+                           precision: dict[str, Any]) -> dict[str, Any]:
+    """Counters of the Accelerator and its prepared objects, dataloader positions and the GradScaler's state
+    (``precision``, the strategy's ``precision_state_dict()``)."""
     return {
         "step": int(step),
         "gradient_state": gradient_state.state_dict(),
         "optimizers": [{"steps_taken": int(o.steps_taken), "step_was_skipped": bool(o.step_was_skipped)}
                        for o in optimizers],
         "dataloaders": [dl.state_dict() for dl in dataloaders],
-        "precision": precision.state_dict(),
+        "precision": precision,
     }
 
 

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from . import hashing
-from .layout import CheckpointError, corrupted, entry_blocks, missing_file
+from impel.checkpoint import hashing
+from impel.checkpoint.layout import CheckpointError, corrupted, entry_blocks, missing_file
 
 T = TypeVar("T")
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import ConfigError
+from impel.config.run_config import ConfigError
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -67,7 +67,7 @@ def metrics_file(run: str | Path) -> Path:
 
 def read_rows(path: Path) -> list[dict[str, Any]]:
     """The JSON rows of a metrics.jsonl (the Trainer's reader), a ConfigError naming the file when it is not one."""
-    from ..trainer.plot import read_history
+    from impel.trainer.plot import read_history
 
     try:
         return [row for row in read_history(path) if isinstance(row, dict)]
@@ -78,7 +78,7 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
 def curve(rows: Sequence[Mapping[str, Any]], key: str) -> list[tuple[float, float]]:
     """(step, value) of one metric, in order; a later row for the same step replaces an earlier one (resumed runs
     rewrite their history)."""
-    from ..trainer.plot import series
+    from impel.trainer.plot import series
 
     steps, values = series(rows, key)
     return sorted(dict(zip(map(float, steps), values)).items())
@@ -199,7 +199,7 @@ def format_table(table: Sequence[Mapping[str, Any]]) -> str:
 
 
 def plot(runs: Sequence[Run], align: str, path: str, metric: str) -> str:
-    from ..trainer.plot import plot_runs
+    from impel.trainer.plot import plot_runs
 
     histories = {}
     for run in runs:
@@ -233,7 +233,7 @@ def main(ns: argparse.Namespace) -> int:
     table = compare(runs, ns.align, ns.metric)
     print(json.dumps(table, indent=2) if ns.json else format_table(table))
     if not ns.no_plot:
-        from ..trainer.plot import matplotlib_available
+        from impel.trainer.plot import matplotlib_available
 
         if matplotlib_available():
             print(f"curves: {plot(runs, ns.align, ns.plot, ns.metric)}")

@@ -9,10 +9,10 @@ import os
 import sys
 from typing import Any
 
-from .. import env
-from ..config import ConfigError, RunConfig
-from ..config_file import dump_yaml, file_document, read_config_file, write_config_file
-from .flags import add_field_flag
+from impel.commands.flags import add_field_flag
+from impel.config import environment as env
+from impel.config.run_config import ConfigError, RunConfig
+from impel.config.yaml_file import dump_yaml, file_document, read_config_file, write_config_file
 
 
 def register(subparsers: Any) -> None:
@@ -52,7 +52,7 @@ def _gpu_count() -> int:
 
 
 def questionnaire(ns: argparse.Namespace) -> int:
-    from .questionnaire import Prompter, run_questionnaire
+    from impel.commands.questionnaire import Prompter, run_questionnaire
 
     def default_processes(kind: str) -> int:
         return 2 if kind == "MULTI_CPU" else max(_gpu_count(), 1)
@@ -97,7 +97,7 @@ def show(ns: argparse.Namespace) -> int:
 
 
 def convert_file(ns: argparse.Namespace) -> int:
-    from ..convert import convert
+    from impel.config.convert import convert
 
     translated, notes = convert(read_config_file(ns.file), ns.to)
     for note in notes:

@@ -8,9 +8,9 @@ import sys
 from importlib import metadata
 from typing import Any
 
-from .. import env
-from ..config import ConfigError, RunConfig
-from ..config_file import dump_yaml, read_config_file
+from impel.config import environment as env
+from impel.config.run_config import ConfigError, RunConfig
+from impel.config.yaml_file import dump_yaml, read_config_file
 
 
 def register(subparsers: Any) -> None:
@@ -43,7 +43,7 @@ def _devices() -> list[str]:
 
 
 def main(ns: argparse.Namespace) -> int:
-    from .. import __version__
+    from impel import __version__
 
     lines = [f"impel: {__version__}", f"Python: {sys.version.split()[0]} ({platform.platform()})"]
     lines += _devices()

@@ -6,8 +6,8 @@ import json
 import math
 from typing import Any
 
-from ..config import ConfigError
-from .flags import add_field_flag
+from impel.commands.flags import add_field_flag
+from impel.config.run_config import ConfigError
 
 _MESH_FLAGS = {
     "dp_replicate_size": "ranks holding full copies of the (sharded) model: HSDP's replicas, or DDP alone",
@@ -50,8 +50,8 @@ def plan(model: str, setup_kwargs: dict[str, Any], device_memory: str | None,
          tp_plan: dict[str, Any] | None = None) -> dict[str, Any]:
     """Estimate every strategy for MODEL, or the one mesh ``setup_kwargs`` names (tp_size, ...); the result the
     command prints (and ``--strategy auto`` uses)."""
-    from ..planning.estimate import Setup, estimate_all, human, parse_bytes, recommend
-    from ..planning.model_spec import build_meta_model, model_facts
+    from impel.commands.planning.estimate import Setup, estimate_all, human, parse_bytes, recommend
+    from impel.commands.planning.model_spec import build_meta_model, model_facts
 
     setup = Setup(**setup_kwargs)
     if setup.world < 1 or setup.world % max(setup.machines, 1):
@@ -64,7 +64,7 @@ def plan(model: str, setup_kwargs: dict[str, Any], device_memory: str | None,
     module, name = build_meta_model(model)
     facts = model_facts(module, name, tp_plan=tp_plan)
     if setup.mesh:  # the mesh asked for, one row: fits or not
-        from ..planning.mesh import check_mesh, estimate_mesh
+        from impel.commands.planning.mesh import check_mesh, estimate_mesh
 
         check_mesh(facts, setup)
         estimates = [estimate_mesh(facts, setup)]

@@ -1,6 +1,7 @@
 """Launch flags derived from the config dataclasses (never written twice), and the file < flag resolution.
 
-Every field of :class:`impel.config.RunConfig` and of its sections becomes a flag named as Accelerate names it:
+Every field of :class:`impel.config.run_config.RunConfig` and of its sections becomes a flag named as Accelerate names
+it:
 ``--mixed_precision``, ``--cpu`` (``use_cpu``), ``--fsdp_sharding_strategy``, ``--zero_stage``. Accelerate's
 shortcuts ``--multi_gpu``, ``--use_fsdp`` and ``--use_deepspeed`` set ``distributed_type``. Flags that are not
 given do not exist in the result, so a flag beats the file and an absent flag leaves the file's value.
@@ -12,7 +13,7 @@ from collections.abc import Iterator
 from dataclasses import fields
 from typing import Any
 
-from ..config import FALSE_WORDS, SECTIONS, TRUE_WORDS, ConfigError, RunConfig, coerce
+from impel.config.run_config import FALSE_WORDS, SECTIONS, TRUE_WORDS, ConfigError, RunConfig, coerce
 
 _SHORTCUTS = {"multi_gpu": "MULTI_GPU", "use_fsdp": "FSDP", "use_deepspeed": "DEEPSPEED", "use_auto": "AUTO"}
 _DEST = "cfg__"  # namespace attribute prefix: cfg__<section>__<key>
@@ -41,7 +42,7 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
     groups = {None: parser.add_argument_group("run config (flag > --config_file > defaults)"),
               "fsdp_config": parser.add_argument_group("FSDP (with --use_fsdp)"),
               "deepspeed_config": parser.add_argument_group("DeepSpeed (with --use_deepspeed)"),
-              "dynamo_config": parser.add_argument_group("torch.compile of prepared models (impel.compile)"),
+              "dynamo_config": parser.add_argument_group("torch.compile of prepared models (impel.runtime.compile)"),
               "parallelism_config": parser.add_argument_group("N-D parallelism (ParallelismConfig: device mesh sizes)")}
     groups[None].add_argument("--config_file", default=None, metavar="FILE",
                               help="YAML config (default: $IMPEL_CONFIG_FILE or ~/.cache/impel/default_config.yaml)")

@@ -16,11 +16,11 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import env
-from ..config import ConfigError, RunConfig
-from ..config_file import read_config_file
-from ..resilience import PREEMPTED_EXIT_CODE
-from .flags import add_config_flags, explicit_from_flags, explicit_from_flags_list, merge_file_and_flags
+from impel.accelerator.resilience import PREEMPTED_EXIT_CODE
+from impel.commands.flags import add_config_flags, explicit_from_flags, explicit_from_flags_list, merge_file_and_flags
+from impel.config import environment as env
+from impel.config.run_config import ConfigError, RunConfig
+from impel.config.yaml_file import read_config_file
 
 
 def add_script_arguments(parser: argparse.ArgumentParser) -> None:
@@ -92,7 +92,7 @@ def _check_engines(config: RunConfig, explicit: dict[str, Any]) -> None:
         path = config.deepspeed.deepspeed_config_file
         if path is not None:
             explicit["deepspeed_config"]["deepspeed_config_file"] = _check_json(path)
-        from ..strategies.deepspeed_config import check_before_launch
+        from impel.config.deepspeed_json import check_before_launch
 
         check_before_launch(RunConfig.from_dict(explicit))  # the JSON against the flags, before any rank starts
 
@@ -103,7 +103,7 @@ def deepspeed_available() -> bool:
 
 def _check_json(path: str) -> str:
     """The DeepSpeed JSON loads (the strategy's own reader says what is wrong); the ranks get its absolute path."""
-    from ..strategies.deepspeed_config import load_json
+    from impel.config.deepspeed_json import load_json
 
     load_json(path)
     return os.path.abspath(path)
@@ -154,7 +154,7 @@ def plan_launch(ns: argparse.Namespace) -> LaunchPlan:
 
 def _check_mesh(config: RunConfig, world: int) -> None:
     """The parallelism_config sizes multiply to the number of processes this launch starts (before any starts)."""
-    from ..parallelism_section import check_world_size, total_size
+    from impel.config.mesh_sizes import check_world_size, total_size
 
     section = config.parallelism_config
     if section is not None and total_size(section.sizes()) > 1:
@@ -162,7 +162,7 @@ def _check_mesh(config: RunConfig, world: int) -> None:
 
 
 def _agent_arguments(ns: argparse.Namespace) -> list[str]:
-    args: list[str] = []  # (--dynamo_* are run-config flags: the dynamo_config section, see impel.compile)
+    args: list[str] = []  # (--dynamo_* are run-config flags: the dynamo_config section, see impel.runtime.compile)
     if getattr(ns, "tee", None) is not None:
         if ns.tee not in ("0", "1", "2", "3"):
             raise ConfigError(f"--tee {ns.tee} is not one of 0 (none), 1 (stdout), 2 (stderr), 3 (both)")
@@ -192,8 +192,8 @@ def _device_memory(config: RunConfig, per_machine: int) -> str:
 def _choose_strategy(config: RunConfig, explicit: dict[str, Any],
                      notes: list[str]) -> tuple[RunConfig, dict[str, Any]]:
     """distributed_type AUTO: estimate every strategy for --auto_model and keep the cheapest that fits."""
-    from ..planning.estimate import LAUNCH_FLAGS
-    from .estimate import plan
+    from impel.commands.estimate import plan
+    from impel.commands.planning.estimate import LAUNCH_FLAGS
 
     assert config.auto_model is not None  # RunConfig.validate() refuses AUTO without it
     world = config.num_processes or config.num_machines * _count_devices(config)

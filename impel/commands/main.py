@@ -8,11 +8,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import compare, config, env, estimate, launch, merge, test
+from impel.commands import compare, config, env, estimate, launch, merge, test
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .. import __version__
+    from impel import __version__
 
     parser = argparse.ArgumentParser(prog="impel", description="Run one PyTorch training loop anywhere: one CPU, "
                                      "one GPU, many GPUs or many machines, with DDP, FSDP2 or DeepSpeed.")
@@ -25,8 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..config import ConfigError
-    from .flags import bool_values_joined
+    from impel.commands.flags import bool_values_joined
+    from impel.config.run_config import ConfigError
 
     parser = build_parser()
     ns = parser.parse_args(bool_values_joined(sys.argv[1:] if argv is None else list(argv)))

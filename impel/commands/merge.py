@@ -21,9 +21,9 @@ def register(subparsers: Any) -> None:
 def main(ns: argparse.Namespace) -> int:
     import os
 
-    from ..checkpoint.layout import CheckpointError
-    from ..checkpoint.merge import merge_weights
-    from ..config import ConfigError
+    from impel.checkpoint.layout import CheckpointError
+    from impel.checkpoint.merge import merge_weights
+    from impel.config.run_config import ConfigError
 
     if not os.path.isdir(ns.checkpoint):
         raise ConfigError(f"checkpoint {ns.checkpoint!r} is not a directory; pass a directory written by save_state "

@@ -12,9 +12,9 @@ from collections.abc import Callable
 from dataclasses import fields
 from typing import Any, NoReturn, TextIO
 
-from ..config import ConfigError, DeepSpeedConfig, FSDPConfig, RunConfig
-from ..parallelism_section import ParallelismSection, check_strategy, check_world_size
-from ..schema import Section, coerce, option
+from impel.config.mesh_sizes import ParallelismSection, check_strategy, check_world_size
+from impel.config.run_config import ConfigError, DeepSpeedConfig, FSDPConfig, RunConfig
+from impel.config.schema import Section, coerce, option
 
 _LEAVE = object()  # "leave it to the script": the key is not written
 

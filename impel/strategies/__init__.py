@@ -1,5 +1,7 @@
-"""Strategies: single device, DDP, FSDP2 and DeepSpeed behind one contract (:mod:`impel.strategies.base`).
+"""Layer 3, strategies: single device, DDP, FSDP2 and DeepSpeed behind one contract (:mod:`impel.strategies.base`).
 
-Nothing is imported here, so that a settings module such as ``impel.strategies.deepspeed_config`` can be read
-without loading the strategies themselves.
+Nothing is imported here, so that importing one strategy does not load the others.
+
+- ``base``: the contract; ``single``, ``ddp``, ``fsdp`` (with ``fsdp_wrap``, ``fsdp_loading``), ``deepspeed`` (with
+  ``deepspeed_checkpoint``, ``deepspeed_report``) and ``tensor_parallel``.
 """

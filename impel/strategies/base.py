@@ -10,24 +10,24 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-from collections.abc import Iterable, Mapping, Sequence, Set
+from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from ..checkpoint.options import DEFAULT_LOAD, DEFAULT_SAVE, LoadOptions, SaveOptions
-from ..config import ConfigError
-from ..precision import Precision, make_precision
-from .fsdp_loading import ParamReplacements
-from .tensor_parallel import check_user_plan, clip_by_total_norm, has_dtensor, is_dtensor, parallelize
+from impel.checkpoint.options import DEFAULT_LOAD, DEFAULT_SAVE, LoadOptions, SaveOptions
+from impel.config.run_config import ConfigError
+from impel.runtime.precision import Precision, make_precision
+from impel.strategies.fsdp_loading import ParamReplacements
+from impel.strategies.tensor_parallel import check_user_plan, clip_by_total_norm, has_dtensor, is_dtensor, parallelize
 
 if TYPE_CHECKING:
-    from ..accumulation import GradientState
-    from ..precision_report import PrecisionReport
-    from ..resolve import RunRecord
-    from ..state import ProcessState
+    from impel.runtime.accumulation import GradientState
+    from impel.runtime.precision_report import PrecisionReport
+    from impel.runtime.process import ProcessState
+    from impel.runtime.run_record import RunRecord
 
 REGISTRY: dict[str, str] = {
     "NO": "impel.strategies.single:SingleDeviceStrategy",
@@ -108,6 +108,27 @@ class Strategy:
         """The user's module without any distributed wrapper."""
         return model
 
+    # --- mixed precision, as the facade and the checkpoints see it ------------------------------------------
+    @property
+    def scaler(self) -> Any:
+        """fp16's GradScaler, else None."""
+        return self.precision.scaler
+
+    def forward_autocast(self) -> Callable[[], contextlib.AbstractContextManager[Any]] | None:
+        """What the prepared forward enters (autocast to the mixed-precision dtype); None without mixed precision."""
+        return self.precision.autocast if self.precision.dtype is not None else None
+
+    def autocast(self, enabled: bool | None = None) -> contextlib.AbstractContextManager[Any]:
+        """``accelerator.autocast()``: the mixed-precision autocast, or nothing without mixed precision."""
+        return self.precision.autocast(enabled) if self.precision.dtype is not None else contextlib.nullcontext()
+
+    def precision_state_dict(self) -> dict[str, Any]:
+        """The loss scaler's state (empty without fp16), saved in the checkpoint's training state."""
+        return self.precision.state_dict()
+
+    def load_precision_state_dict(self, state: dict[str, Any]) -> None:
+        self.precision.load_state_dict(state)
+
     # --- the training step ----------------------------------------------------------------------------------
     def set_grad_sync(self, model: nn.Module, enabled: bool) -> None:
         """Turn the cross-rank gradient reduction of the next backward on or off (accumulation)."""
@@ -144,7 +165,7 @@ class Strategy:
     def precision_report(self, models: Sequence[nn.Module],
                          optimizers: Sequence[torch.optim.Optimizer]) -> PrecisionReport:
         """The dtypes in effect: stored parameters, compute, gradients, reduction, optimizer states."""
-        from ..precision_report import basic_report
+        from impel.runtime.precision_report import basic_report
 
         return basic_report(self.name, self.precision.mode, self.precision.dtype, self.state.use_distributed,
                             [self.unwrap_model(m) for m in models], optimizers)
@@ -172,10 +193,10 @@ class Strategy:
         Base (single device, DDP): full ``model*.safetensors`` and ``optimizer*.pt`` written by the writer.
         """
         if any(has_dtensor(self.unwrap_model(m)) for m in models):  # tensor parallel: every rank its shards, DCP
-            from ..checkpoint.sharded import save_sharded
+            from impel.checkpoint.sharded import save_sharded
 
             return save_sharded(models, optimizers, directory, skip_models=skip_models)
-        from ..checkpoint.full import save_full
+        from impel.checkpoint.full import save_full
 
         return save_full(models, optimizers, directory, writer=writer, safe_serialization=safe_serialization,
                          skip_models=skip_models)
@@ -190,7 +211,7 @@ class Strategy:
         """
         from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-        from ..checkpoint import full, sharded
+        from impel.checkpoint import full, sharded
 
         state_options = StateDictOptions(strict=options.strict)
         if metadata.get("format") == sharded.FORMAT:

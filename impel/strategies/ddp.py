@@ -11,11 +11,11 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ..ddp_hooks import reduction_dtype, register_comm_hook
-from .base import Strategy
+from impel.config.ddp_hooks import reduction_dtype, register_comm_hook
+from impel.strategies.base import Strategy
 
 if TYPE_CHECKING:
-    from ..precision_report import PrecisionReport
+    from impel.runtime.precision_report import PrecisionReport
 
 
 @contextlib.contextmanager

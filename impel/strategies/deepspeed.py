@@ -27,28 +27,28 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from .. import env
-from ..config import ConfigError
-from ..precision import AutocastPrecision, Precision
-from .base import Strategy
-from .deepspeed_checkpoint import (
-    load_engines,
-    merge_zero_checkpoint,
-    safe_loading,
-    save_engines,
-)
-from .deepspeed_config import (
+from impel.config import environment as env
+from impel.config.deepspeed_json import (
     DummyOptim,
     DummyScheduler,
     fill_runtime,
     init_config,
 )
+from impel.config.run_config import ConfigError
+from impel.runtime.precision import AutocastPrecision, Precision
+from impel.strategies.base import Strategy
+from impel.strategies.deepspeed_checkpoint import (
+    load_engines,
+    merge_zero_checkpoint,
+    safe_loading,
+    save_engines,
+)
 
 if TYPE_CHECKING:
-    from ..accumulation import GradientState
-    from ..precision_report import PrecisionReport
-    from ..resolve import RunRecord
-    from ..state import ProcessState
+    from impel.runtime.accumulation import GradientState
+    from impel.runtime.precision_report import PrecisionReport
+    from impel.runtime.process import ProcessState
+    from impel.runtime.run_record import RunRecord
 
 logger = logging.getLogger("impel")
 
@@ -102,7 +102,7 @@ class DeepSpeedStrategy(Strategy):
     def __init__(self, state: ProcessState, record: RunRecord, gradient_state: GradientState) -> None:
         self.deepspeed = import_deepspeed(state.device, state.local_process_index)
         if record.deepspeed is None:
-            raise ConfigError("the DeepSpeed strategy needs the DeepSpeed config settled by impel.resolve.resolve()")
+            raise ConfigError("the DeepSpeed strategy needs the DeepSpeed config settled by resolve()")
         self.resolved = record.deepspeed
         plugin = record.deepspeed_plugin
         super().__init__(state, record, gradient_state)
@@ -191,7 +191,7 @@ class DeepSpeedStrategy(Strategy):
         if len(optimizers) + (self.train_engine is not None) > 1:
             raise ConfigError("DeepSpeed trains one model with one optimizer per Accelerator (one engine); prepare() "
                               f"got {len(optimizers)} optimizer(s) after {len(self.engines)} engine(s) were built")
-        from ..optimizer import optimizer_owners
+        from impel.runtime.optimizer import optimizer_owners
 
         owners: list[int] = []
         for opt, owner in zip(optimizers, optimizer_owners(models, optimizers)):
@@ -202,7 +202,7 @@ class DeepSpeedStrategy(Strategy):
         return owners
 
     def _build_engine(self, model: nn.Module, optimizer: Any, place: bool) -> Any:
-        from ..precision_report import dtype_of
+        from impel.runtime.precision_report import dtype_of
 
         if not place:
             logger.warning("device_placement=False has no effect under DeepSpeed: its engine places %s on %s",
@@ -402,7 +402,7 @@ class DeepSpeedStrategy(Strategy):
 
     def precision_report(self, models: Sequence[nn.Module],
                          optimizers: Sequence[torch.optim.Optimizer]) -> PrecisionReport:
-        from .deepspeed_report import engine_report
+        from impel.strategies.deepspeed_report import engine_report
 
         return engine_report(self, models, optimizers)
 

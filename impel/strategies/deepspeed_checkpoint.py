@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .. import env
+from impel.config import environment as env
 
 FORMAT = "deepspeed"
 TAG = "zero"
@@ -64,7 +64,7 @@ def load_engines(engines: Sequence[Any], directory: Path, metadata: Mapping[str,
                  skip: AbstractSet[int], *, stage: int, world: int,
                  engine_kwargs: Mapping[str, Any] = {}) -> None:  # noqa: B006
     """Restore module, float32 masters and optimizer states of each engine (schedulers are impel's)."""
-    from ..checkpoint.layout import CheckpointError
+    from impel.checkpoint.layout import CheckpointError
 
     _check_loadable(directory, metadata, skip, stage=stage, world=world)
     for name, engine in zip(metadata["models"], engines):
@@ -79,7 +79,7 @@ def load_engines(engines: Sequence[Any], directory: Path, metadata: Mapping[str,
 
 def _check_loadable(directory: Path, metadata: Mapping[str, Any], skip: AbstractSet[int], *, stage: int,
                     world: int) -> None:
-    from ..checkpoint.layout import CheckpointError
+    from impel.checkpoint.layout import CheckpointError
 
     if metadata.get("format") != FORMAT:
         raise CheckpointError(f"{directory} holds a {metadata.get('format')!r} checkpoint, which DeepSpeed cannot "

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import nn
 
-from ..precision_report import (
+from impel.runtime.precision_report import (
     PrecisionReport,
     dtype_of,
     optimizer_state_dtype,
@@ -21,9 +21,9 @@ from ..precision_report import (
 )
 
 if TYPE_CHECKING:
-    from ..precision import Precision
-    from ..state import ProcessState
-    from .deepspeed_config import Resolved
+    from impel.config.deepspeed_json import Resolved
+    from impel.runtime.precision import Precision
+    from impel.runtime.process import ProcessState
 
 
 class ReportedStrategy(Protocol):

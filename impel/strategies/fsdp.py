@@ -26,17 +26,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import env
-from ..compile import Compiler
-from ..config import ConfigError, reshards_after_forward
-from ..precision_report import (
+from impel.config import environment as env
+from impel.config.run_config import ConfigError, reshards_after_forward
+from impel.runtime.compile import Compiler
+from impel.runtime.precision_report import (
     PrecisionReport,
     dtype_of,
     optimizer_state_dtype,
     predicted_state_dtype,
 )
-from .base import Strategy
-from .fsdp_loading import (
+from impel.strategies.base import Strategy
+from impel.strategies.fsdp_loading import (
     ParamReplacements,
     agree_on_meta,
     broadcast_from_rank0,
@@ -44,15 +44,15 @@ from .fsdp_loading import (
     rank0_state,
     upcast_low_precision,
 )
-from .fsdp_wrap import check_requested, checkpoint_units, select_units
-from .tensor_parallel import clip_by_total_norm
+from impel.strategies.fsdp_wrap import check_requested, checkpoint_units, select_units
+from impel.strategies.tensor_parallel import clip_by_total_norm
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule
 
-    from ..accumulation import GradientState
-    from ..resolve import RunRecord
-    from ..state import ProcessState
+    from impel.runtime.accumulation import GradientState
+    from impel.runtime.process import ProcessState
+    from impel.runtime.run_record import RunRecord
 
 logger = logging.getLogger("impel")
 
@@ -221,10 +221,10 @@ class FSDPStrategy(Strategy):
         from torch.distributed.checkpoint.state_dict import StateDictOptions
 
         if self.fsdp.state_dict_type == "SHARDED_STATE_DICT":
-            from ..checkpoint.sharded import save_sharded
+            from impel.checkpoint.sharded import save_sharded
 
             return save_sharded(models, optimizers, directory, skip_models=skip_models)
-        from ..checkpoint.full import save_full
+        from impel.checkpoint.full import save_full
 
         full_options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         # one shared directory: each rank writes its shards into the full files (nothing gathered on rank 0)
@@ -238,7 +238,7 @@ class FSDPStrategy(Strategy):
                         skip_models: AbstractSet[int] = frozenset(), options: Any = None) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-        from ..checkpoint import full, sharded
+        from impel.checkpoint import full, sharded
 
         strict = True if options is None else options.strict
         if metadata.get("format") == sharded.FORMAT:

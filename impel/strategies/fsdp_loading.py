@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..config import ConfigError
+from impel.config.run_config import ConfigError
 
 _LOW = (torch.bfloat16, torch.float16)
 

@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from ..config import ConfigError
+from impel.config.run_config import ConfigError
 
 if TYPE_CHECKING:
-    from ..config import FSDPConfig
+    from impel.config.run_config import FSDPConfig
 
 logger = logging.getLogger("impel")
 

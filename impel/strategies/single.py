@@ -1,7 +1,7 @@
 """One process, one device: the base contract as is."""
 from __future__ import annotations
 
-from .base import Strategy
+from impel.strategies.base import Strategy
 
 
 class SingleDeviceStrategy(Strategy):

@@ -33,8 +33,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config import ConfigError
-from .fsdp_loading import ParamReplacements
+from impel.config.run_config import ConfigError
+from impel.strategies.fsdp_loading import ParamReplacements
 
 logger = logging.getLogger("impel")
 

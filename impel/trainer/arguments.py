@@ -1,6 +1,7 @@
 """``TrainingArguments``: the knobs people know from transformers, validated when built.
 
-Every check raises :class:`impel.config.ConfigError` naming the value and the fix. Knobs that the launch config
+Every check raises :class:`impel.config.run_config.ConfigError` naming the value and the fix. Knobs that the launch
+config
 also has (``bf16``/``fp16``, ``gradient_accumulation_steps``, ``use_cpu``, ``fsdp``, ``deepspeed``) mean "not set"
 at their defaults, so a launched config decides them; set, they must agree with it (the Accelerator checks).
 
@@ -17,7 +18,7 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from ..config import ConfigError, did_you_mean
+from impel.config.run_config import ConfigError, did_you_mean
 
 SCHEDULER_TYPES = ("linear", "cosine", "constant", "constant_with_warmup")
 INTERVALS = ("no", "steps", "epoch")
@@ -100,7 +101,7 @@ class TrainingArguments:
         self._check_switches()
         self._check_best_model()
         self.trackers = resolve_report_to(self.report_to)
-        from .distributed import check_distributed_arguments
+        from impel.trainer.distributed import check_distributed_arguments
 
         check_distributed_arguments(self)  # fsdp / fsdp_config / deepspeed parse now, so errors come early
 
@@ -292,7 +293,7 @@ def resolve_report_to(report_to: Any) -> list[str]:
     if names in (["none"], []):
         return []
     if names == ["all"]:
-        from ..tracking import installed_trackers
+        from impel.trackers.registry import installed_trackers
 
         return installed_trackers()
     for n in names:

@@ -26,8 +26,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint import layout
-from ..config import ConfigError
+from impel.checkpoint import layout
+from impel.config.run_config import ConfigError
 
 logger = logging.getLogger("impel")
 
@@ -108,7 +108,7 @@ def _delete(state: Any, accelerator: Any, save_on_each_node: bool, choose: Any, 
     mine = choose([str(p) for _, p in layout.list_complete(root)]) if accelerator.is_main_process else None
     decided: list[Any] = [mine]  # broadcast from rank 0: every rank ends with its list
     if accelerator.use_distributed:
-        from ..collectives import broadcast_object_list
+        from impel.runtime.collectives import broadcast_object_list
 
         broadcast_object_list(decided, from_process=0)
     doomed: list[str] = decided[0]

@@ -20,8 +20,8 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
-from ..config import ConfigError
-from .state import TrainerControl, TrainerState
+from impel.config.run_config import ConfigError
+from impel.trainer.state import TrainerControl, TrainerState
 
 logger = logging.getLogger("impel")
 

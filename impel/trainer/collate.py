@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.utils.data import default_collate
 
-from ..config import ConfigError
+from impel.config.run_config import ConfigError
 
 logger = logging.getLogger("impel")
 

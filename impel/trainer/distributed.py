@@ -18,7 +18,7 @@ import os
 from dataclasses import fields
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ..config import (
+from impel.config.run_config import (
     SHARDING_STRATEGIES,
     ConfigError,
     FSDPConfig,
@@ -27,10 +27,10 @@ from ..config import (
     plugin_keyword,
     reshards_after_forward,
 )
-from ..config_file import read_json_object
+from impel.config.yaml_file import read_json_object
 
 if TYPE_CHECKING:
-    from ..plugins import FullyShardedDataParallelPlugin
+    from impel.config.plugins import FullyShardedDataParallelPlugin
 
 SHARDING_OPTIONS = {name.lower(): name for name in SHARDING_STRATEGIES}  # "full_shard" -> "FULL_SHARD"
 FSDP_OPTIONS = tuple(SHARDING_OPTIONS) + ("offload", "auto_wrap")
@@ -202,7 +202,7 @@ def fsdp_plugin(args: DistributedArguments) -> FullyShardedDataParallelPlugin | 
     fields = fsdp_plugin_fields(args.fsdp, args.fsdp_config)
     if fields is None:
         return None
-    from ..plugins import FullyShardedDataParallelPlugin
+    from impel.config.plugins import FullyShardedDataParallelPlugin
 
     return FullyShardedDataParallelPlugin(**fields)
 
@@ -263,7 +263,7 @@ def deepspeed_plugin(args: DistributedArguments) -> Any:
     config = deepspeed_config(args)
     if config is None:
         return None
-    from ..plugins import DeepSpeedPlugin
+    from impel.config.plugins import DeepSpeedPlugin
 
     return DeepSpeedPlugin(hf_ds_config=config)
 
@@ -273,7 +273,7 @@ def check_distributed_arguments(args: DistributedArguments) -> None:
     """Parse ``fsdp``, ``fsdp_config`` and ``deepspeed`` now so a mistake surfaces when the arguments are built."""
     fields = fsdp_plugin_fields(args.fsdp, args.fsdp_config)
     if fields is not None:
-        from ..plugins import FullyShardedDataParallelPlugin
+        from impel.config.plugins import FullyShardedDataParallelPlugin
 
         FullyShardedDataParallelPlugin(**fields)  # validates with the YAML key names in its messages
     if deepspeed_config(args) is not None and fields is not None:
@@ -282,7 +282,7 @@ def check_distributed_arguments(args: DistributedArguments) -> None:
 
 def accelerator_kwargs(args: DistributedArguments) -> dict[str, Any]:
     """Keyword arguments for :class:`impel.Accelerator`; knobs left at their defaults are passed as None."""
-    from ..plugins import DataLoaderConfiguration, ProjectConfiguration
+    from impel.config.plugins import DataLoaderConfiguration, ProjectConfiguration
 
     # no total_limit: the Trainer rotates by itself, keeping the best checkpoint as transformers does
     project = ProjectConfiguration(project_dir=args.output_dir, logging_dir=args.logging_dir,

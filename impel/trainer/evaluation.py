@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from .state import EvalPrediction
+from impel.trainer.state import EvalPrediction
 
 PAD_INDEX = -100
 

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..config import ConfigError
+from impel.config.run_config import ConfigError
 
 INSTALL_HINT = "pip install 'impel[plot]'  (or: pip install matplotlib)"
 

@@ -10,8 +10,8 @@ import sys
 import time
 from typing import Any
 
-from .callbacks import TrainerCallback
-from .state import TrainerControl, TrainerState
+from impel.trainer.callbacks import TrainerCallback
+from impel.trainer.state import TrainerControl, TrainerState
 
 
 def format_logs(logs: dict[str, Any]) -> str:

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from ..config import ConfigError
-from .arguments import SCHEDULER_TYPES
+from impel.config.run_config import ConfigError
+from impel.trainer.arguments import SCHEDULER_TYPES
 
 
 class ScheduleMultiplier:

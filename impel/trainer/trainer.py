@@ -26,12 +26,12 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
-from ..accelerator import Accelerator
-from ..config import ConfigError
-from ..seeding import set_seed
-from ..tracking import Tracker, check_installed, make_trackers
-from .arguments import TrainingArguments
-from .best_model import (
+from impel.accelerator.facade import Accelerator
+from impel.config.run_config import ConfigError
+from impel.runtime.seeding import set_seed
+from impel.trackers.registry import Tracker, check_installed, make_trackers
+from impel.trainer.arguments import TrainingArguments
+from impel.trainer.best_model import (
     keep_only_best,
     load_best_model,
     next_checkpoint_path,
@@ -39,15 +39,15 @@ from .best_model import (
     rotate_checkpoints,
     update_best,
 )
-from .callbacks import CallbackHandler, TrainerCallback, export_states, restore_states
-from .collate import default_data_collator, padding_collator, remove_unused_columns
-from .distributed import accelerator_kwargs, deepspeed_sections
-from .evaluation import EvalLoopOutput, evaluate_batches, model_loss
-from .optimization import parameter_groups
-from .plot import write_loss_plot
-from .progress import ProgressCallback, format_summary
-from .schedules import get_scheduler, plan_steps
-from .state import EvalPrediction, PredictionOutput, TrainerControl, TrainerState, TrainOutput
+from impel.trainer.callbacks import CallbackHandler, TrainerCallback, export_states, restore_states
+from impel.trainer.collate import default_data_collator, padding_collator, remove_unused_columns
+from impel.trainer.distributed import accelerator_kwargs, deepspeed_sections
+from impel.trainer.evaluation import EvalLoopOutput, evaluate_batches, model_loss
+from impel.trainer.optimization import parameter_groups
+from impel.trainer.plot import write_loss_plot
+from impel.trainer.progress import ProgressCallback, format_summary
+from impel.trainer.schedules import get_scheduler, plan_steps
+from impel.trainer.state import EvalPrediction, PredictionOutput, TrainerControl, TrainerState, TrainOutput
 
 logger = logging.getLogger("impel")
 

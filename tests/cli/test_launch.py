@@ -135,7 +135,7 @@ def test_a_failing_rank_fails_the_launch_with_its_exit_code(tmp_path):
 
 
 def test_module_mode(tmp_path):
-    res = impel(["launch", "--cpu", "--num_processes", "2", "-m", "impel.selftest"], tmp_path)
+    res = impel(["launch", "--cpu", "--num_processes", "2", "-m", "impel.commands.selftest"], tmp_path)
     assert res.returncode == 0, res.output
     assert "impel test: PASS" in res.stdout
 
@@ -212,7 +212,8 @@ def test_the_process_group_is_destroyed_before_the_interpreter_exits(tmp_path, m
 @pytest.mark.parametrize("strategy", ["--use_fsdp", "ddp"])
 @pytest.mark.parametrize("mode", ["end_training", "implicit"])
 def test_gloo_worker_threads_end_before_the_interpreter_after_a_prepared_model(tmp_path, strategy, mode):
-    """The cause of the rare SIGABRT at exit (impel/teardown.py): a prepared FSDP2 or DDP model keeps the destroyed
+    """The cause of the rare SIGABRT at exit (impel/runtime/teardown.py): a prepared FSDP2 or DDP model keeps the
+    destroyed
     group's C++ object, and so gloo's worker threads, alive into interpreter finalisation, where a worker that
     releases a finished collective's tensors needs the GIL and aborts. impel's exit handler releases those
     references: no gloo worker thread may be left when the interpreter finalises (deterministic, unlike the abort)."""

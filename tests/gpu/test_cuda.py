@@ -21,8 +21,8 @@ def test_the_estimate_matches_cuda_allocations():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from impel import Accelerator
-    from impel.planning.estimate import Setup, estimate_all
-    from impel.planning.model_spec import build_meta_model, model_facts
+    from impel.commands.planning.estimate import Setup, estimate_all
+    from impel.commands.planning.model_spec import build_meta_model, model_facts
 
     batch, seq = 4, 128
     acc = Accelerator()
@@ -70,7 +70,7 @@ def _train(acc, model, opt, batches) -> float:
 
 def test_bf16_autocast_computes_in_bf16_and_trains_near_fp32():
     from impel import Accelerator
-    from impel.state import ProcessState
+    from impel.runtime.process import ProcessState
 
     losses = {}
     for mp in ("no", "bf16"):
@@ -90,7 +90,7 @@ def test_bf16_autocast_computes_in_bf16_and_trains_near_fp32():
 def test_save_and_load_state_restore_the_cuda_rng(tmp_path):
     """Dropout draws from the CUDA generator: a resumed run continues bit-identically only if its state came back."""
     from impel import Accelerator
-    from impel.state import ProcessState
+    from impel.runtime.process import ProcessState
 
     def run(resume: bool) -> dict[str, torch.Tensor]:
         ProcessState._reset()

@@ -72,7 +72,8 @@ def _train_then_die_while_saving(project: str, snapshot_file: str, async_save: b
     import signal
     import threading
 
-    from impel.checkpoint import checkpointer, files
+    from impel.accelerator import save_load as checkpointer
+    from impel.checkpoint import files
 
     acc, model, opt, loader, sched = make_run(project)
     train(acc, model, opt, loader, sched, 3, save_at=[3])

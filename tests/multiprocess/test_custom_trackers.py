@@ -22,7 +22,7 @@ def _script(framework: str, main_process_only: bool, root: str) -> dict:
         from accelerate.tracking import GeneralTracker, register_tracker_class
     else:
         from impel import Accelerator
-        from impel.tracking import GeneralTracker, register_tracker_class
+        from impel.trackers.registry import GeneralTracker, register_tracker_class
 
     class Recorder(GeneralTracker):
         name = "recorder"

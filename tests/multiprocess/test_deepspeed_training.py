@@ -123,7 +123,7 @@ def _nvme_runs(out: dict, nvme_dir: str | None) -> None:
     from deepspeed.ops.op_builder.cpu.async_io import AsyncIOBuilder
 
     from impel import Accelerator, DeepSpeedPlugin
-    from impel.config import ConfigError
+    from impel.config.run_config import ConfigError
 
     if nvme_dir is not None:
         # DeepSpeed's default swap buffers are 5 x 1e8 elements per rank; this model's largest tensor has 96
@@ -147,7 +147,7 @@ def _nvme_runs(out: dict, nvme_dir: str | None) -> None:
 
 def _all_runs(nvme_dir: str | None) -> dict:
     from impel import DeepSpeedPlugin, DummyOptim, DummyScheduler
-    from impel.config import ConfigError
+    from impel.config.run_config import ConfigError
 
     out: dict = {"stages": {}, "accumulated": {}}
     acc, model, _ = _train()

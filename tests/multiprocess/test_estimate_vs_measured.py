@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from impel.planning.estimate import Setup, estimate_all
-from impel.planning.mesh import check_mesh, estimate_mesh
-from impel.planning.model_spec import build_meta_model, model_facts
+from impel.commands.planning.estimate import Setup, estimate_all
+from impel.commands.planning.mesh import check_mesh, estimate_mesh
+from impel.commands.planning.model_spec import build_meta_model, model_facts
 from impel.testing import run_on_ranks
 
 pytestmark = pytest.mark.multiprocess

@@ -88,7 +88,7 @@ def test_fsdp_options_match_ddp():
 
 def _meta_errors_job():
     from impel import Accelerator, FullyShardedDataParallelPlugin
-    from impel.config import ConfigError
+    from impel.config.run_config import ConfigError
 
     acc = Accelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin(sync_module_states=False))
     messages = []

@@ -13,7 +13,7 @@ Parameters must agree within 1e-6 (they agree exactly: the same arithmetic is re
 so must the batches, the learning rate, the registered object, ``accelerator.step`` and the next python, numpy and
 torch random draws of every rank (the RNG states came back). The save is at an epoch end and the script calls
 ``set_epoch`` per epoch, as a resumable Accelerate script must: Accelerate saves neither the epoch nor the position
-in it (see impel/checkpoint/accelerate_format.py).
+in it (see impel/accelerator/load_accelerate.py).
 
 FSDP: Accelerate's own ``save_fsdp_model`` / ``save_fsdp_optimizer`` (what its ``save_state`` calls under FSDP)
 write SHARDED (DCP) and FULL layouts from an FSDP2 model on 2 CPU ranks; impel under FSDP loads each, and its full

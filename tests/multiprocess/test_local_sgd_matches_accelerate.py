@@ -1,4 +1,4 @@
-"""``impel.local_sgd.LocalSGD`` trains like ``accelerate.local_sgd.LocalSGD`` on 2 CPU ranks over gloo.
+"""``impel.accelerator.local_sgd.LocalSGD`` trains like ``accelerate.local_sgd.LocalSGD`` on 2 CPU ranks over gloo.
 
 The loop is Accelerate's ``examples/by_feature/local_sgd.py`` (prepared model, optimizer, dataloader and scheduler;
 ``with LocalSGD(...) as local_sgd:`` around the epoch; ``accumulate`` and ``local_sgd.step()`` on every batch),
@@ -34,7 +34,7 @@ def _train(framework: str, accumulation: int, local_sgd_steps: int, optim: str) 
         from accelerate.local_sgd import LocalSGD
     else:
         from impel import Accelerator
-        from impel.local_sgd import LocalSGD
+        from impel.accelerator.local_sgd import LocalSGD
     acc = Accelerator(cpu=True, gradient_accumulation_steps=accumulation)
     model = make_mlp(dim=6, hidden=16)
     opt = (torch.optim.SGD(model.parameters(), lr=0.1) if optim == "sgd"

@@ -54,7 +54,7 @@ def _script(framework: str, root: str) -> dict:
     seen: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("impel.tracking").addHandler(handler)
+    logging.getLogger("impel.trackers.registry").addHandler(handler)
     acc = Accelerator(cpu=True, log_with=NAMES, project_dir=os.path.join(root, "logs"))
     acc.init_trackers("proj", config=CONFIG, init_kwargs=INIT_KWARGS)
     for step in range(3):

@@ -36,9 +36,9 @@ def _train_best(output_dir: str, **knobs):
 
 
 def _deepspeed_ready() -> bool:
-    import impel.plugins
+    import impel.config.plugins
 
-    return hasattr(impel.plugins, "DeepSpeedPlugin") and importlib.util.find_spec("deepspeed") is not None
+    return hasattr(impel.config.plugins, "DeepSpeedPlugin") and importlib.util.find_spec("deepspeed") is not None
 
 
 STRATEGIES = {

@@ -76,9 +76,9 @@ def test_fsdp_knob_trains_the_same_recipe(tmp_path):
 
 
 def _deepspeed_ready() -> bool:
-    import impel.plugins
+    import impel.config.plugins
 
-    return hasattr(impel.plugins, "DeepSpeedPlugin") and importlib.util.find_spec("deepspeed") is not None
+    return hasattr(impel.config.plugins, "DeepSpeedPlugin") and importlib.util.find_spec("deepspeed") is not None
 
 
 @pytest.mark.skipif(not _deepspeed_ready(), reason="DeepSpeedPlugin or deepspeed not installed")

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 
 from helpers import make_regression
 from impel import Accelerator, CheckpointError, ProjectConfiguration
-from impel.checkpoint.accelerate_weights import match_names
+from impel.accelerator.load_accelerate_weights import match_names
 from impel.checkpoint.restricted import Inert, RefusedGlobal, load_restricted
 from impel.testing import run_on_ranks
 

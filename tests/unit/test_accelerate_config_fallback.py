@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from impel import env
+from impel.config import environment as env
 
 ACCELERATE_DEFAULT = {"compute_environment": "LOCAL_MACHINE", "distributed_type": "NO", "mixed_precision": "no",
                       "num_processes": 1, "num_machines": 1, "machine_rank": 0, "use_cpu": True,

@@ -9,7 +9,13 @@ import os
 import pytest
 
 from impel import Accelerator, ConfigError, ProjectConfiguration
-from impel.tracking import LOGGER_TYPE_TO_CLASS, GeneralTracker, LoggerType, on_main_process, register_tracker_class
+from impel.trackers.registry import (
+    LOGGER_TYPE_TO_CLASS,
+    GeneralTracker,
+    LoggerType,
+    on_main_process,
+    register_tracker_class,
+)
 
 
 class Recorder(GeneralTracker):
@@ -172,11 +178,11 @@ def test_logger_type_and_tracking_names_match_accelerate():
     from accelerate.utils import LoggerType as TheirLoggerType
 
     assert LoggerType.list() == TheirLoggerType.list() and "wandb" in LoggerType and "nope" not in LoggerType
-    import impel.tracking
+    import impel.trackers.registry
 
     built = ["GeneralTracker", "on_main_process", "register_tracker_class", "get_available_trackers",
              "LOGGER_TYPE_TO_CLASS", "TensorBoardTracker", "WandBTracker", "MLflowTracker", "TrackioTracker"]
-    assert all(hasattr(tracking, n) and hasattr(impel.tracking, n) for n in built)
+    assert all(hasattr(tracking, n) and hasattr(impel.trackers.registry, n) for n in built)
     for name in ("tensorboard", "wandb", "mlflow", "trackio"):
         ours, theirs = LOGGER_TYPE_TO_CLASS[name], tracking.LOGGER_TYPE_TO_CLASS[name]
         assert (ours.name, ours.requires_logging_directory) == (theirs.name, theirs.requires_logging_directory)
@@ -184,7 +190,7 @@ def test_logger_type_and_tracking_names_match_accelerate():
 
 def test_mlflow_skinny_without_a_tracking_uri_names_the_fix(tmp_path, monkeypatch):
     pytest.importorskip("mlflow")
-    from impel.tracking import MLflowTracker
+    from impel.trackers.registry import MLflowTracker
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")  # MLflow 3's default store
     real_find_spec = __import__("importlib.util").util.find_spec

@@ -1,6 +1,7 @@
 """Habits that keep the architecture, checked statically (AST only: nothing under ``impel/`` is imported).
 
-- Only ``impel/env.py`` reads or writes the environment (``os.environ``, ``os.getenv``, ``os.putenv``, ...).
+- Only ``impel/config/environment.py`` reads or writes the environment (``os.environ``, ``os.getenv``, ``os.putenv``,
+...).
 - No module under ``impel/`` is longer than 500 lines.
 - impel's modules import each other without cycles.
 - Each module sits in a layer (docs/design.md, "Layers"; the table there and ``LAYERS`` here must agree) and
@@ -29,8 +30,8 @@ DESIGN = ROOT / "docs" / "design.md"
 MAX_LINES = 500
 
 # --- the environment ---------------------------------------------------------------------------------------------
-ENV_MODULE = "impel.env"
-# Modules allowed to touch os.environ besides impel.env, each with the reason.
+ENV_MODULE = "impel.config.environment"
+# Modules allowed to touch os.environ besides impel.config.environment, each with the reason.
 ENV_ALLOWED = {
     "impel.testing": "the harness behind run_on_ranks plays the launcher: it copies the caller's whole environment "
                      "into each rank it starts (then RANK / WORLD_SIZE / ...), reading no variable by name, so "
@@ -39,40 +40,22 @@ ENV_ALLOWED = {
 ENV_NAMES = {"environ", "environb", "getenv", "getenvb", "putenv", "unsetenv"}
 
 # --- layers ------------------------------------------------------------------------------------------------------
-# Names relative to ``impel``; ``pkg.*`` is every module of a package (its __init__ included) not named on its own;
-# ``impel`` is the package's own __init__ (the version and the lazy name table). docs/design.md, "Layers", holds
-# the same table. A module may import from its own layer and the ones below.
+# The folders are the layers, bottom to top (docs/design.md, "Layers"; the table there and ``LAYERS`` here must
+# agree). ``pkg.*`` is every module of a folder (its __init__ included); ``*`` is every top-level module not named
+# on its own (Accelerate's module paths and impel's own entry points: thin faces that nothing in impel imports);
+# ``impel`` is the package's own __init__ (the version and the lazy name table). A module may import from its own
+# layer and the ones below.
 LAYERS = {
-    # 0 foundation: imports nothing from impel
-    "impel": 0, "env": 0, "schema": 0, "kwargs_handler": 0, "teardown": 0, "exports": 0,
-    "availability": 0, "memory": 0,
-    # 1 configuration: the run config, its file, the plugins and kwargs handlers users build
-    "config": 1, "compile_config": 1, "config_file": 1, "convert": 1, "plugins": 1, "profiling": 1, "ddp_hooks": 1,
-    "parallelism_section": 1, "parallelism_config": 1,
-    # 2 the process and the training step
-    "state": 2, "process_control": 2, "collectives": 2, "splitting": 2, "seeding": 2, "accumulation": 2,
-    "optimizer": 2, "precision": 2, "precision_report": 2, "model": 2, "model_loading": 2, "data": 2,
-    "process_logging": 2, "progress": 2, "context_parallel": 2,
-    # 3 checkpoint storage: layout, files, digests, formats, export
-    "checkpoint.*": 3, "saving": 3,
-    # 4 resolving the run: the RunRecord every built object reads, with torch.compile's settings and compiler and
-    # the DeepSpeed JSON it settles
-    "resolve": 4, "compile": 4, "strategies.deepspeed_config": 4,
-    # 5 strategies, built from the record
-    "strategies.*": 5,
-    # 6 the facade's services: the prepared record, save/load sequence, Accelerate's checkpoints, preemption,
-    # trackers, settings
-    "prepared": 6, "checkpoint.checkpointer": 6, "checkpoint.accelerate_format": 6,
-    "checkpoint.accelerate_weights": 6, "resilience": 6, "tracker_base": 6, "builtin_trackers": 6, "tracking": 6,
-    "run_settings": 6, "process_utilities": 6,
-    # 7 the facade
-    "accelerator": 7, "local_sgd": 7, "launchers": 7,
-    # 8 the Trainer
-    "trainer.*": 8,
-    # 9 the command line
-    "commands.*": 9, "planning.*": 9, "selftest": 9,
-    # 10 Accelerate's module paths (faces over the rest) and the test harness: nothing in impel imports them
-    "utils": 10, "logging": 10, "data_loader": 10, "big_modeling": 10, "testing": 10,
+    "impel": 0, "exports": 0,
+    "config.*": 1,
+    "runtime.*": 2,
+    "checkpoint.*": 3,
+    "strategies.*": 4,
+    "trackers.*": 5,
+    "accelerator.*": 6,
+    "trainer.*": 7,
+    "commands.*": 8,
+    "*": 9,
 }
 
 
@@ -210,7 +193,7 @@ def layer_of(module: str) -> int | None:
         layer = LAYERS.get(".".join(parts[:cut]) + ".*")
         if layer is not None:
             return layer
-    return None
+    return LAYERS["*"] if len(parts) == 1 and not _is_package(module) else None
 
 
 # --- the checks --------------------------------------------------------------------------------------------------
@@ -235,12 +218,13 @@ def environment_uses(module: str) -> list[str]:
 
 
 def test_only_env_reads_the_environment():
-    assert "impel.env" in modules() and environment_uses("impel.env")  # the probe sees what it looks for
+    # the probe sees what it looks for
+    assert "impel.config.environment" in modules() and environment_uses("impel.config.environment")
     unknown = set(ENV_ALLOWED) - set(modules())
     assert not unknown, f"ENV_ALLOWED names modules that do not exist: {sorted(unknown)}"
     found = [use for m in modules() if m != ENV_MODULE and m not in ENV_ALLOWED for use in environment_uses(m)]
-    assert not found, ("only impel/env.py reads or writes the environment; move these into a function there "
-                       "(named after what it reads):\n  " + "\n  ".join(found))
+    assert not found, ("only impel/config/environment.py reads or writes the environment; move these into a "
+                       "function there (named after what it reads):\n  " + "\n  ".join(found))
 
 
 def test_no_module_is_longer_than_500_lines():
@@ -252,9 +236,9 @@ def test_no_module_is_longer_than_500_lines():
 
 def test_the_import_graph_is_read():  # the other tests are only as good as the graph
     edges = graph()
-    assert "impel.config" in edges["impel.state"]
+    assert "impel.config.run_config" in edges["impel.runtime.process"]
     assert "impel.checkpoint.layout" in edges["impel.checkpoint"]  # a package __init__ re-exporting
-    assert "impel.strategies.deepspeed_config" in edges["impel.trainer.trainer"]  # from impel import DummyOptim
+    assert "impel.config.deepspeed_json" in edges["impel.trainer.trainer"]  # from impel import DummyOptim
     assert lazy_exports()["impel.trainer"]["Trainer"] == "impel.trainer.trainer"  # a lazy table's relative names
     assert strongly_connected({"a": {"b": 1}, "b": {"c": 1}, "c": {"a": 1}, "d": {"a": 1}}) == [["a", "b", "c"]]
 
@@ -275,7 +259,7 @@ def test_impel_modules_form_no_import_cycle():
 def test_every_module_has_a_layer():
     missing = sorted(m for m in modules() if layer_of(m) is None)
     assert not missing, f"place these modules in LAYERS (and in docs/design.md, 'Layers'): {missing}"
-    stale = sorted(k for k in LAYERS if not k.endswith(".*") and ("impel" if k == "impel" else f"impel.{k}")
+    stale = sorted(k for k in LAYERS if not k.endswith("*") and ("impel" if k == "impel" else f"impel.{k}")
                    not in modules())
     stale += sorted(k for k in LAYERS if k.endswith(".*") and f"impel.{k[:-2]}" not in modules())
     assert not stale, f"LAYERS names modules that do not exist: {stale}"
@@ -307,7 +291,7 @@ def test_design_doc_and_test_agree_on_the_layers():
 
 # --- the Accelerator's private attributes --------------------------------------------------------------------------
 # How other modules name an Accelerator: a variable or attribute with one of these names. The facade hands them what
-# they need instead (impel.prepared.Prepared / TrainingRun, public methods).
+# they need instead (impel.accelerator.prepared.Prepared / TrainingRun, public methods).
 ACCELERATOR_NAMES = {"acc", "accelerator", "_accelerator"}
 
 
@@ -324,5 +308,34 @@ def private_accelerator_reads(module: str) -> list[str]:
 
 
 def test_no_module_but_the_facade_reads_an_accelerator_private_attribute():
-    reads = [r for m in sorted(modules()) if m != "impel.accelerator" for r in private_accelerator_reads(m)]
-    assert reads == [], "read through impel.prepared / a public method instead:\n" + "\n".join(reads)
+    reads = [r for m in sorted(modules()) if m != "impel.accelerator.facade" for r in private_accelerator_reads(m)]
+    assert reads == [], "read through impel.accelerator.prepared / a public method instead:\n" + "\n".join(reads)
+
+
+# --- one owner for the accumulation state --------------------------------------------------------------------------
+def test_only_the_accumulation_module_writes_the_gradient_state():
+    """GradientState's fields change through its methods only (impel/runtime/accumulation.py): no other module
+    assigns one of its fields, public or private, so the accumulation rules live in one file."""
+    owner = "impel.runtime.accumulation"
+    (cls,) = [n for n in tree(owner).body if isinstance(n, ast.ClassDef) and n.name == "GradientState"]
+    fields = {node.attr for node in ast.walk(cls)
+              if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+              and isinstance(node.value, ast.Name) and node.value.id == "self"}
+    public = {"sync_gradients", "num_steps", "group_size", "micro_in_group", "step", "manual_no_sync",
+              "active_dataloaders", "plugin"}
+    assert {"_sync", "_micro", "_dataloaders"} <= fields  # the probe sees the owner's fields
+    private = {f for f in fields if f.startswith("_")} - {"_plugin"}
+    writes = []
+    for module in sorted(modules()):
+        if module == owner:
+            continue
+        for node in ast.walk(tree(module)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+                node, (ast.AugAssign, ast.AnnAssign)) else []
+            writes += [f"{_where(module, node.lineno)}: {ast.unparse(t)}" for t in targets
+                       if isinstance(t, ast.Attribute) and t.attr in public | private
+                       and isinstance(t.value, ast.Attribute) and t.value.attr == "gradient_state"]
+            if isinstance(node, ast.Attribute) and node.attr in private and not (
+                    isinstance(node.value, ast.Name) and node.value.id == "self"):
+                writes.append(f"{_where(module, node.lineno)}: {ast.unparse(node)}")
+    assert not writes, "change the gradient state through its methods:\n" + "\n".join(writes)

@@ -80,8 +80,8 @@ def test_async_save_under_deepspeed_raises_with_the_way_out():
     from types import SimpleNamespace
 
     from impel import ProjectConfiguration
-    from impel.checkpoint.checkpointer import Checkpointer
-    from impel.config import ConfigError, DistributedType
+    from impel.accelerator.save_load import Checkpointer
+    from impel.config.run_config import ConfigError, DistributedType
 
     checkpointer = Checkpointer(ProjectConfiguration(), SimpleNamespace(distributed_type=DistributedType.DEEPSPEED))
     with pytest.raises(ConfigError, match=r"not supported under DeepSpeed .* save with async_save=False"):

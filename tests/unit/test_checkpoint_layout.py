@@ -11,8 +11,9 @@ from torch import nn
 
 from helpers import make_mlp
 from impel import Accelerator, CheckpointError, ConfigError, ProjectConfiguration
-from impel.checkpoint import checkpointer, layout
-from impel.state import ProcessState
+from impel.accelerator import save_load as checkpointer
+from impel.checkpoint import layout
+from impel.runtime.process import ProcessState
 
 
 def prepared(project_dir=None, total_limit=None, **config):

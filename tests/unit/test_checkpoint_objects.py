@@ -11,7 +11,7 @@ from torch import nn
 from helpers import make_mlp
 from impel import Accelerator, CheckpointError, merge_weights
 from impel.checkpoint import hf, sharded
-from impel.state import ProcessState
+from impel.runtime.process import ProcessState
 
 
 class Counter:

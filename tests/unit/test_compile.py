@@ -11,7 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from impel import Accelerator, ConfigError, env
+from impel import Accelerator, ConfigError
+from impel.config import environment as env
 from impel.utils import DynamoBackend, TorchDynamoPlugin, has_compiled_regions, is_compiled_module
 
 TOL = 1e-6  # aot_eager runs the same aten ops as eager: the parameters agree exactly in practice
@@ -70,7 +71,7 @@ def _diff(a: dict, b: dict) -> float:
 
 @pytest.fixture(scope="module")
 def eager_reference():
-    from impel.state import ProcessState
+    from impel.runtime.process import ProcessState
 
     ProcessState._reset()
     ref = {accumulation: _train(Accelerator(cpu=True, gradient_accumulation_steps=accumulation),
@@ -179,7 +180,7 @@ def _launched(monkeypatch, explicit: dict) -> None:
 
 
 def test_a_config_file_dynamo_section_reaches_the_accelerator(tmp_path, monkeypatch):
-    from impel.config_file import read_config_file
+    from impel.config.yaml_file import read_config_file
 
     path = tmp_path / "accelerate.yaml"  # as `accelerate config` writes it
     path.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: 'NO'\nmixed_precision: 'no'\n"
@@ -215,7 +216,7 @@ def test_launch_flags_reach_the_accelerator_and_code_wins_with_one_log_line(monk
 
 
 def test_accelerates_older_top_level_dynamo_backend_key_is_folded_in(tmp_path):
-    from impel.config_file import read_config_file
+    from impel.config.yaml_file import read_config_file
 
     path = tmp_path / "old.yaml"
     path.write_text("distributed_type: 'NO'\ndynamo_backend: INDUCTOR\n")
@@ -228,8 +229,8 @@ def test_accelerates_older_top_level_dynamo_backend_key_is_folded_in(tmp_path):
 
 
 def test_deepspeed_with_a_backend_raises():
-    from impel.compile import settle_dynamo
-    from impel.config import RunConfig
+    from impel.config.run_config import RunConfig
+    from impel.runtime.compile import settle_dynamo
 
     config = RunConfig.from_dict({"distributed_type": "DEEPSPEED", "dynamo_config": {"dynamo_backend": "eager"}})
     with pytest.raises(ConfigError, match="dynamo_backend='eager' under DeepSpeed is not supported yet"):

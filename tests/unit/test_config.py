@@ -6,8 +6,9 @@ import logging
 
 import pytest
 
-from impel import Accelerator, ConfigError, RunConfig, env
-from impel.config import defaults, merge_code_arguments
+from impel import Accelerator, ConfigError, RunConfig
+from impel.config import environment as env
+from impel.config.run_config import defaults, merge_code_arguments
 
 
 def test_defaults():

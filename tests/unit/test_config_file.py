@@ -13,8 +13,8 @@ from impel.commands.flags import (
     explicit_from_flags,
     merge_file_and_flags,
 )
-from impel.config import ConfigError, RunConfig
-from impel.config_file import read_config_file, write_config_file
+from impel.config.run_config import ConfigError, RunConfig
+from impel.config.yaml_file import read_config_file, write_config_file
 
 FIXTURES = Path(__file__).resolve().parents[1] / "cli" / "fixtures"
 

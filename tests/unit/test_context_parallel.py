@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.functional import scaled_dot_product_attention
 
-from impel.config import ConfigError
-from impel.context_parallel import _check_buffers, comm_strategy, context_parallel, cp_mesh
+from impel.config.run_config import ConfigError
+from impel.runtime.context_parallel import _check_buffers, comm_strategy, context_parallel, cp_mesh
 
 
 @pytest.fixture

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from impel.config import ConfigError, RunConfig
-from impel.config_file import read_config_file
-from impel.convert import convert
+from impel.config.convert import convert
+from impel.config.run_config import ConfigError, RunConfig
+from impel.config.yaml_file import read_config_file
 
 FIXTURES = Path(__file__).resolve().parents[1] / "cli" / "fixtures"
 

@@ -1,4 +1,5 @@
-"""Sharding of dataloaders (impel.data) without a process group: each rank is built with an explicit rank/world."""
+"""Sharding of dataloaders (impel.runtime.data) without a process group: each rank is
+built with an explicit rank/world."""
 from __future__ import annotations
 
 import itertools
@@ -10,8 +11,8 @@ from torch.utils.data.distributed import DistributedSampler
 
 from helpers import IndexDataset
 from impel import Accelerator, ConfigError, DataLoaderConfiguration, GradientAccumulationPlugin, set_seed
-from impel.accumulation import GradientState
-from impel.data import DataLoaderShard, shard_dataloader
+from impel.runtime.accumulation import GradientState
+from impel.runtime.data import DataLoaderShard, shard_dataloader
 
 SEED = 1234
 

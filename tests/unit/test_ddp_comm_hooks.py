@@ -8,8 +8,9 @@ import logging
 import pytest
 import torch
 
-from impel import Accelerator, ConfigError, DistributedDataParallelKwargs, FullyShardedDataParallelPlugin, ddp_hooks
-from impel.ddp_hooks import DDPCommunicationHookType, reduction_dtype, refuse_hook_without_ddp
+from impel import Accelerator, ConfigError, DistributedDataParallelKwargs, FullyShardedDataParallelPlugin
+from impel.config import ddp_hooks
+from impel.config.ddp_hooks import DDPCommunicationHookType, reduction_dtype, refuse_hook_without_ddp
 
 
 @pytest.mark.parametrize("kwargs", [

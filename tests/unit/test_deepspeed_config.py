@@ -9,9 +9,7 @@ import sys
 import pytest
 import torch
 
-from impel.config import ConfigError, merge_code_arguments
-from impel.plugins import DeepSpeedPlugin
-from impel.strategies.deepspeed_config import (
+from impel.config.deepspeed_json import (
     DummyOptim,
     DummyScheduler,
     check_before_launch,
@@ -20,6 +18,8 @@ from impel.strategies.deepspeed_config import (
     load_json,
     resolve_static,
 )
+from impel.config.plugins import DeepSpeedPlugin
+from impel.config.run_config import ConfigError, merge_code_arguments
 
 ALL_AUTO = {
     "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto", "gradient_accumulation_steps": "auto",

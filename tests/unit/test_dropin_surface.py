@@ -23,13 +23,13 @@ RENAMED_IMPORTS = {
               "find_executable_batch_size", "notebook_launcher", "debug_launcher", "init_empty_weights",
               "init_on_device", "load_checkpoint_in_model", "synchronize_rng_states", "skip_first_batches",
               "is_rich_available"],
-    "impel.accelerator": ["Accelerator"],
-    "impel.state": ["PartialState", "AcceleratorState", "GradientState"],
+    "impel.accelerator.facade": ["Accelerator"],
+    "impel.runtime.process": ["PartialState", "AcceleratorState", "GradientState"],
     "impel.logging": ["get_logger"],
     "impel.data_loader": ["skip_first_batches", "DataLoaderShard"],
     "impel.big_modeling": ["init_empty_weights", "init_on_device"],
-    "impel.launchers": ["notebook_launcher", "debug_launcher"],
-    "impel.local_sgd": ["LocalSGD"],
+    "impel.runtime.launchers": ["notebook_launcher", "debug_launcher"],
+    "impel.accelerator.local_sgd": ["LocalSGD"],
     "impel.utils": ["set_seed", "DistributedType", "ProjectConfiguration", "DistributedDataParallelKwargs",
                     "InitProcessGroupKwargs", "GradientAccumulationPlugin", "DataLoaderConfiguration",
                     "FullyShardedDataParallelPlugin", "DeepSpeedPlugin", "GradScalerKwargs", "AutocastKwargs",
@@ -109,7 +109,7 @@ def test_distributed_type_has_accelerates_members():
 
 @pytest.mark.parametrize("kind", ["XLA", "MULTI_NPU", "MEGATRON_LM", "MULTI_XPU", "MULTI_HPU"])
 def test_selecting_hardware_impel_does_not_drive_raises_clearly(kind):
-    from impel.config import RunConfig
+    from impel.config.run_config import RunConfig
 
     with pytest.raises(ConfigError, match=rf"distributed_type='{kind}' selects .* impel does not drive; impel runs "
                                           r"NO, MULTI_CPU, MULTI_GPU, FSDP, DEEPSPEED"):

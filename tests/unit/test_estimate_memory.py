@@ -8,10 +8,17 @@ import math
 
 import pytest
 
-from impel.config import ConfigError
-from impel.planning.estimate import ModelFacts, Setup, TensorParallelFacts, estimate_all, parse_bytes, recommend
-from impel.planning.mesh import SIZES, check_mesh, estimate_mesh
-from impel.planning.model_spec import build_meta_model, model_facts, model_tp_plan
+from impel.commands.planning.estimate import (
+    ModelFacts,
+    Setup,
+    TensorParallelFacts,
+    estimate_all,
+    parse_bytes,
+    recommend,
+)
+from impel.commands.planning.mesh import SIZES, check_mesh, estimate_mesh
+from impel.commands.planning.model_spec import build_meta_model, model_facts, model_tp_plan
+from impel.config.run_config import ConfigError
 
 P = 1_000_000
 FACTS = ModelFacts(name="m", params=P, largest_unit=100_000)

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from impel import FullyShardedDataParallelPlugin
-from impel.config import ConfigError, FSDPConfig, merge_code_arguments
+from impel.config.run_config import ConfigError, FSDPConfig, merge_code_arguments
 from impel.strategies.fsdp import mesh_layout
 from impel.strategies.fsdp_wrap import check_requested, select_units
 from tiny_transformers import tiny_bert, tiny_gpt2, tiny_llama
@@ -200,3 +200,12 @@ def test_precision_report_on_one_process(capsys):
     assert report.strategy == "NO" and report.mixed_precision == "bf16"
     printed = capsys.readouterr().out
     assert "compute (forward/backward)  bfloat16" in printed and "gradient reduction          -" in printed
+
+
+def test_the_fsdp_plugin_in_effect_is_built_when_the_run_is_resolved_not_on_read(monkeypatch):
+    from impel import Accelerator, FullyShardedDataParallelPlugin
+
+    acc = Accelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin(reshard_after_forward=False))
+    built = acc.fsdp_plugin
+    monkeypatch.setattr(FullyShardedDataParallelPlugin, "__init__", lambda *a, **k: pytest.fail("built on read"))
+    assert acc.fsdp_plugin is built and built.reshard_after_forward is False and acc.deepspeed_plugin is None

@@ -10,8 +10,9 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from helpers import IndexDataset, make_mlp, make_regression, max_abs_diff
 from impel import Accelerator, DataLoaderConfiguration, GradientAccumulationPlugin
-from impel.accumulation import GradientState
-from impel.data import shard_dataloader
+from impel.config.run_config import ConfigError
+from impel.runtime.accumulation import GradientState
+from impel.runtime.data import shard_dataloader
 
 
 def prepared(n: int, batch_size: int, plugin: GradientAccumulationPlugin | None = None, world: int = 1,
@@ -45,11 +46,11 @@ def test_end_of_dataloader_is_reset_when_the_loop_breaks():
             assert dl.end_of_dataloader
             break
     assert not dl.end_of_dataloader
-    assert gs.active_dataloaders == []
+    assert gs.active_dataloaders == ()
     for i, _ in enumerate(dl):
         if i == 2:
             break
-    assert not dl.end_of_dataloader and gs.active_dataloaders == []
+    assert not dl.end_of_dataloader and gs.active_dataloaders == ()
 
 
 def test_nested_dataloaders_report_the_innermost():
@@ -300,3 +301,34 @@ def test_direct_loss_backward_still_ends_micro_steps_and_warns(caplog):
             opt.zero_grad()
     assert syncs == [False, True, False, True]
     assert sum("accelerator.backward(loss)" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_the_gradient_state_changes_only_through_its_methods():
+    gs = GradientState(GradientAccumulationPlugin(num_steps=2))
+    for name in ("sync_gradients", "num_steps", "micro_in_group", "step", "group_size"):
+        with pytest.raises(AttributeError):
+            setattr(gs, name, 1)
+    gs.set_sync_gradients(False)
+    assert gs.sync_gradients is False
+    gs.begin()
+    assert gs.micro_in_group == 1
+    with pytest.raises(ConfigError, match="middle of an accumulation group"):
+        gs.set_accumulation_steps(4)
+    with gs.no_sync_block():
+        assert gs.manual_no_sync and not gs.grad_sync_enabled
+    assert not gs.manual_no_sync
+
+
+def test_gradient_state_without_a_plugin_is_the_newest_accelerators_as_in_accelerate():
+    import copy
+    import pickle
+
+    from impel import Accelerator
+
+    acc = Accelerator(cpu=True, gradient_accumulation_steps=3)
+    shared = GradientState()
+    assert shared is acc.gradient_state and shared.num_steps == 3
+    assert GradientState().plugin_kwargs == {"num_steps": 3}
+    clone = pickle.loads(pickle.dumps(acc.gradient_state))
+    assert clone is not acc.gradient_state and clone.num_steps == 3 and clone.state_dict() == shared.state_dict()
+    assert copy.deepcopy(acc.gradient_state).num_steps == 3

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from impel import Accelerator, FullyShardedDataParallelPlugin
-from impel.local_sgd import LocalSGD
+from impel.accelerator.local_sgd import LocalSGD
 
 
 def test_one_process_counts_steps_and_changes_nothing():

@@ -1,4 +1,5 @@
-"""One source per option: ``FSDPConfig`` / ``DeepSpeedConfig`` (impel/config.py) define every FSDP and DeepSpeed
+"""One source per option: ``FSDPConfig`` / ``DeepSpeedConfig`` (impel/config/run_config.py) define every FSDP and
+DeepSpeed
 setting once; the plugin keywords, the YAML keys, the launch flags, the Trainer's ``fsdp_config`` keys, the
 questionnaire and the converter are computed from their fields.
 
@@ -14,10 +15,13 @@ from typing import Any
 import pytest
 
 from impel import DeepSpeedPlugin, FullyShardedDataParallelPlugin
-from impel import plugins as plugins_module
 from impel.commands.flags import config_fields, explicit_from_flags_list
 from impel.commands.questionnaire import Prompter, run_questionnaire
-from impel.config import (
+from impel.config import plugins as plugins_module
+from impel.config.convert import convert
+from impel.config.mesh_sizes import ParallelismSection
+from impel.config.parallelism import ParallelismConfig, TorchContextParallelConfig
+from impel.config.run_config import (
     FALSE_WORDS,
     TRUE_WORDS,
     ConfigError,
@@ -28,9 +32,6 @@ from impel.config import (
     merge_code_arguments,
     plugin_keyword,
 )
-from impel.convert import convert
-from impel.parallelism_config import ParallelismConfig, TorchContextParallelConfig
-from impel.parallelism_section import ParallelismSection
 from impel.trainer import distributed as trainer_distributed
 
 SECTIONS = {FSDPConfig: ("fsdp_config", "FSDP", "--use_fsdp"),

@@ -12,15 +12,15 @@ from torch.utils.data import DataLoader
 
 from helpers import IndexDataset
 from impel import ConfigError, DataLoaderConfiguration, GradientAccumulationPlugin, ParallelismConfig, RunConfig
-from impel.accumulation import GradientState
+from impel.accelerator.resolve import RunArguments, resolve
 from impel.commands.flags import config_fields, explicit_from_flags_list
-from impel.config_file import read_config_file
-from impel.convert import convert
-from impel.data import shard_dataloader
-from impel.env import Topology
-from impel.parallelism_config import TorchContextParallelConfig, TorchTensorParallelConfig, settle
-from impel.parallelism_section import ParallelismSection
-from impel.resolve import RunArguments, resolve
+from impel.config.convert import convert
+from impel.config.environment import Topology
+from impel.config.mesh_sizes import ParallelismSection
+from impel.config.parallelism import TorchContextParallelConfig, TorchTensorParallelConfig, settle
+from impel.config.yaml_file import read_config_file
+from impel.runtime.accumulation import GradientState
+from impel.runtime.data import shard_dataloader
 
 ACCELERATE_FIELDS = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "cp_backend", "sp_size", "sp_backend",
                      "tp_handler", "cp_handler", "sp_handler")

@@ -19,8 +19,8 @@ from impel import (
     GradScalerKwargs,
     InitProcessGroupKwargs,
 )
-from impel.data import DataLoaderShard
-from impel.optimizer import AcceleratedOptimizer, AcceleratedScheduler
+from impel.runtime.data import DataLoaderShard
+from impel.runtime.optimizer import AcceleratedOptimizer, AcceleratedScheduler
 
 
 def objects():

@@ -8,8 +8,8 @@ from torch.utils.data import DataLoader
 
 from helpers import make_mlp, make_regression
 from impel import Accelerator, ConfigError, DeepSpeedPlugin, FullyShardedDataParallelPlugin
-from impel.env import read_topology
-from impel.resolve import RunArguments, resolve
+from impel.accelerator.resolve import RunArguments, resolve
+from impel.config.environment import read_topology
 
 
 def test_the_resolved_config_is_read_only_with_the_fix_named():

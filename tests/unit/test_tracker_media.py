@@ -13,7 +13,7 @@ IMAGES = {"samples": np.stack([np.full((3, 4, 5), i * 40, dtype=np.uint8) for i 
 def _trackers(name: str):
     import accelerate.tracking as theirs
 
-    import impel.builtin_trackers as ours
+    import impel.trackers.builtin as ours
 
     return {"impel": getattr(ours, name), "accelerate": getattr(theirs, name)}
 

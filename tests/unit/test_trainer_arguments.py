@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from impel.config import ConfigError
+from impel.config.run_config import ConfigError
 from impel.trainer.arguments import TrainingArguments
 from impel.trainer.distributed import (
     accelerator_kwargs,
@@ -173,11 +173,11 @@ def test_deepspeed_contradictions_raise(ds, kwargs, message):
 
 
 def test_deepspeed_knob_becomes_the_plugin():
-    import impel.plugins
+    import impel.config.plugins
 
     args = TrainingArguments(deepspeed={"zero_optimization": {"stage": 2}, "gradient_clipping": "auto"})
     plugin = deepspeed_plugin(args)
-    assert isinstance(plugin, impel.plugins.DeepSpeedPlugin)
+    assert isinstance(plugin, impel.config.plugins.DeepSpeedPlugin)
     assert "deepspeed_plugin" in accelerator_kwargs(args)
 
 

@@ -10,7 +10,7 @@ import transformers
 
 from helpers import max_abs_diff
 from impel import TrainerCallback
-from impel.config import ConfigError
+from impel.config.run_config import ConfigError
 from impel.trainer import EarlyStoppingCallback, TrainerControl
 from trainer_helpers import (
     TokenDataset,

@@ -5,7 +5,7 @@ import pytest
 import torch
 from datasets import Dataset
 
-from impel.config import ConfigError
+from impel.config.run_config import ConfigError
 from impel.trainer.collate import default_data_collator, remove_unused_columns
 from trainer_helpers import tiny_bert
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from impel.config import ConfigError
+from impel.config.run_config import ConfigError
 from trainer_helpers import TokenDataset, impel_trainer, tiny_bert, transformers_trainer
 
 # 8 samples, batch 4: 2 optimizer steps per epoch; 3 epochs

@@ -71,7 +71,7 @@ def test_resume_true_without_a_checkpoint_says_so(tmp_path):
 
 def test_auto_resume_from_the_launch_config_continues_exactly(tmp_path, monkeypatch, capsys):
     """`impel launch --auto_resume`: the Trainer resumes by itself, before it plans its loop."""
-    from impel.state import ProcessState
+    from impel.runtime.process import ProcessState
 
     _, full_weights = _run(tmp_path / "full")
     _run(tmp_path / "cut", stop_at=5)

@@ -12,7 +12,7 @@ from transformers import (
     get_linear_schedule_with_warmup,
 )
 
-from impel.config import ConfigError
+from impel.config.run_config import ConfigError
 from impel.trainer.schedules import get_scheduler
 
 REFERENCE = {

@@ -10,7 +10,7 @@ from datasets import Dataset
 
 from helpers import max_abs_diff
 from impel import Trainer, TrainerCallback, TrainingArguments
-from impel.config import ConfigError
+from impel.config.run_config import ConfigError
 from trainer_helpers import TokenDataset, reference_trainer_loop, tiny_bert
 
 RECIPE = {"learning_rate": 3e-3, "warmup_steps": 2, "weight_decay": 0.1, "max_grad_norm": 0.5, "seed": 7,
@@ -107,9 +107,9 @@ def test_callbacks_see_the_loop_and_can_stop_it(tmp_path):
 
 
 def test_tracker_asked_for_but_missing_names_the_install(tmp_path, monkeypatch):
-    import impel.tracking
+    import impel.trackers.registry
 
-    monkeypatch.setitem(impel.tracking.PACKAGES, "wandb", ("impel_no_such_module", "wandb"))
+    monkeypatch.setitem(impel.trackers.registry.PACKAGES, "wandb", ("impel_no_such_module", "wandb"))
     with pytest.raises(ConfigError, match="pip install wandb"):
         Trainer(tiny_bert(), _args(tmp_path, report_to=["wandb"]), train_dataset=TokenDataset())
 

@@ -4,8 +4,8 @@ import json
 import os
 import sys
 
-from impel import env
-from impel.config import merge_code_arguments
+from impel.config import environment as env
+from impel.config.run_config import merge_code_arguments
 
 args = sys.argv[1:]
 if "--touch" in args:  # proves a script started (bad-input tests assert it never does)

@@ -1,0 +1,159 @@
+"""Crash-safe runs: automatic resume, preemption (SIGTERM) and non-finite losses.
+
+* ``auto_resume`` (``--auto_resume`` or ``ProjectConfiguration(automatic_resume=True)``): when the first prepared
+  dataloader starts iterating, every rank loads the newest complete checkpoint (if there is one) and says so. Under
+  ``impel launch --max_restarts N`` a crashed job restarts and continues from there.
+* It also turns on preemption handling: SIGTERM sets a flag; at the next step boundary (a prepared dataloader about
+  to draw the first batch of an accumulation group) the ranks agree (an all-reduce of the flag), save a
+  checkpoint and exit with :data:`PREEMPTED_EXIT_CODE`. Relaunching the same command continues exactly.
+* ``nonfinite_loss``: ``"error"`` stops at the first optimizer step whose loss was NaN/inf on any rank, naming the
+  step; ``"skip"`` skips that step on every rank (the scheduler does not advance either); ``"ignore"`` (default)
+  checks nothing and costs nothing.
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from typing import TYPE_CHECKING, Any
+
+from impel.config.run_config import ConfigError
+
+if TYPE_CHECKING:  # torch is imported lazily: `impel launch` imports this module for its exit code
+    import torch
+
+    from impel.accelerator.prepared import TrainingRun
+    from impel.accelerator.save_load import Checkpointer
+    from impel.config.plugins import ProjectConfiguration
+    from impel.config.run_config import RunConfig
+
+logger = logging.getLogger("impel")
+PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "temporary failure, try again"
+
+
+def _any_rank(flag: bool, device: torch.device) -> bool:
+    """True when ``flag`` is set on any rank (one tiny all-reduce when distributed)."""
+    import torch
+    import torch.distributed as dist
+
+    from impel.runtime.collectives import is_distributed
+
+    if not is_distributed():
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item() > 0)
+
+
+class Resilience:
+    """The Accelerator's crash-safety switches over one training run and its checkpointer; created only when one
+    of them is on."""
+
+    def __init__(self, run: TrainingRun, checkpointer: Checkpointer, auto_resume: bool, nonfinite: str) -> None:
+        self.run = run
+        self.checkpointer = checkpointer
+        self.resume_pending = auto_resume
+        self.handle_preemption = auto_resume
+        self.nonfinite = nonfinite
+        self.preempt_requested = False
+        self.resumed_from: str | None = None
+        self._bad_loss: torch.Tensor | None = None
+        self._previous_handler: Any = None
+        if self.handle_preemption:
+            self._install_handler()
+
+    @classmethod
+    def create(cls, config: RunConfig, project: ProjectConfiguration, run: TrainingRun,
+               checkpointer: Checkpointer) -> Resilience | None:
+        auto = bool(config.auto_resume or project.automatic_resume)
+        nonfinite = config.nonfinite_loss
+        if not auto and nonfinite == "ignore":
+            return None
+        if auto and not (project.project_dir and project.automatic_checkpoint_naming):
+            raise ConfigError("auto_resume needs somewhere to find checkpoints: pass Accelerator(project_config="
+                              "ProjectConfiguration(project_dir=..., automatic_checkpoint_naming=True))")
+        return cls(run, checkpointer, auto, nonfinite)
+
+    # --- preemption -------------------------------------------------------------------------------------------
+    def _install_handler(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            logger.warning("auto_resume: the Accelerator was created outside the main thread, so SIGTERM cannot be "
+                           "caught; preemption will not save a checkpoint")
+            return
+        self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        if not self.preempt_requested:
+            print(f"impel: SIGTERM on rank {self.run.process_index}: saving a checkpoint at the next step boundary",
+                  flush=True)
+        self.preempt_requested = True
+
+    def uninstall(self) -> None:
+        if self._previous_handler is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._previous_handler)
+            self._previous_handler = None
+
+    # --- dataloader hooks -------------------------------------------------------------------------------------
+    def on_iter_start(self, loader: Any) -> None:
+        self.resume_now()
+
+    def resume_now(self) -> str | None:
+        """Do the pending auto-resume now (the Trainer calls this before it plans its loop); the checkpoint path,
+        or None when there was nothing to resume from (or it already happened)."""
+        if not self.resume_pending:
+            return None
+        self.resume_pending = False
+        return self._resume()
+
+    def before_batch(self, loader: Any) -> None:
+        if not self.handle_preemption or not self.run.gradient_state.sync_gradients:
+            return  # mid-group: the boundary is after the group's optimizer step
+        if _any_rank(self.preempt_requested, self.run.device):
+            path = self.checkpointer.save(async_save=False)  # the process exits right after
+            if self.run.is_main_process:
+                print(f"impel: preempted; saved {path}; exiting with code {PREEMPTED_EXIT_CODE} (relaunch the same "
+                      "command to continue)", flush=True)
+            raise SystemExit(PREEMPTED_EXIT_CODE)
+
+    def _resume(self) -> str | None:
+        from impel.checkpoint import layout
+        from impel.runtime.collectives import broadcast_object_list
+
+        run = self.run
+        root = self.checkpointer.checkpoints_root()
+        found = broadcast_object_list([bool(layout.list_complete(root)) if run.is_main_process else None])
+        if not found[0]:
+            if run.is_main_process:
+                print(f"impel: auto_resume: no complete checkpoint under {root} yet; starting fresh", flush=True)
+            return None
+        self.resumed_from = self.checkpointer.load()
+        if run.is_main_process:
+            steps = sum(run.prepared.optimizer_steps())
+            print(f"impel: auto_resume: resumed from {self.resumed_from} (optimizer steps taken: {steps})",
+                  flush=True)
+        return self.resumed_from
+
+    # --- non-finite losses ------------------------------------------------------------------------------------
+    def observe(self, loss: torch.Tensor) -> None:
+        if self.nonfinite == "ignore":
+            return
+        import torch
+
+        bad = ~torch.isfinite(loss.detach()).all()
+        self._bad_loss = bad if self._bad_loss is None else (self._bad_loss | bad)
+
+    def allow_step(self, optimizer: Any) -> bool:
+        """Called before a real optimizer step: False skips it on every rank (``nonfinite_loss='skip'``)."""
+        if self.nonfinite == "ignore":
+            return True
+        local = bool(self._bad_loss.item()) if self._bad_loss is not None else False
+        self._bad_loss = None
+        if not _any_rank(local, self.run.device):
+            return True
+        step = optimizer.steps_taken + 1
+        where = f"rank {self.run.process_index}" if local else "another rank"
+        if self.nonfinite == "error":
+            raise FloatingPointError(f"non-finite loss (NaN or inf) before optimizer step {step}, seen on {where}; "
+                                     "lower the learning rate, check the data, or set nonfinite_loss='skip'")
+        logger.warning("non-finite loss before optimizer step %d (seen on %s): step skipped on every rank", step, where)
+        return False

@@ -1,0 +1,391 @@
+"""``save_state`` / ``load_state``: the steps every rank runs, in order. The Accelerator's methods forward here.
+
+save: all ranks check in (a call on one rank raises) -> agree on the target -> the leader cleans leftovers and
+picks a temporary directory -> pre-hooks -> the strategy writes models and optimizers -> the leader writes
+schedulers, counters, dataloader positions, the GradScaler and registered objects -> each rank writes its RNG
+state (each finished file is hashed and fsynced in the background meanwhile) -> the files nobody hashed yet (DCP,
+DeepSpeed, hooks) are hashed by all ranks in parallel -> the leader seals (manifest from those digests, metadata,
+marker, fsync) and renames -> rotation (``total_limit``). With ``async_save`` the writes up to the RNG state are
+staged in CPU memory instead (``staging``) and everything from the writes on runs on a background thread, its
+collectives on a dedicated gloo group; the next save/load, ``end_training`` and exit wait for it.
+
+load: check in -> the leader finds the directory (newest complete one by default) and verifies sizes and
+checksums -> pre-hooks -> GradScaler, models and optimizers (strategy), schedulers, counters, dataloaders,
+registered objects, and last this rank's RNG state. A directory written by Accelerate's ``save_state`` (no marker,
+Accelerate's file names) is read by ``accelerate_format`` instead, in the same order.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import os
+import pickle
+import platform
+import shutil
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from impel.accelerator import load_accelerate as accelerate_format
+from impel.checkpoint import collective, layout, staging, verified
+from impel.checkpoint.digests import sealing, share_digests
+from impel.checkpoint.files import crc32_off, read_torch, write_torch
+from impel.checkpoint.full import suffix
+from impel.checkpoint.options import DEFAULT_LOAD, DEFAULT_SAVE, LoadOptions, SaveOptions
+from impel.checkpoint.state import (
+    check_registrable,
+    collect_rng_state,
+    collect_training_state,
+    describe,
+    restore_rng_state,
+    restore_training_state,
+)
+from impel.config.plugins import ProjectConfiguration
+from impel.config.run_config import ConfigError
+from impel.runtime.memory import trim_host_heap
+
+if TYPE_CHECKING:
+    from impel.accelerator.prepared import TrainingRun
+
+logger = logging.getLogger("impel")
+
+TRAINING_STATE_FILE = "training_state.pt"
+
+
+def resolve_project_configuration(project_dir: Any,
+                                  project_config: ProjectConfiguration | None) -> ProjectConfiguration:
+    """``Accelerator(project_dir=..., project_config=...)``: one config, the directory given once."""
+    config = project_config if project_config is not None else ProjectConfiguration()
+    if not isinstance(config, ProjectConfiguration):
+        raise ConfigError(f"project_config={config!r} must be an impel.ProjectConfiguration")
+    if project_dir is not None:
+        wanted = os.fspath(project_dir)
+        if config.project_dir is not None and config.project_dir != wanted:
+            raise ConfigError(f"Accelerator(project_dir={wanted!r}) contradicts project_config.project_dir="
+                              f"{config.project_dir!r}; pass the directory once")
+        config.set_directories(wanted)
+    return config
+
+
+@contextmanager
+def _storable(what: str) -> Iterator[None]:
+    """A registered object's state that torch.save (or staging's deep copy) cannot take: one message."""
+    try:
+        yield
+    except (pickle.PicklingError, AttributeError, TypeError) as exc:
+        raise layout.CheckpointError(f"cannot save {what}: its state_dict() holds something torch.save cannot "
+                                     f"store ({exc}); return tensors, numbers, strings, lists and dicts") from None
+
+
+class Checkpointer:
+    """Saves and loads one training run (:class:`impel.accelerator.prepared.TrainingRun`, handed over by the
+    Accelerator) under
+    its project configuration; holds the state hooks."""
+
+    def __init__(self, config: ProjectConfiguration, run: TrainingRun, async_save: bool = False) -> None:
+        self.config = config
+        self.run = run
+        self.async_configured = async_save  # the run config's async_save key
+        self.pending: staging.PendingSave | None = None
+        self._stager: Any = None  # stager.Stager, created by the first asynchronous save
+        self.save_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
+        self.load_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
+
+    # --- registration -----------------------------------------------------------------------------------------
+    def register(self, *objects: Any) -> None:
+        check_registrable(objects)
+        self.run.prepared.registered.extend(objects)
+
+    def add_hook(self, hooks: OrderedDict[int, Callable[..., None]], hook: Callable[..., None]) -> RemovableHandle:
+        if not callable(hook):
+            raise TypeError(f"a state hook must be callable, got {describe(hook)}")
+        handle = RemovableHandle(hooks)
+        hooks[handle.id] = hook
+        return handle
+
+    # --- paths ------------------------------------------------------------------------------------------------
+    def checkpoints_root(self) -> Path:
+        if self.config.project_dir is None:
+            raise ConfigError("automatic_checkpoint_naming=True needs a project directory; pass "
+                              "Accelerator(project_dir=...) or ProjectConfiguration(project_dir=...)")
+        return Path(self.config.project_dir).expanduser().absolute() / layout.CHECKPOINTS_DIR
+
+    def _save_target(self, output_dir: Any) -> Path:
+        if self.config.automatic_checkpoint_naming:
+            if output_dir is not None:
+                logger.warning("save_state(output_dir=%r) is ignored: automatic_checkpoint_naming=True saves to "
+                               "project_dir/checkpoints/checkpoint_N", output_dir)
+            return self.checkpoints_root() / layout.checkpoint_name(self.config.iteration)
+        if output_dir is None:
+            raise ConfigError("save_state() needs output_dir, or ProjectConfiguration(project_dir=..., "
+                              "automatic_checkpoint_naming=True)")
+        return Path(output_dir).expanduser().absolute()
+
+    def _leader(self) -> bool:
+        run = self.run
+        return run.is_main_process or (self.config.save_on_each_node and run.is_local_main_process)
+
+    # --- save -------------------------------------------------------------------------------------------------
+    def save(self, output_dir: Any = None, safe_serialization: bool = True, options: SaveOptions = DEFAULT_SAVE,
+             async_save: bool | None = None) -> str:
+        """One sequence for both kinds of save: the blocking part here (check-in, target, hooks, and the state
+        written, or with ``async_save`` staged in CPU memory), then :meth:`_finish` (files, digests, the leader's
+        commit) now, or on a background thread (``staging``). ``async_save=None``: the configured default."""
+        asynchronous = self.async_default() if async_save is None else bool(async_save)
+        self.wait()  # a pending save first: its failure raises here, on every rank
+        collective.arrive("save_state", self.run.process.timeout)
+        options = dataclasses.replace(options, shared_dir=not self.config.save_on_each_node)
+        final = self._save_target(output_dir)
+        collective.agree(str(final), "the save_state output directory")
+        if asynchronous:
+            self._check_async()
+        leader = self._leader()
+        prepared = collective.on_leader(lambda: self._prepare(final), "preparing the checkpoint directory", leader)
+        assert prepared is not None  # rank 0 always leads, and every rank gets rank 0's result
+        temp = Path(prepared)
+        if leader:
+            temp.mkdir(parents=True, exist_ok=True)
+        collective.barrier()
+        try:
+            if not asynchronous:
+                write = lambda: self._metadata(self._write(temp, leader, safe_serialization, options))  # noqa: E731
+                self._finish(temp, final, leader, write, group=None)
+            else:
+                group = staging.background_group(self.run.process.timeout)  # collective the first time
+                if self._stager is None:
+                    self._stager = staging.new_stager()
+                with staging.deferring(self._stager, group) as deferred:
+                    metadata = self._metadata(collective.run_shared(
+                        lambda: self._write(temp, leader, safe_serialization, options), "save_state"))
+                self.pending = staging.PendingSave(str(final), lambda: self._finish(
+                    temp, final, leader, lambda: deferred.run(metadata), group))
+        except BaseException:
+            if leader:
+                shutil.rmtree(temp, ignore_errors=True)
+            raise
+        self.config.iteration += 1
+        return str(final)
+
+    def _finish(self, temp: Path, final: Path, leader: bool, write: Callable[[], dict[str, Any]],
+                group: Any) -> None:
+        """The part of a save that can run later, on every rank in the same order: ``write`` (the files; returns
+        the checkpoint metadata) while they are hashed, the digests shared, then the leader's commit. ``group``: the
+        process group of its collectives (None: the default group, on the main thread)."""
+        try:
+            with sealing(temp) as sealer, crc32_off():
+                metadata = collective.run_shared(write, "save_state", group)
+                known = collective.run_shared(sealer.entries, "save_state", group)
+            known = share_digests(temp, known, shared_dir=not self.config.save_on_each_node, group=group)
+            collective.run_shared(lambda: self._commit(temp, final, metadata, known) if leader else None,
+                                  "committing the checkpoint", group)
+        except BaseException:
+            if leader:
+                shutil.rmtree(temp, ignore_errors=True)
+            raise
+        trim_host_heap()  # the write's buffers, freed in its threads' arenas, go back to the OS
+
+    # --- asynchronous saves -----------------------------------------------------------------------------------
+    def async_default(self) -> bool:
+        """``save_state()``'s default: ``ProjectConfiguration.async_save`` or the run config's ``async_save``."""
+        return bool(self.config.async_save or self.async_configured)
+
+    def _check_async(self) -> None:
+        if self.run.distributed_type == "DEEPSPEED":
+            raise ConfigError("save_state(async_save=True) is not supported under DeepSpeed (its engine writes its "
+                              "own checkpoint files synchronously); save with async_save=False, or turn off "
+                              "ProjectConfiguration(async_save=...) / the async_save config key")
+
+    def wait(self) -> str | None:
+        """Wait for the pending asynchronous save (not collective); its path, None when none was pending. Its
+        failure raises here as a CheckpointError naming the directory and the cause (on every rank: a failure on
+        one rank fails the save on all)."""
+        pending, self.pending = self.pending, None
+        return pending.wait() if pending is not None else None
+
+    def drop_staging_buffers(self) -> None:
+        """Free the CPU copies the stager keeps for the next asynchronous save (a pending save keeps its own)."""
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
+
+    def close(self) -> None:
+        """``end_training``: wait for the pending save, then drop the staging buffers and the background group."""
+        try:
+            self.wait()
+        finally:
+            self.drop_staging_buffers()
+            staging.release_group()
+
+    def _prepare(self, final: Path) -> str:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        layout.clean_incomplete(final.parent)
+        if self.config.automatic_checkpoint_naming and final.exists():
+            raise layout.CheckpointError(
+                f"{final} already exists (ProjectConfiguration.iteration={self.config.iteration}); set "
+                f"accelerator.project_configuration.iteration = {layout.next_free_iteration(final.parent)} or "
+                "call load_state() first, which sets it")
+        layout.check_target(final)
+        return str(layout.temp_dir_for(final))
+
+    def _write(self, temp: Path, leader: bool, safe_serialization: bool, options: SaveOptions) -> dict[str, Any]:
+        run, prepared = self.run, self.run.prepared
+        skip = self._run_save_hooks(temp)
+        meta = run.strategy.save_checkpoint(list(prepared.models), prepared.inner_optimizers(), temp,
+                                            writer=leader, safe_serialization=safe_serialization,
+                                            skip_models=skip, options=options)
+        if leader:
+            for i, scheduler in enumerate(prepared.schedulers):
+                write_torch(scheduler.state_dict(), temp / f"scheduler{suffix(i)}.pt")
+            write_torch(collect_training_state(run.step, run.gradient_state, prepared.optimizers,
+                                               prepared.dataloaders, run.strategy.precision_state_dict()),
+                        temp / TRAINING_STATE_FILE)
+            for i, obj in enumerate(prepared.registered):
+                self._write_registered(i, obj, temp / f"custom_checkpoint_{i}.pt")
+        write_torch(collect_rng_state(run.device), temp / f"random_states_{run.process_index}.pt")
+        return dict(meta, skipped_models=sorted(skip))
+
+    @staticmethod
+    def _write_registered(index: int, obj: Any, path: Path) -> None:
+        """Write a registered object's state and read it back safely now, not at resume time (an asynchronous save
+        stages it now and writes and reads it back in the background)."""
+        what = f"registered object {index}, {describe(obj)}"
+        with _storable(what):
+            state = obj.state_dict()
+            deferred = staging.defer(Checkpointer._store_registered, state, what, path)
+        if not deferred:
+            Checkpointer._store_registered(state, what, path)
+
+    @staticmethod
+    def _store_registered(state: Any, what: str, path: Path) -> None:
+        with _storable(what):
+            write_torch(state, path)
+        read_torch(path, what)
+
+    def _run_save_hooks(self, temp: Path) -> frozenset[int]:
+        """Accelerate's contract: ``hook(models, weights, output_dir)``; a model whose weights the hook removes
+        from the list is saved by the hook, not by impel."""
+        if self.run.gradient_state.micro_in_group:
+            logger.warning("save_state() in the middle of an accumulation group: the partial gradients are not "
+                           "saved; save after optimizer.step() for an exact resume")
+        if not self.save_hooks:
+            return frozenset()
+        models = list(self.run.prepared.models)  # uncompiled: the strategy's own modules
+        weights = [self.run.strategy.model_state_dict(m) for m in models]
+        ids = [id(w) for w in weights]
+        for hook in list(self.save_hooks.values()):
+            hook(models, weights, str(temp))
+        remaining = {id(w) for w in weights}
+        return frozenset(i for i, w in enumerate(ids) if w not in remaining)
+
+    def _metadata(self, strategy_meta: dict[str, Any]) -> dict[str, Any]:
+        """The checkpoint's metadata, taken when the save is called (an asynchronous save commits it later)."""
+        from impel import __version__
+
+        run = self.run
+        return {
+            "impel_version": __version__, "torch_version": torch.__version__,
+            "python_version": platform.python_version(),
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "iteration": self.config.iteration, "step": run.step,
+            "optimizer_steps": run.prepared.optimizer_steps(),
+            "world_size": run.num_processes, "distributed_type": str(run.distributed_type),
+            "mixed_precision": run.mixed_precision, "strategy": dict(strategy_meta, name=run.strategy.name),
+            "counts": run.prepared.counts(),
+        }
+
+    def _commit(self, temp: Path, final: Path, metadata: dict[str, Any], known: dict[str, Any]) -> None:
+        layout.commit(temp, final, metadata, known)
+        if self.config.automatic_checkpoint_naming:
+            layout.rotate(final.parent, self.config.total_limit)
+
+    # --- load -------------------------------------------------------------------------------------------------
+    def load(self, input_dir: Any = None, options: LoadOptions = DEFAULT_LOAD) -> str:
+        self.wait()
+        collective.arrive("load_state", self.run.process.timeout)
+        if input_dir is not None:
+            collective.agree(os.fspath(input_dir), "the load_state input directory")
+        leader = self._leader()
+        found = collective.on_leader(lambda: self._locate(input_dir), "checking the checkpoint", leader)
+        assert found is not None  # rank 0 always leads, and every rank gets rank 0's result
+        path, metadata, next_free = found
+        directory = Path(path)
+        if metadata.get("format") == accelerate_format.FORMAT:  # written by Accelerate's save_state
+            read = lambda: accelerate_format.load(self.run, directory, metadata,  # noqa: E731
+                                                  self._run_load_hooks(directory), options)
+        else:
+            self._check_counts(directory, metadata)
+            read = lambda: self._read(directory, metadata, self._run_load_hooks(directory), options)  # noqa: E731
+        collective.run_shared(lambda: verified.read_checked(directory, metadata, read), "load_state")
+        saved = metadata.get("iteration")  # None: an Accelerate directory not named checkpoint_N
+        self.config.iteration = max(self.config.iteration if saved is None else int(saved) + 1, next_free)
+        collective.barrier()
+        return str(directory)
+
+    def _locate(self, input_dir: Any) -> tuple[str, dict[str, Any], int]:
+        if input_dir is None:
+            if not self.config.automatic_checkpoint_naming:
+                raise ConfigError("load_state() needs input_dir, or ProjectConfiguration(project_dir=..., "
+                                  "automatic_checkpoint_naming=True) to load the newest checkpoint")
+            root = self.checkpoints_root()
+            layout.clean_incomplete(root)
+            directory = max(layout.list_complete(root) + accelerate_format.list_accelerate(root),
+                            default=(None, None))[1] or layout.latest_complete(root)
+        else:
+            directory = Path(input_dir).expanduser().absolute()
+            layout.recover_swap(directory)
+            layout.clean_incomplete(directory.parent)
+        if layout.is_accelerate_dir(directory):
+            metadata = accelerate_format.inspect(directory)
+        else:
+            # sizes of every file; checksums of the files no impel reader checks while reading (verified.py)
+            metadata = layout.verify(directory, skip=verified.checked_on_read)
+        next_free = layout.next_free_iteration(directory.parent) if self.config.automatic_checkpoint_naming else 0
+        return str(directory), metadata, next_free
+
+    def _check_counts(self, directory: Path, metadata: dict[str, Any]) -> None:
+        saved = metadata.get("counts", {})
+        for kind, have in self.run.prepared.counts().items():
+            if saved.get(kind, have) != have:
+                raise layout.CheckpointError(
+                    f"{directory} was saved with {saved[kind]} {kind} but {have} are prepared now; prepare (and "
+                    "register) the same objects in the same order before load_state()")
+        if metadata.get("world_size") != self.run.num_processes:
+            logger.warning("%s was saved by %s processes and is loaded by %d: model and optimizer state are "
+                           "resharded, but per-rank RNG streams and the data position follow a different layout",
+                           directory, metadata.get("world_size"), self.run.num_processes)
+
+    def _run_load_hooks(self, directory: Path) -> frozenset[int]:
+        """Accelerate's contract: ``hook(models, input_dir)``; models the hook removes are loaded by the hook."""
+        if not self.load_hooks:
+            return frozenset()
+        prepared = self.run.prepared.models
+        models = list(prepared)
+        for hook in list(self.load_hooks.values()):
+            hook(models, str(directory))
+        return frozenset(i for i, m in enumerate(prepared) if not any(m is x for x in models))
+
+    def _read(self, directory: Path, metadata: dict[str, Any], skip: frozenset[int], options: LoadOptions) -> None:
+        run, prepared = self.run, self.run.prepared
+        training = read_torch(directory / TRAINING_STATE_FILE, "training state")
+        run.strategy.load_precision_state_dict(training["precision"])  # the scaler before the optimizers (FSDP2)
+        run.strategy.load_checkpoint(list(prepared.models), prepared.inner_optimizers(), directory,
+                                     metadata["strategy"], skip_models=skip, options=options)
+        for i, scheduler in enumerate(prepared.schedulers):
+            scheduler.load_state_dict(read_torch(directory / f"scheduler{suffix(i)}.pt", f"scheduler {i}"))
+        run.gradient_state.set_step(restore_training_state(training, run.gradient_state, prepared.optimizers,
+                                                           prepared.dataloaders))
+        for i, obj in enumerate(prepared.registered):
+            obj.load_state_dict(read_torch(directory / f"custom_checkpoint_{i}.pt",
+                                           f"registered object {i}, {describe(obj)}"))
+        rng = directory / f"random_states_{run.process_index}.pt"
+        if rng.is_file():
+            restore_rng_state(read_torch(rng, f"rank {run.process_index} RNG state"), run.device)
+        else:
+            logger.warning("%s has no RNG state for rank %d (saved by %s processes); this rank's random streams "
+                           "start fresh", directory, run.process_index, metadata.get("world_size"))

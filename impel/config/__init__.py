@@ -1,0 +1,11 @@
+"""Layer 1, configuration: every value a run can be given, checked, before anything is built.
+
+- ``environment``: the only module that reads or writes ``os.environ`` (launch variables, topology).
+- ``schema``: ``option()`` field declarations, coercion, ``ConfigError``.
+- ``run_config``: the run config (typed dataclasses), validation and the one-way merge.
+- ``yaml_file``: config files in Accelerate's YAML layout; ``convert``: FSDP <-> DeepSpeed translation.
+- ``plugins``, ``kwargs_handler``, ``ddp_hooks``, ``profiling``, ``dynamo``: the objects users build in code
+  (Accelerate's plugins and kwargs handlers).
+- ``mesh_sizes``: the ``parallelism_config`` section; ``parallelism``: ``ParallelismConfig`` and its device mesh.
+- ``deepspeed_json``: the DeepSpeed JSON, reconciled with impel's settings.
+"""

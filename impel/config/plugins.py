@@ -1,0 +1,487 @@
+"""Configuration objects users build in code, with Accelerate's names and fields.
+
+They are thin: each validates its own fields and the Accelerator reads them; none holds behaviour.
+"""
+from __future__ import annotations
+
+import inspect
+import os
+import warnings
+from collections.abc import Callable
+from dataclasses import MISSING, Field, dataclass, field, fields
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+from impel.config.kwargs_handler import KwargsHandler
+from impel.config.profiling import ProfileKwargs
+from impel.config.run_config import (
+    ConfigError,
+    DeepSpeedConfig,
+    FSDPConfig,
+    plugin_keyword,
+    plugin_keywords,
+)
+
+
+def _check_bool(owner: str, name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{owner}({name}={value!r}) must be True or False")
+
+
+@dataclass
+class DistributedDataParallelKwargs(KwargsHandler):
+    """Arguments forwarded to ``torch.nn.parallel.DistributedDataParallel``.
+
+    ``comm_hook`` / ``comm_wrapper`` / ``comm_state_option`` are Accelerate's DDP communication hook (gradient
+    compression, PowerSGD), registered on each DDP model impel wraps; they are not DDP arguments, so ``to_kwargs``
+    leaves them out (see :mod:`impel.config.ddp_hooks`).
+
+    Example::
+
+        DistributedDataParallelKwargs(comm_hook="fp16")  # all-reduce gradients in float16
+    """
+
+    dim: int = 0
+    broadcast_buffers: bool = True
+    bucket_cap_mb: int = 25
+    find_unused_parameters: bool = False
+    check_reduction: bool = False
+    gradient_as_bucket_view: bool = False
+    static_graph: bool = False
+    comm_hook: Any = "no"
+    comm_wrapper: Any = "no"
+    comm_state_option: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        from impel.config.ddp_hooks import check_comm_hook
+
+        check_comm_hook(self.comm_hook, self.comm_wrapper, self.comm_state_option)
+
+    def to_kwargs(self) -> dict[str, Any]:
+        from impel.config.ddp_hooks import HOOK_FIELDS
+
+        return {k: v for k, v in super().to_kwargs().items() if k not in HOOK_FIELDS}
+
+
+@dataclass
+class GradScalerKwargs(KwargsHandler):
+    """Arguments forwarded to ``torch.amp.GradScaler`` (fp16 only)."""
+
+    init_scale: float = 65536.0
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    enabled: bool = True
+
+    def __post_init__(self) -> None:
+        if self.init_scale <= 0 or self.growth_factor <= 1 or not 0 < self.backoff_factor < 1:
+            raise ConfigError(f"{self!r} is invalid: need init_scale > 0, growth_factor > 1, 0 < backoff_factor < 1")
+
+
+@dataclass
+class InitProcessGroupKwargs(KwargsHandler):
+    """Process-group settings: backend (None = nccl on CUDA, gloo on CPU) and the collective timeout."""
+
+    backend: str | None = None
+    init_method: str | None = None
+    timeout: timedelta | None = None
+
+    def __post_init__(self) -> None:
+        if self.backend is not None and self.backend not in ("nccl", "gloo", "mpi", "cpu:gloo,cuda:nccl"):
+            raise ConfigError(f"InitProcessGroupKwargs(backend={self.backend!r}) is unknown; use 'nccl', 'gloo' or "
+                              "None")
+        if self.timeout is not None and (not isinstance(self.timeout, timedelta) or self.timeout.total_seconds() <= 0):
+            raise ConfigError(f"InitProcessGroupKwargs(timeout={self.timeout!r}) must be a positive datetime.timedelta")
+
+
+@dataclass
+class AutocastKwargs(KwargsHandler):
+    """Arguments for ``torch.autocast`` inside the prepared model's forward."""
+
+    enabled: bool = True
+    cache_enabled: bool | None = None
+
+
+@dataclass
+class DataLoaderConfiguration:
+    """How prepared dataloaders shard and place batches (Accelerate's fields, defaults and sample order).
+
+    split_batches: the loader's batch_size is the global batch, split across ranks (must divide evenly);
+    otherwise it is the per-rank batch. even_batches: the last global batch is completed with samples from the
+    start so every rank runs the same number of steps (``gather_for_metrics`` drops the duplicates).
+    use_seedable_sampler: a shuffled loader's epoch ``e`` order comes from ``data_seed + e`` (``data_seed`` defaults
+    to rank 0's ``torch.initial_seed()``); otherwise from the sampler's generator, agreed across ranks.
+    non_blocking: host-to-device copies are asynchronous (pin_memory recommended).
+    dispatch_batches: None and False shard on every rank; True (rank 0 reads and broadcasts) raises.
+    use_stateful_dataloader: prepared loaders always save and restore their position (``state_dict`` /
+    ``load_state_dict``, ``save_state``), which is what this flag asks of Accelerate; True and False both hold.
+    """
+
+    split_batches: bool = False
+    dispatch_batches: bool | None = None
+    even_batches: bool = True
+    use_seedable_sampler: bool = False
+    data_seed: int | None = None
+    non_blocking: bool = False
+    use_stateful_dataloader: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("split_batches", "even_batches", "use_seedable_sampler", "non_blocking",
+                     "use_stateful_dataloader"):
+            _check_bool("DataLoaderConfiguration", name, getattr(self, name))
+        if self.dispatch_batches is not None:
+            _check_bool("DataLoaderConfiguration", "dispatch_batches", self.dispatch_batches)
+        if self.dispatch_batches:
+            raise ConfigError("DataLoaderConfiguration(dispatch_batches=True) is not supported: impel shards data on "
+                              "every rank and has no rank-0 dispatcher; make the dataset yield the same stream on "
+                              "every rank and drop the argument (or pass False)")
+        if self.data_seed is not None and (isinstance(self.data_seed, bool) or not isinstance(self.data_seed, int)):
+            raise ConfigError(f"DataLoaderConfiguration(data_seed={self.data_seed!r}) must be an integer or None")
+        if self.data_seed is not None and not self.use_seedable_sampler:
+            raise ConfigError(f"DataLoaderConfiguration(data_seed={self.data_seed}) only seeds the seedable sampler; "
+                              "add use_seedable_sampler=True (or drop data_seed)")
+
+
+@dataclass
+class GradientAccumulationPlugin:
+    """Gradient accumulation settings.
+
+    num_steps: micro-steps per optimizer step. adjust_scheduler: kept for Accelerate's signature; as in Accelerate
+    1.15 the prepared scheduler never steps mid-group either way (False warns; ``Accelerator(
+    step_scheduler_with_optimizer=False)`` steps it on every call). sync_with_dataloader: the end of a prepared
+    dataloader ends the group.
+    sync_each_batch: all-reduce gradients on every micro-step (less memory, more communication).
+    """
+
+    num_steps: int = 1
+    adjust_scheduler: bool = True
+    sync_with_dataloader: bool = True
+    sync_each_batch: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.num_steps, bool) or not isinstance(self.num_steps, int) or self.num_steps < 1:
+            raise ConfigError(f"GradientAccumulationPlugin(num_steps={self.num_steps!r}) must be an integer >= 1")
+        for name in ("adjust_scheduler", "sync_with_dataloader", "sync_each_batch"):
+            _check_bool("GradientAccumulationPlugin", name, getattr(self, name))
+        if not self.adjust_scheduler:
+            warnings.warn("GradientAccumulationPlugin(adjust_scheduler=False) changes nothing (as in Accelerate 1.15): "
+                          "the prepared scheduler still steps only after real optimizer steps; pass "
+                          "Accelerator(step_scheduler_with_optimizer=False) to step it on every call", stacklevel=3)
+
+
+@dataclass
+class ProjectConfiguration:
+    """Where a run keeps its checkpoints and logs, and how ``save_state`` names and rotates checkpoints.
+
+    project_dir: the run's directory. logging_dir: for trackers (defaults to project_dir).
+    automatic_checkpoint_naming: ``save_state()`` writes ``project_dir/checkpoints/checkpoint_<iteration>`` and
+    ``load_state()`` reads the newest complete one. total_limit: keep at most this many complete checkpoints
+    (the oldest are deleted after each save). iteration: the number the next automatic save gets (restored by
+    ``load_state``). save_on_each_node: every node's local main process writes (for node-local disks).
+    automatic_resume: load the newest complete checkpoint when training starts and save one on SIGTERM (see
+    :mod:`impel.accelerator.resilience`; the same as ``impel launch --auto_resume``). async_save: ``save_state()``
+    returns once
+    the state is staged in CPU memory and writes the checkpoint in the background (the default of its
+    ``async_save`` argument; the same as the ``async_save`` config key; see docs/checkpoints.md).
+
+    Example::
+
+        acc = Accelerator(project_config=ProjectConfiguration("runs/a", automatic_checkpoint_naming=True,
+                                                              total_limit=3))
+    """
+
+    project_dir: str | None = None
+    logging_dir: str | None = None
+    automatic_checkpoint_naming: bool = False
+    total_limit: int | None = None
+    iteration: int = 0
+    save_on_each_node: bool = False
+    automatic_resume: bool = False
+    async_save: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("automatic_checkpoint_naming", "save_on_each_node", "automatic_resume", "async_save"):
+            _check_bool("ProjectConfiguration", name, getattr(self, name))
+        limit = self.total_limit
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+            raise ConfigError(f"ProjectConfiguration(total_limit={limit!r}) must be None (keep all) or an integer >= 1")
+        if isinstance(self.iteration, bool) or not isinstance(self.iteration, int) or self.iteration < 0:
+            raise ConfigError(f"ProjectConfiguration(iteration={self.iteration!r}) must be an integer >= 0")
+        self.set_directories(self.project_dir)
+
+    def set_directories(self, project_dir: Any = None) -> None:
+        """Set ``project_dir`` (and ``logging_dir`` when it is unset); accepts any path-like."""
+        self.project_dir = None if project_dir is None else os.fspath(project_dir)
+        if self.logging_dir is None:
+            self.logging_dir = self.project_dir
+        else:
+            self.logging_dir = os.fspath(self.logging_dir)
+
+
+KWARGS_HANDLER_TYPES = (DistributedDataParallelKwargs, GradScalerKwargs, InitProcessGroupKwargs, AutocastKwargs)
+
+
+@dataclass
+class Handlers:
+    """The kwargs handlers a user passed, one per type at most."""
+
+    ddp: DistributedDataParallelKwargs | None = None
+    scaler: GradScalerKwargs | None = None
+    init: InitProcessGroupKwargs | None = None
+    autocast: AutocastKwargs | None = None
+    profile: ProfileKwargs | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def collect(cls, handlers: Any) -> Handlers:
+        out = cls()
+        slots = {DistributedDataParallelKwargs: "ddp", GradScalerKwargs: "scaler",
+                 InitProcessGroupKwargs: "init", AutocastKwargs: "autocast", ProfileKwargs: "profile"}
+        for handler in handlers or ():
+            slot = slots.get(type(handler))
+            if slot is None:
+                names = ", ".join(t.__name__ for t in slots)
+                raise ConfigError(f"kwargs_handlers got {handler!r}; allowed types are {names}")
+            if getattr(out, slot) is not None:
+                raise ConfigError(f"kwargs_handlers holds two {type(handler).__name__}; pass one")
+            setattr(out, slot, handler)
+        return out
+
+
+def by_hand(default: Any = None, *, before: str | None = None) -> Any:
+    """A plugin field written by hand (not a config field), placed before the generated keyword ``before``
+    (after all of them without one)."""
+    return field(default=default, metadata={"before": before})
+
+
+def _annotation(meta: Any, enums: bool) -> str:
+    if meta["listed"] or enums and meta["choices"] is not None and meta["kind"] == "str":
+        return "Any"  # a list of names or classes; torch's enums (ShardingStrategy.FULL_SHARD) or their names
+    return f"{meta['kind']} | None"
+
+
+def config_backed(section: type, *, enums: bool = False) -> Callable[[type], type]:
+    """Make a plugin class a dataclass whose keywords are generated from ``section``'s fields (named by
+    :func:`impel.config.run_config.plugin_keyword`, default None: "not set here") around the fields the class writes by
+    hand.
+    ``enums``: fields with choices also take torch's enums.
+
+    Each generated field's metadata names its config field (``{"config": "version"}`` for ``fsdp_version``).
+    """
+    def build(cls: type) -> type:
+        own = inspect.get_annotations(cls)
+        generated: dict[str, tuple[str, Any]] = {}
+        for f in fields(section):
+            keyword = plugin_keyword(f)
+            if keyword is None:
+                continue
+            if keyword in own:
+                raise TypeError(f"{cls.__name__}.{keyword} is generated from {section.__name__}.{f.name}; remove "
+                                "it from the class body")
+            generated[keyword] = (_annotation(f.metadata, enums), field(default=None, metadata={"config": f.name}))
+            for name in f.metadata["also"]:
+                if name not in own:
+                    raise TypeError(f"{section.__name__}.{f.name} says {cls.__name__} also takes {name!r}, which the "
+                                    "class does not define")
+        order = list(generated)
+        for name in own:
+            spec = cls.__dict__.get(name, MISSING)
+            before = spec.metadata.get("before") if isinstance(spec, Field) else None
+            if before is not None and before not in generated:
+                raise TypeError(f"{cls.__name__}.{name} is placed before {before!r}, which is not a generated field")
+            order.insert(order.index(before) if before is not None else len(order), name)
+        annotations = {name: own[name] if name in own else generated[name][0] for name in order}
+        for name, (_, spec) in generated.items():
+            setattr(cls, name, spec)
+        cls.__annotations__ = annotations
+        return dataclass(cls)
+    return build
+
+
+@config_backed(FSDPConfig, enums=True)
+class FullyShardedDataParallelPlugin:
+    """FSDP settings in code, with Accelerate's field names; a field left at None is not set here (the launched
+    config or the default decides). The keywords of the ``fsdp_config`` options are generated from
+    :class:`impel.config.run_config.FSDPConfig`, so each has the same choices, help and validation as its YAML key.
+    Enum values
+    of torch's FSDP1 API (``ShardingStrategy.FULL_SHARD``, ``BackwardPrefetch.BACKWARD_PRE``, ``StateDictType...``)
+    and their names as strings are both accepted.
+
+    ``cpu_offload`` (Accelerate) and ``offload_params`` (the YAML key) are the same switch: a bool, FSDP1's
+    ``CPUOffload(offload_params=...)`` or FSDP2's ``CPUOffloadPolicy()``. ``mixed_precision_policy`` is
+    ``"bf16"``/``"fp16"``/``"no"``, a dict or a ``MixedPrecision``/``MixedPrecisionPolicy`` whose param dtype picks
+    the mode; impel always reduces gradients in float32 (see ``accelerator.precision_report()``).
+
+    Example::
+
+        plugin = FullyShardedDataParallelPlugin(sharding_strategy="SHARD_GRAD_OP",
+                                                transformer_cls_names_to_wrap=["GPT2Block"])
+        acc = Accelerator(fsdp_plugin=plugin)
+    """
+
+    # one keyword per FSDPConfig field is generated (config_backed); written by hand:
+    cpu_offload: Any = by_hand(before="offload_params")
+    mixed_precision_policy: Any = None
+
+    if TYPE_CHECKING:  # the dataclass __init__ config_backed builds, with keywords type checkers cannot see
+        def __init__(self, *args: Any, **kwargs: Any) -> None: ...
+
+    def __post_init__(self) -> None:
+        self.mixed_precision = _mixed_precision_mode(self.mixed_precision_policy)
+        self.to_config_section()  # validate now, with the YAML key names in the messages
+
+    def to_config_section(self) -> dict[str, Any]:
+        """The explicitly given fields as an ``fsdp_config`` section (``fsdp_*`` keys), validated and normalised."""
+        raw = self._raw_section()
+        checked = FSDPConfig(**raw).validate()
+        return {FSDPConfig.PREFIX + name: getattr(checked, name) for name in raw}
+
+    def _raw_section(self) -> dict[str, Any]:
+        """Config field -> the value given here (torch's enums and classes as names)."""
+        out: dict[str, Any] = {}
+        for attr, name in _FSDP_KEYS.items():
+            value = getattr(self, attr)
+            if attr == "offload_params":  # cpu_offload is the same switch
+                value = _offload_flag(self.cpu_offload, value)
+            if value is None:
+                continue
+            if attr == "auto_wrap_policy" and callable(value):
+                raise ConfigError(f"FullyShardedDataParallelPlugin(auto_wrap_policy={value!r}): impel takes a policy "
+                                  "name; use 'TRANSFORMER_BASED_WRAP' with transformer_cls_names_to_wrap=[...], "
+                                  "'SIZE_BASED_WRAP' with min_num_params=N, or 'NO_WRAP'")
+            if _LISTED[name]:
+                value = _class_names(value)
+            out[name] = _enum_name(value)
+        return out
+
+    def code_arguments(self, mixed_precision: str | None) -> dict[str, Any]:
+        """What this plugin adds to the Accelerator's code arguments (merged over the launched config)."""
+        mode = self.mixed_precision
+        if mode is not None and mixed_precision is not None and mode != mixed_precision:
+            raise ConfigError(f"Accelerator(mixed_precision={mixed_precision!r}) contradicts "
+                              f"FullyShardedDataParallelPlugin(mixed_precision_policy={self.mixed_precision_policy!r})"
+                              f" (= {mode!r}); set only one of them")
+        return {"distributed_type": "FSDP", "fsdp_config": self.to_config_section(),
+                "mixed_precision": mixed_precision or mode}
+
+
+def _enum_name(value: Any) -> Any:
+    import enum
+
+    return value.name if isinstance(value, enum.Enum) else value
+
+
+def _class_names(value: Any) -> str:
+    items = value.split(",") if isinstance(value, str) else list(value)
+    names = [item.__name__ if isinstance(item, type) else str(item).strip() for item in items]
+    return ",".join(n for n in names if n)
+
+
+def _offload_flag(cpu_offload: Any, offload_params: bool | None) -> bool | None:
+    flag = cpu_offload
+    if flag is not None and not isinstance(flag, bool):
+        if hasattr(flag, "offload_params"):  # FSDP1's CPUOffload
+            flag = bool(flag.offload_params)
+        elif type(flag).__name__ in ("CPUOffloadPolicy", "OffloadPolicy"):  # FSDP2
+            flag = type(flag).__name__ == "CPUOffloadPolicy"
+        else:
+            raise ConfigError(f"FullyShardedDataParallelPlugin(cpu_offload={cpu_offload!r}) must be True/False, "
+                              "CPUOffload(offload_params=...) or CPUOffloadPolicy()")
+    if flag is not None and offload_params is not None and flag != offload_params:
+        raise ConfigError(f"FullyShardedDataParallelPlugin(cpu_offload={cpu_offload!r}, offload_params="
+                          f"{offload_params!r}) disagree; they are the same switch, set one")
+    return flag if flag is not None else offload_params
+
+
+_MODE_OF_DTYPE = {"bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "fp16": "fp16", "half": "fp16",
+                  "float32": "no", "fp32": "no", "float": "no", "no": "no"}
+
+
+def _dtype_name(value: Any) -> str | None:
+    if value is None:
+        return None
+    return str(value).replace("torch.", "").lower()
+
+
+def _mixed_precision_mode(policy: Any) -> str | None:
+    """The mixed_precision mode a plugin's ``mixed_precision_policy`` asks for; None when not given."""
+    if policy is None:
+        return None
+    if isinstance(policy, str):
+        mode = _MODE_OF_DTYPE.get(policy.lower())
+        if mode is None:
+            raise ConfigError(f"FullyShardedDataParallelPlugin(mixed_precision_policy={policy!r}) is unknown; use "
+                              "'bf16', 'fp16' or 'no'")
+        return mode
+    get = policy.get if isinstance(policy, dict) else (lambda name: getattr(policy, name, None))
+    param = _dtype_name(get("param_dtype"))
+    mode = _MODE_OF_DTYPE.get(param or "no")
+    if mode is None:
+        raise ConfigError(f"mixed_precision_policy param_dtype={get('param_dtype')!r} is not supported; use "
+                          "torch.bfloat16, torch.float16 or None")
+    for name in ("reduce_dtype", "buffer_dtype", "output_dtype"):
+        value = _dtype_name(get(name))
+        if value is not None and value not in ("float32", "float"):
+            raise ConfigError(f"mixed_precision_policy {name}={get(name)!r} is not supported: impel's FSDP keeps "
+                              "buffers and outputs as computed and reduces gradients in float32; drop "
+                              f"{name} or set it to torch.float32")
+    return mode
+
+
+@config_backed(DeepSpeedConfig)
+class DeepSpeedPlugin:
+    """DeepSpeed ZeRO settings in code, with Accelerate's field names; a field left at None is not set here (the
+    launched config, the DeepSpeed JSON or the default decides, and a contradiction with the JSON raises).
+
+    ``hf_ds_config`` is the DeepSpeed JSON for every other setting: a path, or a dict (kept in the process, never
+    written to the environment). ``is_train_batch_min``: with several prepared dataloaders, the smallest batch
+    size is DeepSpeed's ``train_micro_batch_size_per_gpu`` (False: the largest).
+
+    Example::
+
+        plugin = DeepSpeedPlugin(zero_stage=3, offload_optimizer_device="cpu", zero3_save_16bit_model=True)
+        acc = Accelerator(deepspeed_plugin=plugin, mixed_precision="bf16")
+    """
+
+    # one keyword per DeepSpeedConfig field that has one is generated (config_backed); written by hand, placed in
+    # Accelerate's order:
+    hf_ds_config: Any = by_hand(before="gradient_clipping")  # deepspeed_config_file, or a dict
+    gradient_accumulation_steps: int | None = by_hand(before="gradient_clipping")  # the top-level key
+    is_train_batch_min: bool = by_hand(True, before="offload_optimizer_device")
+
+    if TYPE_CHECKING:  # the dataclass __init__ config_backed builds, with keywords type checkers cannot see
+        def __init__(self, *args: Any, **kwargs: Any) -> None: ...
+
+    def __post_init__(self) -> None:
+        source = self.hf_ds_config
+        if source is not None and not isinstance(source, (str, os.PathLike, dict)):
+            raise ConfigError(f"DeepSpeedPlugin(hf_ds_config={source!r}) must be a path to a DeepSpeed JSON or a dict")
+        steps = self.gradient_accumulation_steps
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+            raise ConfigError(f"DeepSpeedPlugin(gradient_accumulation_steps={steps!r}) must be an integer >= 1")
+        _check_bool("DeepSpeedPlugin", "is_train_batch_min", self.is_train_batch_min)
+        self.to_config_section()  # validate now, with the YAML key names in the messages
+
+    def to_config_section(self) -> dict[str, Any]:
+        """The explicitly given fields as a ``deepspeed_config`` section, validated (a dict JSON is not in it)."""
+        raw = {name: getattr(self, attr) for attr, name in _DEEPSPEED_KEYS.items() if getattr(self, attr) is not None}
+        if isinstance(self.hf_ds_config, (str, os.PathLike)):
+            raw["deepspeed_config_file"] = os.path.abspath(os.fspath(self.hf_ds_config))
+        checked = DeepSpeedConfig(**raw).validate()
+        return {key: getattr(checked, key) for key in raw}
+
+    def code_arguments(self, gradient_accumulation_steps: int | None) -> dict[str, Any]:
+        """What this plugin adds to the Accelerator's code arguments (merged over the launched config)."""
+        steps = self.gradient_accumulation_steps
+        if steps is not None and gradient_accumulation_steps is not None and steps != gradient_accumulation_steps:
+            raise ConfigError(f"Accelerator(gradient_accumulation_steps={gradient_accumulation_steps}) contradicts "
+                              f"DeepSpeedPlugin(gradient_accumulation_steps={steps}); set only one of them")
+        return {"distributed_type": "DEEPSPEED", "deepspeed_config": self.to_config_section(),
+                "gradient_accumulation_steps": steps if steps is not None else gradient_accumulation_steps}
+
+
+# plugin keyword -> config field, computed from the sections (FSDPConfig.version is FullyShardedDataParallelPlugin's
+# fsdp_version); FSDPConfig's listed fields take lists of names or classes
+_FSDP_KEYS = plugin_keywords(FSDPConfig)
+_DEEPSPEED_KEYS = plugin_keywords(DeepSpeedConfig)
+_LISTED = {f.name: f.metadata["listed"] for f in fields(FSDPConfig)}

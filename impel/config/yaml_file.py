@@ -1,0 +1,177 @@
+"""Config files in Accelerate's YAML layout: load (with clear errors), save, and Accelerate's keys impel ignores.
+
+A file written by ``accelerate config`` loads unchanged: besides the keys :class:`impel.config.run_config.RunConfig`
+models,
+Accelerate writes settings for hardware impel does not drive (TPUs, SageMaker, IPEX, Megatron-LM). Those load
+when they hold their "off" value and raise otherwise, so nothing in a file is silently ignored. This module
+never imports torch (``impel config show`` must stay fast).
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Mapping
+from typing import Any
+
+from impel.config.run_config import SECTIONS, ConfigError, RunConfig
+
+# Accelerate keys that load only with their "off" value: key -> (values meaning off, what the key is for).
+_OFF_NONE = (None, False, "", "no", "NO", "none", "None")
+INERT_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "downcast_bf16": (_OFF_NONE, "a TPU setting"),
+    "tpu_env": (_OFF_NONE + ((),), "a TPU setting"),
+    "tpu_use_cluster": (_OFF_NONE, "a TPU setting"),
+    "tpu_use_sudo": (_OFF_NONE, "a TPU setting"),
+    "tpu_name": (_OFF_NONE, "a TPU setting"),
+    "tpu_zone": (_OFF_NONE, "a TPU setting"),
+    "tpu_vm": (_OFF_NONE, "a TPU setting"),
+    "commands": (_OFF_NONE, "a TPU pod setting"),
+    "command_file": (_OFF_NONE, "a TPU pod setting"),
+    "main_training_function": (_OFF_NONE + ("main",), "used by notebook launchers only"),
+    "enable_cpu_affinity": (_OFF_NONE, "NUMA pinning, not supported"),
+    "megatron_lm_config": (_OFF_NONE, "Megatron-LM, not supported"),
+    "ipex_config": (_OFF_NONE, "Intel Extension for PyTorch, not supported"),
+    "mpirun_config": (_OFF_NONE, "mpirun launching; impel launches with torchrun"),
+    "fp8_config": (_OFF_NONE, "FP8 training, not supported"),
+    "use_mps_device": (_OFF_NONE, "MPS is picked automatically when present"),
+}
+_DEEPSPEED_INERT = {
+    "deepspeed_hostfile": "pdsh host files; impel launches each machine with torchrun",
+    "deepspeed_inclusion_filter": "pdsh host filters; impel launches each machine with torchrun",
+    "deepspeed_exclusion_filter": "pdsh host filters; impel launches each machine with torchrun",
+}
+_FSDP_RENAMED = {"fsdp_backward_prefetch_policy": "fsdp_backward_prefetch"}
+
+
+def _is_off(value: Any, off: tuple[Any, ...]) -> bool:
+    if isinstance(value, (dict, list)) and not value:
+        return True
+    if isinstance(value, dict):  # e.g. fp8_config: {fp8_backend: null}
+        return all(_is_off(v, off) for v in value.values())
+    return any(value is o or (type(value) is type(o) and value == o) for o in off)
+
+
+def normalise_accelerate_keys(data: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """Drop Accelerate's inert keys (raising when one is on) and fold its aliases into impel's keys."""
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if key in INERT_KEYS:
+            off, why = INERT_KEYS[key]
+            if not _is_off(value, off):
+                raise ConfigError(f"{source}: {key}={value!r} is {why}; impel cannot honour it, so remove the key "
+                                  "(or set it to its off value)")
+            continue
+        out[key] = value
+    if "dynamo_backend" in out:  # Accelerate's older layout: a top-level key, folded into the section as it does
+        legacy = out.pop("dynamo_backend")
+        if not _is_off(legacy, _OFF_NONE):
+            out["dynamo_config"] = {"dynamo_backend": legacy, **(out.get("dynamo_config") or {})}
+    fsdp = out.get("fsdp_config")
+    if isinstance(fsdp, Mapping):
+        out["fsdp_config"] = {_FSDP_RENAMED.get(k, k): v for k, v in fsdp.items()}
+    ds = out.get("deepspeed_config")
+    if isinstance(ds, Mapping):
+        out["deepspeed_config"] = _normalise_deepspeed(dict(ds), out, source)
+    if out.get("compute_environment") == "AMAZON_SAGEMAKER":
+        raise ConfigError(f"{source}: compute_environment='AMAZON_SAGEMAKER' is not supported; run impel launch on "
+                          "the machines themselves (compute_environment: LOCAL_MACHINE)")
+    return out
+
+
+def _normalise_deepspeed(ds: dict[str, Any], top: dict[str, Any], source: str) -> dict[str, Any]:
+    for key, why in _DEEPSPEED_INERT.items():
+        value = ds.pop(key, None)
+        if not _is_off(value, _OFF_NONE):
+            raise ConfigError(f"{source}: deepspeed_config.{key}={value!r} is for {why}; remove it")
+    # Accelerate keeps the accumulation steps inside the section; impel has one top-level value.
+    if "gradient_accumulation_steps" in ds:
+        steps = ds.pop("gradient_accumulation_steps")
+        if "gradient_accumulation_steps" in top and top["gradient_accumulation_steps"] != steps:
+            raise ConfigError(f"{source}: deepspeed_config.gradient_accumulation_steps={steps!r} contradicts "
+                              f"gradient_accumulation_steps={top['gradient_accumulation_steps']!r}; keep one")
+        top["gradient_accumulation_steps"] = steps
+    return ds
+
+
+def read_config_file(path: str) -> dict[str, Any]:
+    """The explicitly set keys of a YAML (or JSON) config file, validated; raises ConfigError naming the file."""
+    import yaml
+
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file {path!r} does not exist; run `impel config` to write one or pass an "
+                          "existing file to --config_file")
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = yaml.safe_load(fh)
+    except yaml.YAMLError as exc:
+        where = getattr(exc, "problem_mark", None)
+        at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"config file {path!r} is not valid YAML{at} ({problem}); fix the syntax or run "
+                          "`impel config` to write a new one") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {path!r} is not a text file; pass a YAML config to --config_file") from None
+    if data is None:
+        return {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"config file {path!r} must hold a mapping of keys to values, not a "
+                          f"{type(data).__name__}; see `impel config show` for the layout")
+    data = normalise_accelerate_keys(data, path)
+    try:
+        return RunConfig.from_dict(data).to_dict(explicit_only=True)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+
+
+def file_document(explicit: Mapping[str, Any]) -> dict[str, Any]:
+    """What a config file holds: the explicit keys in a stable order, sections without unset (None) values."""
+    order = [k for k in RunConfig.__dataclass_fields__ if k in explicit]
+    doc: dict[str, Any] = {}
+    for key in order:
+        value = explicit[key]
+        if key in SECTIONS:
+            value = {k: v for k, v in value.items() if v is not None}
+        doc[key] = value
+    return doc
+
+
+def write_config_file(explicit: Mapping[str, Any], path: str) -> str:
+    """Validate, then write atomically (a crash never leaves half a config)."""
+    import yaml
+
+    RunConfig.from_dict(explicit)
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".impel-config-", dir=directory)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            yaml.safe_dump(file_document(explicit), fh, sort_keys=False, default_flow_style=False)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def dump_yaml(data: Mapping[str, Any]) -> str:
+    import yaml
+
+    return yaml.safe_dump(dict(data), sort_keys=False, default_flow_style=False)
+
+
+def read_json_object(path: str | os.PathLike[str], name: str) -> dict[str, Any]:
+    """The JSON object in the file ``path``; a ConfigError naming ``name=path`` when the file is missing, is not
+    JSON or holds something other than an object (the DeepSpeed JSON, the Trainer's dict knobs)."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise ConfigError(f"{name}={path!r} does not exist or is not a file; pass the path of a JSON file")
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{name}={path!r} is not valid JSON ({exc}); fix the file") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{name}={path!r} must hold a JSON object, got {type(data).__name__}")
+    return data

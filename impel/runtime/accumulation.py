@@ -1,0 +1,268 @@
+"""Gradient accumulation bookkeeping: which micro-step we are in and whether it ends a group.
+
+A micro-step begins when ``accumulate()`` is entered, or, for loops that do not use it, at the first training
+forward of a prepared model (or at ``backward()``) after the previous backward. It syncs (all-reduces and lets
+the optimizer step) when its group is full or when the prepared dataloader it reads from is on its last batch.
+Groups are normally ``num_steps`` long; the last group of an epoch is as long as the batches that remain, and the
+loss is divided by that group's real length, so a short final group still produces a mean gradient.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import weakref
+from collections.abc import Iterator
+from typing import Any, ClassVar
+
+from impel.config.plugins import GradientAccumulationPlugin
+from impel.config.run_config import ConfigError
+
+logger = logging.getLogger("impel")
+
+
+class GradientState:
+    """The accumulation state of one Accelerator, read by the prepared model, optimizer, scheduler and dataloaders.
+
+    Its fields are private and change only through its methods, so the accumulation rules live here alone:
+    micro-steps (:meth:`begin`, :meth:`begin_auto` / :meth:`end_auto`, :meth:`enter_accumulate` /
+    :meth:`exit_accumulate`), the dataloaders being iterated (:meth:`register_dataloader` /
+    :meth:`unregister_dataloader`), user ``no_sync()`` blocks (:meth:`no_sync_block`), and the settings Accelerate
+    lets a loop change (:meth:`set_accumulation_steps`, :meth:`set_sync_gradients`, :meth:`set_step`).
+
+    ``GradientState()`` without a plugin is Accelerate's shared state: the gradient state of the newest Accelerator
+    still alive (one with ``num_steps=1`` when there is none), so ``GradientState().sync_gradients`` reads what the
+    training loop sees.
+    """
+
+    _newest: ClassVar[weakref.ref[GradientState] | None] = None
+
+    def __new__(cls, plugin: GradientAccumulationPlugin | None = None) -> GradientState:
+        shared = cls._newest() if plugin is None and cls._newest is not None else None
+        return shared if shared is not None else super().__new__(cls)
+
+    def __init__(self, plugin: GradientAccumulationPlugin | None = None) -> None:
+        if plugin is None and getattr(self, "_plugin", None) is not None:
+            return  # the shared state (see __new__), already built
+        if plugin is not None:
+            type(self)._newest = weakref.ref(self)
+        self._plugin = plugin or GradientAccumulationPlugin()
+        self._num_steps = self._plugin.num_steps
+        self._sync = True
+        self._group_size = self._num_steps
+        self._micro = 0  # micro-steps done in the current group
+        self._in_context = False  # inside accumulate()
+        self._open = False  # an automatic micro-step has begun and has not seen its backward yet
+        self._no_sync_depth = 0  # depth of user no_sync() blocks
+        self._dataloaders: list[Any] = []
+        self._saw_backward = True  # accelerator.backward() ran in the current micro-step
+        self._warned_direct_backward = False
+        self._step = 0  # Accelerate's ``accelerator.step``: micro-steps begun, reset when one ends a dataloader
+
+    def __reduce__(self) -> tuple[Any, ...]:  # pickles as its values, never as the shared instance
+        state = {k: v for k, v in self.__dict__.items() if k != "_dataloaders"}
+        return (_rebuild, (self._plugin, state))
+
+    # --- what the loop and Accelerate's users read ------------------------------------------------------------
+    @property
+    def plugin(self) -> GradientAccumulationPlugin:
+        return self._plugin
+
+    @property
+    def plugin_kwargs(self) -> dict[str, Any]:
+        """The plugin's values that differ from its defaults (Accelerate's ``to_kwargs``)."""
+        default = GradientAccumulationPlugin()
+        return {f.name: getattr(self._plugin, f.name) for f in dataclasses.fields(self._plugin)
+                if getattr(self._plugin, f.name) != getattr(default, f.name)}
+
+    @property
+    def num_steps(self) -> int:
+        return self._num_steps
+
+    @property
+    def sync_gradients(self) -> bool:
+        return self._sync
+
+    @property
+    def sync_with_dataloader(self) -> bool:
+        return bool(self._plugin.sync_with_dataloader)
+
+    @property
+    def adjust_scheduler(self) -> bool:
+        return bool(self._plugin.adjust_scheduler)
+
+    @property
+    def group_size(self) -> int:
+        return self._group_size
+
+    @property
+    def micro_in_group(self) -> int:
+        return self._micro
+
+    @property
+    def step(self) -> int:
+        return self._step
+
+    @property
+    def manual_no_sync(self) -> bool:
+        """Inside a user ``no_sync()`` block."""
+        return self._no_sync_depth > 0
+
+    @property
+    def active_dataloaders(self) -> tuple[Any, ...]:
+        return tuple(self._dataloaders)
+
+    @property
+    def dataloader_references(self) -> list[Any]:
+        return [None, *self._dataloaders]  # Accelerate's list starts with None
+
+    @property
+    def in_dataloader(self) -> bool:
+        return bool(self._dataloaders)
+
+    @property
+    def active_dataloader(self) -> Any:
+        return self._dataloaders[-1] if self._dataloaders else None
+
+    @property
+    def end_of_dataloader(self) -> bool:
+        dl = self.active_dataloader
+        return bool(dl is not None and dl.end_of_dataloader)
+
+    @property
+    def remainder(self) -> int:
+        """Real samples in the current global batch when it is the padded last one, else -1."""
+        dl = self.active_dataloader
+        return dl.remainder if dl is not None and dl.end_of_dataloader else -1
+
+    # --- the settings a loop may change -----------------------------------------------------------------------
+    def set_accumulation_steps(self, value: int) -> None:
+        """``accelerator.gradient_accumulation_steps = value``: between optimizer steps only."""
+        if self._micro:
+            raise ConfigError(f"gradient_accumulation_steps={value} set in the middle of an accumulation group (micro-"
+                              f"step {self._micro} of {self._group_size}); set it between optimizer steps")
+        self._num_steps = self._group_size = value
+
+    def set_sync_gradients(self, value: bool) -> None:
+        """Until the next micro-step begins, as in Accelerate."""
+        self._sync = value
+
+    _set_sync_gradients = set_sync_gradients  # Accelerate's name
+
+    def set_step(self, value: int) -> None:
+        self._step = int(value)
+
+    # --- dataloaders being iterated ---------------------------------------------------------------------------
+    def register_dataloader(self, dataloader: Any) -> None:
+        self._dataloaders.append(dataloader)
+
+    def unregister_dataloader(self, dataloader: Any) -> None:
+        if dataloader in self._dataloaders:
+            self._dataloaders.remove(dataloader)
+
+    _add_dataloader, _remove_dataloader = register_dataloader, unregister_dataloader  # Accelerate's names
+
+    # --- user no_sync() blocks --------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def no_sync_block(self) -> Iterator[None]:
+        self._no_sync_depth += 1
+        try:
+            yield
+        finally:
+            self._no_sync_depth -= 1
+
+    # --- micro-steps ------------------------------------------------------------------------------------------
+    def begin(self) -> None:
+        at_end = self._plugin.sync_with_dataloader and self.end_of_dataloader
+        self._step = 0 if at_end else self._step + 1
+        if self._num_steps == 1:
+            self._sync = True
+            self._group_size = 1
+            return
+        self._saw_backward = False
+        if self._micro == 0:
+            self._group_size = self._next_group_size()
+        self._micro += 1
+        self._sync = self._micro >= self._group_size or at_end
+        if self._sync:
+            self._micro = 0
+
+    def _next_group_size(self) -> int:
+        dl = self.active_dataloader
+        if dl is None or not self._plugin.sync_with_dataloader:
+            return self._num_steps
+        remaining = dl.remaining_batches()
+        return self._num_steps if remaining is None else max(1, min(self._num_steps, remaining))
+
+    def begin_auto(self) -> None:
+        """Open a micro-step for loops that do not use ``accumulate()``; a no-op while one is open."""
+        if not self._in_context and not self._open:
+            self.begin()
+            self._open = True
+
+    def end_auto(self) -> None:
+        if not self._in_context:
+            self._open = False
+
+    def enter_accumulate(self) -> None:
+        """``with accelerator.accumulate(model):`` begins a micro-step that lasts for the block."""
+        self.begin()
+        self._in_context = True
+        self._open = False
+
+    def exit_accumulate(self) -> None:
+        self._in_context = False
+
+    def on_optimizer_step(self) -> None:
+        """The prepared optimizer's step ends an automatic micro-step even if backward bypassed impel."""
+        if self._num_steps > 1 and not self._saw_backward and not self._warned_direct_backward:
+            self._warned_direct_backward = True
+            logger.warning("gradient_accumulation_steps=%d but this micro-step's backward did not go through "
+                           "accelerator.backward(loss): the loss was not divided by the group length, so the "
+                           "accumulated gradient is a sum; call accelerator.backward(loss) instead of "
+                           "loss.backward()", self._num_steps)
+        self.end_auto()
+
+    @property
+    def loss_divisor(self) -> int:
+        return self._group_size
+
+    def scale_loss(self, loss: Any) -> Any:
+        """Divide by the group's real length and note that this micro-step's backward went through impel."""
+        self._saw_backward = True
+        return loss / self._group_size
+
+    @property
+    def grad_sync_enabled(self) -> bool:
+        if self._no_sync_depth:
+            return False
+        return self._sync or self._plugin.sync_each_batch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"micro_in_group": self._micro, "group_size": self._group_size, "step": self._step}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._micro = int(state.get("micro_in_group", 0))
+        self._group_size = int(state.get("group_size", self._num_steps))
+        self._step = int(state.get("step", 0))
+
+
+def _rebuild(plugin: GradientAccumulationPlugin, state: dict[str, Any]) -> GradientState:
+    out = object.__new__(GradientState)
+    out.__dict__.update(state, _plugin=plugin, _dataloaders=[])
+    return out
+
+
+class MicroStep:
+    """``with accelerator.accumulate(model):`` as a plain class: it runs on every micro-step, so no generator."""
+
+    __slots__ = ("state",)
+
+    def __init__(self, state: GradientState) -> None:
+        self.state = state
+
+    def __enter__(self) -> None:
+        self.state.enter_accumulate()
+
+    def __exit__(self, *exc: object) -> None:
+        self.state.exit_accumulate()

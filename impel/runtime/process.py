@@ -1,0 +1,299 @@
+"""Process topology: ranks, world size, device, and process-group initialisation from torchrun's variables; and
+Accelerate's state objects over it (``PartialState``, ``AcceleratorState``, ``GradientState``).
+
+``python script.py`` without torchrun's variables is one process. With several ranks impel always joins a real
+process group (nccl on CUDA, gloo on CPU): it never trains independent replicas by accident.
+
+Example::
+
+    state = PartialState()
+    with state.split_between_processes(prompts) as mine:
+        outputs = [generate(p) for p in mine]
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import sys
+import weakref
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from impel.config import environment as env
+from impel.config.run_config import ConfigError, DistributedType
+from impel.runtime.accumulation import (
+    GradientState as GradientState,  # re-exported: impel.runtime.process.GradientState, as Accelerate's
+)
+from impel.runtime.process_control import ProcessControl
+from impel.runtime.teardown import release_process_groups
+
+logger = logging.getLogger("impel")
+
+DEFAULT_TIMEOUT = timedelta(minutes=10)
+
+
+def pick_device(local_rank: int, cpu: bool) -> torch.device:
+    """cuda:LOCAL_RANK, else mps, else cpu; ``cpu=True`` forces the CPU."""
+    if not cpu and torch.cuda.is_available():
+        if local_rank >= torch.cuda.device_count():
+            raise RuntimeError(f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} CUDA devices are "
+                               "visible; launch fewer processes per node or fix CUDA_VISIBLE_DEVICES")
+        return torch.device("cuda", local_rank)
+    mps = getattr(torch.backends, "mps", None)
+    if not cpu and mps is not None and mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def live_device(cpu: bool) -> torch.device | None:
+    """The device of the process state already created in this process (None before the first one); raises when
+    ``cpu`` asks for the CPU but the process runs elsewhere."""
+    if not ProcessState._shared.get("initialized"):
+        return None
+    device: torch.device = ProcessState._shared["device"]
+    if cpu and device.type != "cpu":
+        raise ConfigError(f"cpu=True but this process already runs on {device}; create the first Accelerator with "
+                          "cpu=True")
+    return device
+
+
+class ProcessState:
+    """One per process: where this rank is, which device it uses, and the default process group.
+
+    Example::
+
+        state = ProcessState()
+        print(state.process_index, state.num_processes, state.device)
+    """
+
+    _shared: dict[str, Any] = {}
+    topology: env.Topology
+    device: torch.device
+
+    def __init__(self, cpu: bool = False, backend: str | None = None, timeout: timedelta | None = None,
+                 init_method: str | None = None) -> None:
+        self.__dict__ = self._shared
+        if self._shared.get("initialized"):
+            self._check_same(cpu, backend, timeout, init_method)
+            return
+        topo = env.read_topology()
+        self.topology = topo
+        self.device = pick_device(topo.local_rank, cpu)
+        self.backend: str | None = None
+        self.owns_group = False
+        self.timeout = timeout or DEFAULT_TIMEOUT
+        self.init_method = init_method
+        if topo.distributed:
+            self.backend = backend or ("nccl" if self.device.type == "cuda" else "gloo")
+            self._init_group(init_method)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.initialized = True
+
+    def _check_same(self, cpu: bool, backend: str | None, timeout: timedelta | None, init_method: str | None) -> None:
+        """The process (device, process group) is one per process, as Accelerate's PartialState: a later request
+        that this process cannot honour raises instead of being ignored."""
+        live_device(cpu)  # raises when cpu=True asks for another device than the live one
+        if not self.topology.distributed:
+            return  # one process joins no group: nothing to disagree with
+        asked = {"backend": (backend, self.backend), "timeout": (timeout, self.timeout),
+                 "init_method": (init_method, self.__dict__.get("init_method"))}
+        for name, (wanted, live) in asked.items():
+            if wanted is not None and wanted != live:
+                raise ConfigError(f"InitProcessGroupKwargs({name}={wanted!r}) but this process already joined a "
+                                  f"process group with {name}={live!r} (set by the first Accelerator or "
+                                  "PartialState; the process group is created once per process); pass the same "
+                                  "value or leave it out")
+
+    def _init_group(self, init_method: str | None) -> None:
+        topo = self.topology
+        if dist.is_initialized():
+            if dist.get_world_size() != topo.world_size:
+                raise RuntimeError(f"a process group of size {dist.get_world_size()} exists but WORLD_SIZE="
+                                   f"{topo.world_size}; destroy it or launch consistently")
+            return
+        if init_method is None and (topo.master_addr is None or topo.master_port is None):
+            raise RuntimeError(f"WORLD_SIZE={topo.world_size} but MASTER_ADDR/MASTER_PORT are not set; "
+                               "launch with `impel launch` or torchrun")
+        kwargs: dict[str, Any] = {"backend": self.backend, "timeout": self.timeout,
+                                  "rank": topo.rank, "world_size": topo.world_size}
+        if init_method:
+            kwargs["init_method"] = init_method
+        if self.backend == "nccl":
+            kwargs["device_id"] = self.device
+        if init_method is None and topo.restart_count is not None:
+            kwargs["store"] = self._attempt_store(topo)
+        dist.init_process_group(**kwargs)
+        self._own_group()
+        logger.debug("rank %d/%d joined a %s process group", topo.rank, topo.world_size, self.backend)
+
+    def _attempt_store(self, topo: Any) -> Any:
+        """The rendezvous store under torchrun, with a prefix per restart attempt.
+
+        After an elastic restart the store can still hold the previous attempt's keys (the agent keeps its store
+        across attempts); gloo then reads a dead rank's address and fails with "Connection refused". A prefix per
+        ``TORCHELASTIC_RESTART_COUNT`` makes every attempt's keys its own.
+        """
+        host_store = not topo.agent_store and topo.rank == 0
+        store = dist.TCPStore(topo.master_addr, topo.master_port, topo.world_size, is_master=host_store,
+                              timeout=self.timeout, multi_tenant=True)
+        return dist.PrefixStore(f"impel/attempt_{topo.restart_count}", store)
+
+    # --- topology -------------------------------------------------------------------------------------------
+    @property
+    def num_processes(self) -> int:
+        return self.topology.world_size
+
+    @property
+    def process_index(self) -> int:
+        return self.topology.rank
+
+    @property
+    def local_process_index(self) -> int:
+        return self.topology.local_rank
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.topology.rank == 0
+
+    @property
+    def is_local_main_process(self) -> bool:
+        return self.topology.local_rank == 0
+
+    @property
+    def is_last_process(self) -> bool:
+        return self.topology.rank == self.topology.world_size - 1
+
+    @property
+    def use_distributed(self) -> bool:
+        return self.topology.distributed
+
+    def wait_for_everyone(self) -> None:
+        if self.use_distributed:
+            dist.barrier()
+
+    def ensure_process_group(self) -> None:
+        """A process group of one (nccl on CUDA, gloo otherwise, over an in-memory store) for a single process that
+        needs one (FSDP2's mesh, DeepSpeed); impel owns it and destroys it like a launched one."""
+        if dist.is_initialized():
+            return
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        self._own_group()
+
+    def _own_group(self) -> None:
+        self.owns_group = True
+        atexit.unregister(_destroy_at_exit)
+        atexit.register(_destroy_at_exit)
+
+    def destroy_process_group(self) -> None:
+        """Destroy the default process group if impel created it (a group the script made stays the script's).
+
+        ``Accelerator.end_training()`` calls this after a final barrier, as Accelerate does; impel also calls it
+        when the interpreter exits normally, so gloo and nccl shut down while everything is alive instead of in
+        the interpreter's teardown; at exit it also releases the references torch objects keep to the group, so
+        that gloo's worker threads are joined before the interpreter finalises (see :mod:`impel.runtime.teardown`).
+        """
+        if self.__dict__.get("owns_group") and dist.is_initialized():
+            dist.destroy_process_group()
+        self.owns_group = False
+
+    @classmethod
+    def _reset(cls) -> None:
+        """Forget the state (tests only); destroys the process group if this state created one."""
+        if cls._shared.get("initialized") and dist.is_initialized():
+            dist.destroy_process_group()
+        cls._shared.clear()
+
+
+def _destroy_at_exit() -> None:
+    """atexit: destroy impel's process group on a normal exit, then let its C++ object (and gloo's worker threads)
+    go while the interpreter is alive (:mod:`impel.runtime.teardown` says why). After an unhandled exception
+    (``sys.last_value`` is set) the group is left alone: a peer may be dead and a teardown could then block."""
+    if getattr(sys, "last_value", None) is None and ProcessState._shared.get("initialized"):
+        ProcessState().destroy_process_group()
+        release_process_groups()
+
+
+# --- Accelerate's state objects ---------------------------------------------------------------------------------
+# All share ProcessState's one process-wide record, as Accelerate's do: ``PartialState()`` is the process (rank,
+# device, process group) with its process-control helpers and needs no Accelerator; ``AcceleratorState()`` adds
+# what the live Accelerator resolved (``distributed_type``, ``mixed_precision``, ``deepspeed_plugin``,
+# ``fsdp_plugin``, ``dynamo_plugin``). ``GradientState`` is :mod:`impel.runtime.accumulation`'s, named here as in
+# Accelerate.
+def current_topology() -> env.Topology:
+    """This process's place in the job: the live state's, else torchrun's variables (nothing is initialised)."""
+    shared = ProcessState._shared
+    if shared.get("initialized"):
+        return shared["topology"]
+    return env.read_topology()
+
+
+class PartialState(ProcessState, ProcessControl):
+    """The process: ``process_index``, ``device``, ``wait_for_everyone``, ``main_process_first``,
+    ``split_between_processes``, ``on_main_process``, ``print``; joins the process group under torchrun."""
+
+    @property
+    def distributed_type(self) -> DistributedType:
+        """NO on one process, else MULTI_GPU on CUDA and MULTI_CPU otherwise (``AcceleratorState`` knows more)."""
+        if not self.use_distributed:
+            return DistributedType.NO
+        return DistributedType.MULTI_GPU if self.device.type == "cuda" else DistributedType.MULTI_CPU
+
+    @property
+    def default_device(self) -> Any:
+        return self.device
+
+
+class AcceleratorState(PartialState):
+    """``PartialState`` plus the settings the live Accelerator resolved; ``accelerator.state`` is one."""
+
+    def attach(self, accelerator: Any) -> None:
+        """Called by the Accelerator: later ``AcceleratorState()`` calls read its settings."""
+        self.__dict__["accelerator_ref"] = weakref.ref(accelerator)
+
+    def _accelerator(self, what: str) -> Any:
+        ref = self.__dict__.get("accelerator_ref")
+        accelerator = ref() if ref is not None else None
+        if accelerator is None:
+            raise RuntimeError(f"AcceleratorState().{what} is settled by the Accelerator; create Accelerator(...) "
+                               "before reading it")
+        return accelerator
+
+    @property
+    def distributed_type(self) -> DistributedType:
+        return self._accelerator("distributed_type").distributed_type
+
+    @property
+    def mixed_precision(self) -> str:
+        return self._accelerator("mixed_precision").mixed_precision
+
+    @property
+    def deepspeed_plugin(self) -> Any:
+        return self._accelerator("deepspeed_plugin").deepspeed_plugin
+
+    @property
+    def fsdp_plugin(self) -> Any:
+        return self._accelerator("fsdp_plugin").fsdp_plugin
+
+    @property
+    def dynamo_plugin(self) -> Any:
+        """The resolved ``TorchDynamoPlugin`` (backend ``no`` when nothing is compiled)."""
+        return self._accelerator("dynamo_plugin").record.dynamo_plugin
+
+    @property
+    def is_fsdp2(self) -> bool:
+        return self.distributed_type == DistributedType.FSDP
+
+    @property
+    def parallelism_config(self) -> Any:
+        """The settled ``ParallelismConfig`` (None without one)."""
+        return self._accelerator("parallelism_config").parallelism_config
+
+    @property
+    def device_mesh(self) -> Any:
+        """The ``DeviceMesh`` built from it (``accelerator.torch_device_mesh``)."""
+        return self._accelerator("device_mesh").torch_device_mesh
