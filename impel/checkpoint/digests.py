@@ -4,8 +4,6 @@
   safetensors files) go through an append-only file object that hashes the bytes as they pass (XXH3 runs at
   memory speed: no pass of its own) while the finished blocks are flushed to disk with ``fdatasync`` on an I/O
   thread and later blocks are still being serialized.
-* :func:`seal`: a file another writer finished (``safetensors.save_file`` of a hook) is hashed, read back from the
-  page cache, and fsynced in the background.
 * :func:`share_digests`: files nobody hashed yet (DCP's metadata, DeepSpeed's engine files, the cooperative full
   files written at scattered offsets by every rank, files of a ``register_save_state_pre_hook``) have their blocks
   dealt round-robin to the ranks.
@@ -39,24 +37,13 @@ _current: contextvars.ContextVar[Sealer | None] = contextvars.ContextVar("impel_
 
 
 class Sealer:
-    """Collects the digests of the files written under ``root`` and fsyncs them on an I/O thread; files hashed
-    after the write have every 64 MiB block hashed on its own thread. :meth:`entries` waits for all of it."""
+    """Collects the digests of the files written under ``root`` (hashed as they were written) and fsyncs them on
+    an I/O thread; :meth:`entries` waits for all of it."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        self._hash_pool = ThreadPoolExecutor(max_workers=hashing.workers(), thread_name_prefix="impel-hash")
         self._sync_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="impel-fsync")
         self._pending: dict[str, tuple[int, Callable[[], list[str]], Future[Any]]] = {}
-
-    def submit(self, path: Path) -> bool:
-        """Queue a finished file if it lies under the root; False (the caller seals it itself) otherwise."""
-        rel = self.relative(path)
-        if rel is None:
-            return False
-        size = Path(path).stat().st_size
-        blocks = [self.hash_block(Path(path), i) for i in range(hashing.block_count(size))]
-        self.add(rel, size, lambda: [block.result() for block in blocks], self.sync(fsync_file, path))
-        return True
 
     def relative(self, path: Path) -> str | None:
         try:
@@ -66,9 +53,6 @@ class Sealer:
 
     def add(self, rel: str, size: int, blocks: Callable[[], list[str]], synced: Future[Any]) -> None:
         self._pending[rel] = (size, blocks, synced)
-
-    def hash_block(self, path: Path, index: int) -> Future[str]:
-        return self._hash_pool.submit(hashing.block_digest, path, index)
 
     def sync(self, fn: Any, *args: Any) -> Future[Any]:
         return self._sync_pool.submit(fn, *args)
@@ -82,7 +66,6 @@ class Sealer:
         return out
 
     def close(self) -> None:
-        self._hash_pool.shutdown(wait=True)
         self._sync_pool.shutdown(wait=True)
 
 
@@ -174,13 +157,6 @@ def appending(path: Path) -> Iterator[Any]:
         writer.abort()
         raise
     writer.close()
-
-
-def seal(path: Path) -> None:
-    """A writer finished ``path``: hand it to the active :class:`Sealer`, or fsync it now when none is active."""
-    sealer = _current.get()
-    if sealer is None or not sealer.submit(path):
-        fsync_file(path)
 
 
 def share_digests(root: Path, known: dict[str, Entry], shared_dir: bool, group: Any = None) -> dict[str, Entry]:
