@@ -7,9 +7,11 @@ engine files, a hook's files). Under :func:`checking`, on every rank, impel's re
 :class:`VerifyingReader` hashes each byte right after the read put it into its destination (the tensor's own
 memory), and when the reader is done compares the block digests with the manifest's and raises the manifest's
 ``CheckpointError`` naming the file and the byte range. A parse error in a corrupted file surfaces as that
-corruption, not as the parser's complaint. Bytes the reader skipped or re-read are hashed from the file (pread)
-so every byte is covered exactly once. A failed check raises after earlier objects were loaded: the error names
-the damaged file, and the way out is an earlier checkpoint, as for any failed load.
+corruption, not as the parser's complaint. Reads that continue the hashed prefix are hashed as they arrive; what
+the reader read out of order, skipped or re-read is hashed from the file (by then in the page cache) when it is
+done, so every byte is hashed exactly once and read from disk once (``torch.load`` reads the zip's directory at
+the end first, and the records in the order it unpickles them). A failed check raises after earlier objects were
+loaded: the error names the damaged file, and the way out is an earlier checkpoint, as for any failed load.
 """
 from __future__ import annotations
 
@@ -122,20 +124,21 @@ class VerifyingReader(io.RawIOBase):
         return self.raw.readinto(view) or 0
 
     def _hash(self, start: int, data: memoryview) -> None:
-        if start > self.hashed:  # the caller skipped bytes: hash them from the file first
-            self._hash_from_file(start)
+        # only a read that continues the hashed prefix is hashed now (a zip reader reads its directory at the end
+        # first: hashing the gap up to there would read the whole file ahead of the reader); the rest at check()
         if start <= self.hashed < start + data.nbytes:
             self.hasher.update(data[self.hashed - start:])
             self.hashed = start + data.nbytes
 
     def _hash_from_file(self, end: int) -> None:
+        buffer = bytearray(min(8 << 20, max(1, end - self.hashed)))
         fd = self.raw.fileno()
         while self.hashed < end:
-            chunk = os.pread(fd, min(8 << 20, end - self.hashed), self.hashed)
-            if not chunk:
+            n = os.preadv(fd, [memoryview(buffer)[:min(len(buffer), end - self.hashed)]], self.hashed)
+            if not n:
                 break
-            self.hasher.update(chunk)
-            self.hashed += len(chunk)
+            self.hasher.update(memoryview(buffer)[:n])
+            self.hashed += n
 
     def check(self) -> None:
         """Hash what the caller never read, then raise the manifest's error if any block differs."""
