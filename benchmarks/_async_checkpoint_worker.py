@@ -35,7 +35,17 @@ def main() -> None:
     opt.step()
     opt.zero_grad()
     out: dict = {"rank": acc.process_index, "params": sum(p.numel() for p in model.parameters()),  # DTensor: global
-                 "sync_s": [], "blocked_s": [], "background_s": [], "disk_Bps": []}
+                 "sync_s": [], "blocked_s": [], "background_s": [], "disk_Bps": [], "copy_s": []}
+    state = _common.rank_state(model, opt)
+    buffers = {k: torch.empty_like(v) for k, v in state.items()}  # allocated once, as the stager's are
+
+    def copy_once() -> float:  # the floor of an asynchronous save: one copy of the rank's state in memory
+        t0 = time.perf_counter()
+        for k, v in state.items():
+            buffers[k].copy_(v)
+        return time.perf_counter() - t0
+
+    copy_once()
     previous: list[str] = []
 
     def fresh(name: str) -> str:
@@ -68,6 +78,7 @@ def main() -> None:
                                                                 out["checkpoint_bytes"]))
         acc.wait_for_everyone()
         out["sync_s"].append(save(target, False)[1])
+        out["copy_s"].append(copy_once())
         blocked, done = save(fresh(f"async-{rep}"), True)
         out["blocked_s"].append(blocked)
         out["background_s"].append(done)

@@ -124,3 +124,28 @@ def write_json(name: str, payload: dict[str, Any], directory: Path = RESULTS) ->
     tmp.write_text(json.dumps(_rounded(payload), indent=2) + "\n")
     os.replace(tmp, path)
     return path
+
+
+def evict(path: str) -> None:
+    """Drop the (clean, fsynced) pages of every file under ``path`` from the page cache: the next read is cold."""
+    paths = [path] if os.path.isfile(path) else [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
+    for name in paths:
+        fd = os.open(name, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def rank_state(model, optimizer) -> dict:
+    """This rank's model and optimizer tensors (a DTensor's local shard), by name: what a checkpoint holds of it."""
+    def local(t):
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    out = {f"model/{k}": local(v).detach() for k, v in model.state_dict().items()}
+    for i, per_param in enumerate(optimizer.state.values()):
+        for k, v in per_param.items():
+            if hasattr(v, "shape"):
+                out[f"optimizer/{i}/{k}"] = local(v).detach()
+    return out

@@ -61,10 +61,12 @@ def timed(acc: Accelerator, fn: Any) -> float:
     return time.perf_counter() - t0
 
 
-def measure_checkpoints(acc: Accelerator, checkpoint_dir: str, out: dict[str, Any]) -> None:
+def measure_checkpoints(acc: Accelerator, checkpoint_dir: str, out: dict[str, Any], model: Any,
+                        optimizer: Any) -> None:
     """A first save (it pays one-time imports), then REPEATS saves, each right after rank 0 measured the disk's
     fsynced write bandwidth for a file of the checkpoint's size (disks drift; a ratio pairs neighbours), then a
-    load of the last one."""
+    load of the last one (from the page cache), a cold load of it (its pages dropped first: every check reads
+    from disk) and a cold ``torch.load`` of the same state."""
     first = checkpoint_dir + "-first"
     out["first_save_s"] = timed(acc, lambda: acc.save_state(first))
     out["checkpoint_bytes"] = dir_bytes(first)
@@ -78,6 +80,42 @@ def measure_checkpoints(acc: Accelerator, checkpoint_dir: str, out: dict[str, An
         previous = f"{checkpoint_dir}-{rep}"
         out["save_s"].append(timed(acc, lambda target=previous: acc.save_state(target)))
     out["load_s"] = timed(acc, lambda: acc.load_state(previous))
+    if acc.is_main_process:
+        _common.evict(previous)
+    out["cold_load_s"] = timed(acc, lambda: acc.load_state(previous))
+    # the reference: torch.load of the same bytes, cold: a sharded checkpoint's ranks read their own shards (one
+    # file per rank), a full checkpoint's ranks each read the whole state (one file, every rank reads it)
+    with open(os.path.join(previous, "impel_checkpoint.json")) as f:
+        per_rank = json.load(f)["strategy"].get("format") == "sharded"
+    state = reference_state(model, optimizer, full=not per_rank)
+    reference = f"{checkpoint_dir}-torch-{acc.process_index if per_rank else 0}.pt"
+    if per_rank or acc.is_main_process:
+        torch.save(state, reference)
+        _common.evict(reference)
+    acc.wait_for_everyone()
+    out["torch_bytes"] = os.path.getsize(reference)
+    out["cold_torch_load_s"] = timed(acc, lambda: torch.load(reference, weights_only=True, map_location="cpu"))
+    acc.wait_for_everyone()
+    if per_rank or acc.is_main_process:
+        os.unlink(reference)
+
+
+def reference_state(model: Any, optimizer: Any, full: bool) -> dict[str, torch.Tensor]:
+    """Plain tensors by name: this rank's shards, or (``full``) the whole model and optimizer state."""
+    if not full:
+        return {k: v.clone() for k, v in _common.rank_state(model, optimizer).items()}
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(full_state_dict=True)  # collective under FSDP; every rank gets the whole state
+    inner = getattr(optimizer, "optimizer", optimizer)
+    out = {f"model/{k}": v for k, v in get_model_state_dict(model, options=options).items()}
+    for name, entries in get_optimizer_state_dict(model, inner, options=options)["state"].items():
+        out.update({f"optimizer/{name}/{k}": v for k, v in entries.items() if isinstance(v, torch.Tensor)})
+    return {k: v.detach().clone() for k, v in out.items()}
 
 
 def main() -> None:
@@ -104,7 +142,7 @@ def main() -> None:
            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
            "strategy": str(acc.distributed_type)}
     if checkpoint_dir:
-        measure_checkpoints(acc, checkpoint_dir, out)
+        measure_checkpoints(acc, checkpoint_dir, out, model, opt)
     sys.stdout.write("REPORT " + json.dumps(out) + "\n")
     sys.stdout.flush()
     acc.end_training()

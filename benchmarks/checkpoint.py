@@ -6,7 +6,9 @@ written in 16 MiB blocks and fsynced). Target: save at 50% or more of the disk b
 Async rows (``async_rows``; ``python benchmarks/checkpoint.py async`` runs only them and merges them into
 ``results/checkpoint.json``): the time the training loop is blocked by ``save_state(async_save=True)`` against a
 synchronous save of the same state, DDP and FSDP SHARDED, and the background write's throughput against the disk.
-Target: blocked <= 10% of the synchronous save.
+Target (issue 29): blocked <= 1.5x one in-memory copy of the rank's model and optimizer state into reused
+buffers, measured in the same run (``copy_s``; the floor of an asynchronous save on a CPU); blocked/sync is shown
+beside it (the earlier 10% target, which a faster synchronous save makes harder).
 """
 from __future__ import annotations
 
@@ -30,8 +32,15 @@ FORMATS = {
 }
 
 
+def layers(quick: bool) -> int:
+    """GPT-2 layers: 14 (106M parameters, 1.27 GB with AdamW) unless ``CHECKPOINT_LAYERS`` says otherwise (a
+    smaller run on a shared machine), 2 with ``--quick``."""
+    return 2 if quick else int(os.environ.get("CHECKPOINT_LAYERS", "14"))
+
+
 def run(quick: bool = False) -> dict[str, Any]:
-    n_layer = 2 if quick else 14
+    n_layer = layers(quick)
+    load_before = os.getloadavg()
     rows = []
     with tempfile.TemporaryDirectory() as home:
         for name, flags in FORMATS.items():
@@ -52,8 +61,16 @@ def run(quick: bool = False) -> dict[str, Any]:
                          "save_GB_s": size / statistics.median(saves) / 1e9,
                          "load_GB_s": size / max(r["load_s"] for r in reports) / 1e9,
                          "disk_GB_s": statistics.median(reports[0]["disk_Bps"]) / 1e9,
-                         "save/disk": ratio, "target": ">= 0.50", "ok": ratio >= 0.5, "error": None})
-    return {"rows": rows, "environment": _common.environment(), "n_layer": n_layer, "async": async_rows(quick),
+                         "cold_load_s": max(r["cold_load_s"] for r in reports),
+                         "cold_torch_load_s": max(r["cold_torch_load_s"] for r in reports),
+                         "cold_load/torch.load": max(r["cold_load_s"] for r in reports)
+                         / max(r["cold_torch_load_s"] for r in reports),
+                         "save/disk": ratio, "target": "save/disk >= 0.85, cold load/torch.load <= 1.1",
+                         "ok": ratio >= 0.85 and max(r["cold_load_s"] for r in reports)
+                         <= 1.1 * max(r["cold_torch_load_s"] for r in reports), "error": None})
+    asynchronous = async_rows(quick)
+    return {"rows": rows, "environment": _common.environment(), "n_layer": n_layer, "async": asynchronous,
+            "load_average_before_after": [load_before, os.getloadavg()],
             "summary": ["save/disk: median over 3 saves of checkpoint bytes / the slowest rank's save_state time, "
                         "each over the disk's fsynced sequential write bandwidth measured just before it for a file "
                         "of the same size; first_save_s (one-time imports included) is not in the ratio"]}
@@ -66,9 +83,9 @@ ASYNC_FORMATS = {k: v for k, v in FORMATS.items() if k != "FSDP FULL_STATE_DICT"
 
 def async_rows(quick: bool = False) -> dict[str, Any]:
     """Per format: the time the training loop is blocked by an asynchronous save_state (the call, slowest rank)
-    against a synchronous save of the same state, and the background write's throughput against the disk.
-    Target: blocked <= 10% of the synchronous save."""
-    n_layer = 2 if quick else 14
+    against one in-memory copy of the rank's state and a synchronous save of the same state, and the background
+    write's throughput against the disk. Target: blocked <= 1.5x the copy."""
+    n_layer = layers(quick)
     rows = []
     with tempfile.TemporaryDirectory() as home:
         for name, flags in ASYNC_FORMATS.items():
@@ -80,17 +97,19 @@ def async_rows(quick: bool = False) -> dict[str, Any]:
                 continue
             size = reports[0]["checkpoint_bytes"]
             slowest = {key: [max(v) for v in zip(*(r[key] for r in reports))]
-                       for key in ("sync_s", "blocked_s", "background_s")}
+                       for key in ("sync_s", "blocked_s", "background_s", "copy_s")}
             sync, blocked = statistics.median(slowest["sync_s"]), statistics.median(slowest["blocked_s"])
             background = statistics.median(slowest["background_s"])
             disk = statistics.median(reports[0]["disk_Bps"])
             ratio = blocked / sync
+            copy = statistics.median(slowest["copy_s"])
             rows.append({"format": name, "params_M": reports[0]["params"] / 1e6, "size_GB": size / 1e9,
                          "sync_save_s": sync, "async_blocked_s": blocked, "blocked/sync": ratio,
                          "first_async_blocked_s": max(r["first_async_blocked_s"] for r in reports),
                          "background_s": background, "background_GB_s": size / background / 1e9,
                          "disk_GB_s": disk / 1e9, "background/disk": size / background / disk,
-                         "target": "blocked/sync <= 0.10", "ok": ratio <= 0.10, "error": None})
+                         "copy_s": copy, "blocked/copy": blocked / copy,
+                         "target": "blocked/copy <= 1.5", "ok": blocked / copy <= 1.5, "error": None})
     return {"rows": rows, "n_layer": n_layer, "environment": _common.environment(),
             "summary": ["async: median over 3 saves of the slowest rank; async_blocked_s is the save_state call "
                         "(check-in, staging copies into reused CPU buffers), sync_save_s a synchronous save_state of "

@@ -52,7 +52,7 @@ class Mutant:
 ACCUMULATION = (MP + "test_accumulation_and_schedule.py", UNIT + "test_gradient_accumulation.py")
 DATA = (UNIT + "test_data_sharding.py", UNIT + "test_data_resume.py")
 OPTIM = (UNIT + "test_optimizer_and_scheduler.py", MP + "test_accumulation_and_schedule.py")
-CKPT = (UNIT + "test_checkpoint_layout.py", UNIT + "test_checkpoint_marker.py")
+CKPT = (UNIT + "test_checkpoint_layout.py", UNIT + "test_checkpoint_marker.py", UNIT + "test_checkpoint_corruption.py")
 CONFIG = (UNIT + "test_config.py", UNIT + "test_fsdp_config.py")
 COLLECTIVES = (MP + "test_collectives_and_state.py", MP + "test_gather_for_metrics.py")
 PRECISION = (UNIT + "test_precision.py", UNIT + "test_trainer_training.py")
@@ -128,8 +128,11 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("ckpt-size-not-checked", "impel/checkpoint/layout.py", "        if size != entry[\"size\"]:",
            "        if False:", CKPT, breaks="a truncated file is caught by the block digests only"),
     Mutant("ckpt-blocks-not-checked", "impel/checkpoint/layout.py",
-           "bad = hashing.first_bad_block(files[rel][\"sha256_blocks\"], got)", "bad = None", CKPT,
-           breaks="a flipped byte loads"),
+           "bad = hashing.first_bad_block(files[rel][key], got)", "bad = None", CKPT,
+           breaks="a flipped byte in a file no impel reader reads (a hook's) loads"),
+    Mutant("ckpt-blocks-not-checked-on-read", "impel/checkpoint/verified.py",
+           "bad = hashing.first_bad_block(found[1], got)", "bad = None", CKPT,
+           breaks="a flipped byte in impel's own files loads"),
     Mutant("ckpt-marker-optional", "impel/checkpoint/layout.py",
            "return (directory / MARKER_FILE).is_file() and (directory / METADATA_FILE).is_file()",
            "return (directory / METADATA_FILE).is_file()", CKPT, breaks="an interrupted save counts as complete"),

@@ -135,7 +135,7 @@ def collect(work: Path) -> list[Row]:
 def render(rows: list[Row], work: Path) -> str:
     def clean(text: str) -> str:
         text = text.replace(str(work), "&lt;dir&gt;").replace("|", "\\|")
-        return re.sub(r"sha256 [0-9a-f]{6,}\.*", "sha256 …", text)
+        return re.sub(r"(sha256|xxh3_128) [0-9a-f]{6,}\.*", r"\1 …", text)
 
     lines = ["# What impel does with bad input", "",
              "Generated from `tests/reliability_cases.py` (the unit test `tests/unit/test_reliability_doc.py` fails "

@@ -33,7 +33,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from impel.accelerator import load_accelerate as accelerate_format
-from impel.checkpoint import collective, layout, ownership, staging, storage
+from impel.checkpoint import collective, layout, ownership, staging, storage, verified
 from impel.checkpoint.digests import sealing, share_digests
 from impel.checkpoint.files import crc32_off, read_torch, write_torch
 from impel.checkpoint.full import suffix
@@ -94,7 +94,7 @@ class Checkpointer:
         self.run = run
         self.async_configured = async_save  # the run config's async_save key
         self.pending: staging.PendingSave | None = None
-        self._stager: Any = None  # DCP's stager, created by the first asynchronous save
+        self._stager: Any = None  # stager.Stager, created by the first asynchronous save
         self.save_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
         self.load_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
 
@@ -345,7 +345,7 @@ class Checkpointer:
         else:
             self._check_counts(directory, metadata)
             read = lambda: self._read(directory, metadata, self._run_load_hooks(directory), options)  # noqa: E731
-        collective.run_shared(read, "load_state")
+        collective.run_shared(lambda: verified.read_checked(directory, metadata, read), "load_state")
         saved = metadata.get("iteration")  # None: an Accelerate directory not named checkpoint_N
         self.config.iteration = max(self.config.iteration if saved is None else int(saved) + 1, next_free)
         collective.barrier()
@@ -367,7 +367,8 @@ class Checkpointer:
         if layout.is_accelerate_dir(directory):
             metadata = accelerate_format.inspect(directory)
         else:
-            metadata = layout.verify(directory)
+            # sizes of every file; checksums of the files no impel reader checks while reading (verified.py)
+            metadata = layout.verify(directory, skip=verified.checked_on_read)
         next_free = layout.next_free_iteration(directory.parent) if self.config.automatic_checkpoint_naming else 0
         return str(directory), metadata, next_free
 

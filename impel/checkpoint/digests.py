@@ -1,13 +1,12 @@
 """Checksums for the manifest, computed while the checkpoint is being written instead of after it.
 
-Hashing a checkpoint after it is written costs as much time as writing it. Two things hide that cost:
-
-* :class:`Sealer` and :func:`appending`: files written through ``torch.save`` (impel's own and DCP's shards) go
-  through an append-only file object whose finished 64 MiB blocks are hashed on background threads (read back
-  from the page cache, on every core) while the file is flushed to disk with ``fdatasync`` and later blocks are
-  still being serialized; safetensors files are hashed and fsynced in the background after they are written.
-* :func:`share_digests`: files nobody hashed yet (DCP's metadata, DeepSpeed's engine files, files of a
-  ``register_save_state_pre_hook``) have their blocks dealt round-robin to the ranks.
+* :class:`Sealer` and :func:`appending`: files written front to back (``torch.save``'s, DCP's shards, impel's
+  safetensors files) go through an append-only file object that hashes the bytes as they pass (XXH3 runs at
+  memory speed: no pass of its own) while the finished blocks are flushed to disk with ``fdatasync`` on an I/O
+  thread and later blocks are still being serialized.
+* :func:`share_digests`: files nobody hashed yet (DCP's metadata, DeepSpeed's engine files, the cooperative full
+  files written at scattered offsets by every rank, files of a ``register_save_state_pre_hook``) have their blocks
+  dealt round-robin to the ranks.
 
 The committing rank receives every digest and only hashes what is still unknown (see ``layout.build_manifest``).
 """
@@ -15,7 +14,7 @@ from __future__ import annotations
 
 import contextvars
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -33,29 +32,18 @@ from impel.checkpoint.layout import (
 )
 from impel.runtime.collectives import is_distributed
 
-Entry = dict[str, Any]  # layout.manifest_entry: {"size": int, "sha256_blocks": [str, ...]}
+Entry = dict[str, Any]  # layout.manifest_entry: {"size": int, "xxh3_128_blocks": [str, ...]}
 _current: contextvars.ContextVar[Sealer | None] = contextvars.ContextVar("impel_sealer", default=None)
 
 
 class Sealer:
-    """Hashes (every 64 MiB block on its own thread) and fsyncs (on an I/O thread, at the same time) the files
-    written under ``root``; :meth:`entries` waits for them."""
+    """Collects the digests of the files written under ``root`` (hashed as they were written) and fsyncs them on
+    an I/O thread; :meth:`entries` waits for all of it."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        self._hash_pool = ThreadPoolExecutor(max_workers=hashing.workers(), thread_name_prefix="impel-hash")
         self._sync_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="impel-fsync")
-        self._pending: dict[str, tuple[int, list[Future[str]], Future[None]]] = {}
-
-    def submit(self, path: Path) -> bool:
-        """Queue a finished file if it lies under the root; False (the caller seals it itself) otherwise."""
-        rel = self.relative(path)
-        if rel is None:
-            return False
-        size = Path(path).stat().st_size
-        self.add(rel, size, [self.hash_block(Path(path), i) for i in range(hashing.block_count(size))],
-                 self.sync(fsync_file, path))
-        return True
+        self._pending: dict[str, tuple[int, Callable[[], list[str]], Future[Any]]] = {}
 
     def relative(self, path: Path) -> str | None:
         try:
@@ -63,11 +51,8 @@ class Sealer:
         except ValueError:
             return None
 
-    def add(self, rel: str, size: int, blocks: list[Future[str]], synced: Future[Any]) -> None:
+    def add(self, rel: str, size: int, blocks: Callable[[], list[str]], synced: Future[Any]) -> None:
         self._pending[rel] = (size, blocks, synced)
-
-    def hash_block(self, path: Path, index: int) -> Future[str]:
-        return self._hash_pool.submit(hashing.block_digest, path, index)
 
     def sync(self, fn: Any, *args: Any) -> Future[Any]:
         return self._sync_pool.submit(fn, *args)
@@ -77,11 +62,10 @@ class Sealer:
         out = {}
         for rel, (size, blocks, synced) in self._pending.items():
             synced.result()
-            out[rel] = manifest_entry(size, [block.result() for block in blocks])
+            out[rel] = manifest_entry(size, blocks())
         return out
 
     def close(self) -> None:
-        self._hash_pool.shutdown(wait=True)
         self._sync_pool.shutdown(wait=True)
 
 
@@ -98,29 +82,27 @@ def sealing(root: Path) -> Iterator[Sealer]:
 
 
 class _AppendingWriter:
-    """What ``torch.save`` writes into under an active :class:`Sealer`: it only appends, so a 64 MiB block is final
-    once the writer has passed it. Each finished block is hashed (read back from the page cache) and the file is
-    flushed to disk in the background while later blocks are still being serialized."""
+    """What ``torch.save`` and DCP write into under an active :class:`Sealer`: it only appends, and hashes the
+    bytes as they pass; whenever another 64 MiB block is done the file is flushed to disk in the background while
+    later blocks are still being serialized."""
 
     def __init__(self, sealer: Sealer, path: Path, rel: str) -> None:
         self.sealer, self.path, self.rel = sealer, path, rel
         self.file = open(path, "wb")  # noqa: SIM115 - closed in close()
         self.offset = 0
-        self.blocks: list[Future[str]] = []
+        self.hasher = hashing.BlockHasher()
         self.flushing: Future[Any] | None = None
         self.closed = False
 
     def write(self, data: Any) -> int:
-        n = memoryview(data).nbytes
-        self.file.write(data)
-        self.offset += n
-        if self.offset // hashing.BLOCK > len(self.blocks):
-            self.file.flush()  # the finished blocks must be in the kernel before another thread reads them
-            while len(self.blocks) < self.offset // hashing.BLOCK:
-                self.blocks.append(self.sealer.hash_block(self.path, len(self.blocks)))
-            if self.flushing is None or self.flushing.done():
-                self.flushing = self.sealer.sync(os.fdatasync, self.file.fileno())
-        return n
+        view = memoryview(data).cast("B")
+        self.file.write(view)
+        self.hasher.update(view)
+        before, self.offset = self.offset, self.offset + view.nbytes
+        if self.offset // hashing.BLOCK > before // hashing.BLOCK and (self.flushing is None or self.flushing.done()):
+            self.file.flush()
+            self.flushing = self.sealer.sync(os.fdatasync, self.file.fileno())
+        return view.nbytes
 
     def tell(self) -> int:
         return self.offset
@@ -132,14 +114,13 @@ class _AppendingWriter:
         self.file.flush()
 
     def close(self) -> None:
-        """Hash the last (partial) block and queue the final fsync; the file is closed after it. Idempotent."""
+        """Record the digests and queue the final fsync; the file is closed after it. Idempotent."""
         if self.closed:
             return
         self.closed = True
         self.file.flush()
-        while len(self.blocks) < hashing.block_count(self.offset):
-            self.blocks.append(self.sealer.hash_block(self.path, len(self.blocks)))
-        self.sealer.add(self.rel, self.offset, self.blocks, self.sealer.sync(_sync_and_close, self.file))
+        digests = self.hasher.finish()
+        self.sealer.add(self.rel, self.offset, lambda: digests, self.sealer.sync(_sync_and_close, self.file))
 
     def abort(self) -> None:
         """The writer failed: wait for a running fdatasync, then close (unless close() already handed it over)."""
@@ -176,13 +157,6 @@ def appending(path: Path) -> Iterator[Any]:
         writer.abort()
         raise
     writer.close()
-
-
-def seal(path: Path) -> None:
-    """A writer finished ``path``: hand it to the active :class:`Sealer`, or fsync it now when none is active."""
-    sealer = _current.get()
-    if sealer is None or not sealer.submit(path):
-        fsync_file(path)
 
 
 def share_digests(root: Path, known: dict[str, Entry], shared_dir: bool, group: Any = None) -> dict[str, Entry]:

@@ -3,7 +3,8 @@
 Tensors go to safetensors (no code at all). Everything else goes through ``torch.save`` and comes back through
 ``torch.load(weights_only=True)``, whose unpickler only rebuilds tensors, numbers, strings and containers: a file
 that asks for any other global (``os.system``, a user class) fails to load and runs nothing. Every writer fsyncs
-(during save_state in the background, together with the manifest's checksum: see ``digests``).
+and is checksummed as it writes (during save_state in the background: see ``digests``); every reader checks the
+manifest's checksums as it reads (during load_state: see ``verified``).
 """
 from __future__ import annotations
 
@@ -17,9 +18,10 @@ from typing import Any
 
 import torch
 
-from impel.checkpoint import staging
-from impel.checkpoint.digests import appending, seal
+from impel.checkpoint import safetensors_stream, staging
+from impel.checkpoint.digests import appending
 from impel.checkpoint.layout import CheckpointError
+from impel.checkpoint.verified import open_checked
 
 ALIASES_KEY = "impel_aliases"
 
@@ -56,41 +58,43 @@ def dedupe_aliases(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch
 
 
 def write_safetensors(tensors: Mapping[str, torch.Tensor], path: Path) -> None:
-    """Write tensors (tied ones once, the alias recorded in the metadata) and fsync."""
-    from safetensors.torch import save_file
-
+    """Write tensors (tied ones once, the alias recorded in the metadata), hashed as written, and fsync."""
     if staging.defer(write_safetensors, tensors, path):  # save_state(async_save=True): staged, written later
         return
     kept, aliases = dedupe_aliases(tensors)
     metadata = {"format": "pt"}
     if aliases:
         metadata[ALIASES_KEY] = json.dumps(aliases, sort_keys=True)
-    save_file(kept, str(path), metadata=metadata)
-    seal(path)
+    with appending(path) as f:
+        safetensors_stream.write(kept, metadata, f)
 
 
-def read_safetensors(path: Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-    """Read a safetensors file written by :func:`write_safetensors` (aliases restored)."""
-    from safetensors import safe_open
-
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint file {path} is missing; load a complete checkpoint")
-    try:
-        with safe_open(str(path), framework="pt", device=str(device)) as f:
-            tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 - not a dict
-            metadata = f.metadata() or {}
-    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
-        raise CheckpointError(f"checkpoint file {path} is not a valid safetensors file ({exc}); it is truncated "
-                              "or corrupted: load an earlier checkpoint") from None
+def read_safetensors(path: Path, what: str = "tensors") -> dict[str, torch.Tensor]:
+    """Read a safetensors file written by :func:`write_safetensors` (aliases restored), checked as it is read."""
+    tensors, metadata = read_safetensors_file(path, what)
     for alias, target in json.loads(metadata.get(ALIASES_KEY, "{}")).items():
         tensors[alias] = tensors[target]
     return tensors
 
 
+def read_safetensors_file(path: Path, what: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """A safetensors file's tensors and metadata on CPU, checked against the manifest as it is read."""
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint file {path} ({what}) is missing; load a complete checkpoint")
+    try:
+        with open_checked(path) as f:
+            return safetensors_stream.read(f)
+    except CheckpointError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a malformed header raises whatever json or torch raise
+        raise CheckpointError(f"checkpoint file {path} ({what}) is not a valid safetensors file ({exc}); it is "
+                              "truncated or corrupted: load an earlier checkpoint") from None
+
+
 def write_torch(obj: Any, path: Path) -> None:
     """``torch.save`` then fsync; only save tensors, numbers, strings and containers (they load back safely).
 
-    The zip records' crc32 is not computed: the manifest's sha256 covers every byte, and crc32 costs a pass.
+    The zip records' crc32 is not computed: the manifest's checksum covers every byte, and crc32 costs a pass.
     """
     if staging.defer(write_torch, obj, path):  # save_state(async_save=True): staged, written later
         return
@@ -121,7 +125,10 @@ def read_torch(path: Path, what: str) -> Any:
         raise CheckpointError(f"checkpoint file {path} ({what}) is missing; load a checkpoint saved with the same "
                               "models, optimizers, schedulers, dataloaders and registered objects")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        with open_checked(path) as f:  # checked against the manifest as it is read (verified.checking)
+            return torch.load(f, map_location="cpu", weights_only=True)
+    except CheckpointError:
+        raise
     except pickle.UnpicklingError as exc:
         found = re.search(r"GLOBAL (\S+)", str(exc))
         first = f"it asks for {found.group(1)}" if found else type(exc).__name__

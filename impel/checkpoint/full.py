@@ -20,7 +20,13 @@ import torch
 from torch import nn
 
 from impel.checkpoint import cooperative, staging
-from impel.checkpoint.files import read_safetensors, read_torch, write_safetensors, write_torch
+from impel.checkpoint.files import (
+    read_safetensors,
+    read_safetensors_file,
+    read_torch,
+    write_safetensors,
+    write_torch,
+)
 from impel.checkpoint.layout import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -118,16 +124,10 @@ def read_optimizer(path: Path, what: str) -> Any:
     """A full optimizer state dict from ``optimizer*.pt`` or a cooperatively written ``optimizer*.safetensors``."""
     if path.suffix != ".safetensors":
         return read_torch(path, what)
-    from safetensors import safe_open
-
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint file {path} ({what}) is missing; load a complete checkpoint")
+    tensors, metadata = read_safetensors_file(path, what)
     try:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 - not a dict
-            metadata = f.metadata() or {}
         return cooperative.optimizer_state_from(tensors, metadata)
-    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types; a bad layout too
+    except Exception as exc:  # noqa: BLE001 - a bad layout raises KeyError / ValueError / json's errors
         raise CheckpointError(f"checkpoint file {path} ({what}) is not a valid optimizer file ({exc}); it is "
                               "truncated or corrupted: load an earlier checkpoint") from None
 
@@ -142,7 +142,7 @@ def _write_weights(state: Mapping[str, torch.Tensor], path: Path, safe_serializa
 def read_weights(path: Path) -> dict[str, torch.Tensor]:
     """A full model state dict from ``model*.safetensors`` or ``pytorch_model*.bin`` (loaded safely)."""
     if path.suffix == ".safetensors":
-        return read_safetensors(path)
+        return read_safetensors(path, "model weights")
     return read_torch(path, "model weights")
 
 

@@ -2,10 +2,10 @@
 
 A checkpoint is written into a hidden temporary directory next to its final name (``.impel-tmp-<name>-<token>``).
 When every rank has written and fsynced its files, the committing rank writes ``impel_checkpoint.json`` (step,
-world size, strategy, versions and a manifest of every file with its size and the sha256 of each 64 MiB block),
-then the completion
-marker ``COMPLETE`` (holding the sha256 of that JSON), fsyncs, and renames the directory into place. A directory
-without the marker is never loaded; leftover temporary directories are deleted by the next save or load.
+world size, strategy, versions and a manifest of every file with its size and the XXH3-128 of each 64 MiB block),
+then the completion marker ``COMPLETE`` (holding the sha256 of that JSON), fsyncs, and renames the directory into
+place. A directory without the marker is never loaded; leftover temporary directories are deleted by the next save
+or load.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ METADATA_FILE = "impel_checkpoint.json"
 MARKER_FILE = "COMPLETE"
 TMP_PREFIX = ".impel-tmp-"
 OLD_PREFIX = ".impel-old-"
-FORMAT_VERSION = 2  # 2: sha256 per 64 MiB block (hashing.py); 1: one sha256 per file, still verified
+FORMAT_VERSION = 3  # 3: XXH3-128 per 64 MiB block (hashing.py); 2: sha256 per block; 1: sha256 per file (all load)
 _NAME = re.compile(r"^checkpoint_(\d+)$")
 
 
@@ -178,7 +178,37 @@ def fsync_dir(path: Path) -> None:
 
 # --- manifest ----------------------------------------------------------------------------------------------------
 def manifest_entry(size: int, blocks: list[str]) -> dict[str, Any]:
-    return {"size": size, "sha256_blocks": blocks}
+    return {"size": size, hashing.WRITTEN_KEY: blocks}
+
+
+def entry_blocks(entry: dict[str, Any]) -> tuple[str, list[str]] | None:
+    """A manifest entry's (key, block digests): ``xxh3_128_blocks`` (format 3) or ``sha256_blocks`` (format 2);
+    None for a format version 1 entry (one ``sha256`` of the whole file)."""
+    for key in hashing.KEYS:
+        if key in entry:
+            return key, list(entry[key])
+    return None
+
+
+def corrupted(path: Path, entry: dict[str, Any], bad: int, block: int) -> CheckpointError:
+    """The error for a block whose digest differs from the manifest's: it names the file and the byte range."""
+    found = entry_blocks(entry)
+    assert found is not None
+    key, blocks = found
+    lo, hi = bad * block, min((bad + 1) * block, entry["size"])
+    want = blocks[bad][:12] if bad < len(blocks) else "(none)"
+    return CheckpointError(f"checkpoint file {path} is corrupted (bytes {lo}-{hi} differ from the manifest's "
+                           f"{key.removesuffix('_blocks')} {want}...); load an earlier checkpoint or save again")
+
+
+def missing_file(path: Path) -> CheckpointError:
+    return CheckpointError(f"checkpoint file {path} is missing; the checkpoint is incomplete: copy it again or load "
+                           "an earlier checkpoint")
+
+
+def wrong_size(path: Path, size: int, entry: dict[str, Any]) -> CheckpointError:
+    return CheckpointError(f"checkpoint file {path} is truncated or corrupted ({size} bytes, the manifest says "
+                           f"{entry['size']} bytes); load an earlier checkpoint or save again")
 
 
 def build_manifest(directory: Path, known: dict[str, dict[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
@@ -197,7 +227,7 @@ def build_manifest(directory: Path, known: dict[str, dict[str, Any]] | None = No
         rel, size = path.relative_to(directory).as_posix(), path.stat().st_size
         entry = known.get(rel)
         if entry is not None and entry["size"] == size:
-            entries[rel] = manifest_entry(size, entry["sha256_blocks"])
+            entries[rel] = manifest_entry(size, entry[hashing.WRITTEN_KEY])
         else:
             missing.append(path)
     for path, blocks in zip(missing, hashing.file_digests(missing)):
@@ -267,32 +297,31 @@ def read_metadata(directory: Path) -> dict[str, Any]:
     return data
 
 
-def verify(directory: Path, checksums: bool = True) -> dict[str, Any]:
-    """Check that every file of the manifest exists with its size (and checksums); return the metadata."""
+def verify(directory: Path, checksums: bool = True, skip: Callable[[str], bool] | None = None) -> dict[str, Any]:
+    """Check that every file of the manifest exists with its size, and (``checksums``) its block digests; return
+    the metadata. ``skip(rel)``: files whose checksums are left to the reader (``verified``: checked while read)."""
     data = read_metadata(directory)
     files: dict[str, dict[str, Any]] = data["files"]
     for rel in files:
         if not (directory / rel).is_file():
-            raise CheckpointError(f"checkpoint file {directory / rel} is missing; the checkpoint is incomplete: copy "
-                                  "it again or load an earlier checkpoint")
+            raise missing_file(directory / rel)
     for rel, entry in files.items():
         size = (directory / rel).stat().st_size
         if size != entry["size"]:
-            raise CheckpointError(f"checkpoint file {directory / rel} is truncated or corrupted ({size} bytes, the "
-                                  f"manifest says {entry['size']} bytes); load an earlier checkpoint or save again")
+            raise wrong_size(directory / rel, size, entry)
     if not checksums:
         return data
     block = int(data.get("block_size") or hashing.BLOCK)
-    blocked = [rel for rel, entry in files.items() if "sha256_blocks" in entry]
-    for rel, got in zip(blocked, hashing.file_digests([directory / rel for rel in blocked], block)):
-        bad = hashing.first_bad_block(files[rel]["sha256_blocks"], got)
-        if bad is not None:
-            lo, hi = bad * block, min((bad + 1) * block, files[rel]["size"])
-            raise CheckpointError(f"checkpoint file {directory / rel} is corrupted (bytes {lo}-{hi} differ from the "
-                                  f"manifest's sha256 {files[rel]['sha256_blocks'][bad][:12]}...); load an earlier "
-                                  "checkpoint or save again")
-    for rel, entry in files.items():  # format version 1: one sha256 per file
-        if "sha256_blocks" not in entry and hashing.whole_file_digest(directory / rel) != entry["sha256"]:
+    checked = [rel for rel in files if skip is None or not skip(rel)]
+    for key in hashing.KEYS:
+        blocked = [rel for rel in checked if key in files[rel]]
+        for rel, got in zip(blocked, hashing.file_digests([directory / rel for rel in blocked], block, key)):
+            bad = hashing.first_bad_block(files[rel][key], got)
+            if bad is not None:
+                raise corrupted(directory / rel, files[rel], bad, block)
+    for rel in checked:  # format version 1: one sha256 per file
+        entry = files[rel]
+        if entry_blocks(entry) is None and hashing.whole_file_digest(directory / rel) != entry["sha256"]:
             raise CheckpointError(f"checkpoint file {directory / rel} is corrupted (its sha256 differs from the "
                                   f"manifest's {entry['sha256'][:12]}...); load an earlier checkpoint or save again")
     return data

@@ -1,8 +1,9 @@
 """Sharded model and optimizer state through ``torch.distributed.checkpoint`` (DCP): for FSDP2's SHARDED_STATE_DICT.
 
-Each rank writes its own shards; DCP's metadata records the global layout, so a checkpoint saved by N ranks loads
-on M ranks (resharding) and merges to one file on a single process (:func:`load_full_state`). Layout: one DCP
-directory per object, ``model/`` (``model_1/`` ...) and ``optimizer/`` (``optimizer_1/`` ...).
+Each rank writes its own shards (their raw bytes, one file per rank: ``dcp_raw``); DCP's metadata records the
+global layout, so a checkpoint saved by N ranks loads on M ranks (resharding) and merges to one file on a single
+process (:func:`load_full_state`). Layout: one DCP directory per object, ``model/`` (``model_1/`` ...) and
+``optimizer/`` (``optimizer_1/`` ...).
 
 DCP stores its ``.metadata`` with plain pickle; :class:`SafeFileSystemReader` reads it with an unpickler that
 rebuilds only DCP's own metadata classes, so a doctored ``.metadata`` fails instead of running code.
@@ -22,11 +23,12 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 
-from impel.checkpoint.digests import appending
+from impel.checkpoint import dcp_raw
 from impel.checkpoint.files import crc32_off
 from impel.checkpoint.full import optimizer_state, pair_optimizers, suffix
 from impel.checkpoint.layout import CheckpointError
 from impel.checkpoint.staging import deferrable_dcp_save
+from impel.checkpoint.verified import open_checked, read_all
 from impel.runtime.collectives import is_distributed
 
 FORMAT = "sharded"
@@ -53,16 +55,36 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 class SafeFileSystemReader(FileSystemReader):
-    """``FileSystemReader`` whose ``.metadata`` is unpickled with an allowlist (no code execution)."""
+    """``FileSystemReader`` whose ``.metadata`` is unpickled with an allowlist (no code execution), and whose files
+    are checked against the manifest as they are read (under ``verified.checking``)."""
 
     refused: CheckpointError | None = None
+
+    def __init__(self, path: Any) -> None:
+        super().__init__(path)
+        self.fs = _checking_file_system()
+        self.metadata: Any = None
+
+    def set_up_storage_reader(self, metadata: Any, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        self.metadata = metadata
+
+    def read_data(self, plan: Any, planner: Any) -> Any:
+        """Chunks in raw shard files (``dcp_raw``) read here, the rest (earlier releases' files) by DCP."""
+        rest, raw = dcp_raw.split_plan(self, plan)
+        dcp_raw.read_raw(self, self.metadata, raw, planner)
+        return super().read_data(rest, planner)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         from torch.distributed.checkpoint.metadata import StorageMeta
 
         rank = kwargs.get("rank")
         path = Path(self.path) / (".metadata" if rank is None else f"__{rank}.metadata")
-        data = path.read_bytes()  # a missing file raises as in FileSystemReader (DCP falls back on it)
+        try:
+            data = read_all(path)  # checked while read; a missing file raises as in FileSystemReader (DCP falls back)
+        except CheckpointError as exc:  # DCP swallows it and tries per-rank metadata: keep the real cause
+            self.refused = exc
+            raise
         try:
             metadata = _MetadataUnpickler(io.BytesIO(data)).load()
         except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as exc:
@@ -75,37 +97,45 @@ class SafeFileSystemReader(FileSystemReader):
         return metadata
 
 
-def _dcp(call: Callable[..., Any], *args: Any, reader: SafeFileSystemReader | None = None, **kwargs: Any) -> Any:
-    """Run a DCP save/load quietly (no single-process warning); a refused metadata file surfaces as itself."""
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            return call(*args, **kwargs)
-    except BaseException:  # DCP's CheckpointException derives from BaseException
-        if reader is not None and reader.refused is not None:
-            raise reader.refused from None
-        raise
-
-
-def _writer(path: Path) -> Any:
-    """DCP's file writer whose shard files (``*.distcp``) are written through ``digests.appending``: hashed and
-    fsynced in the background while they are written (under save_state), so DCP's own fsync is off."""
-    from torch.distributed.checkpoint import FileSystemWriter
+def _checking_file_system() -> Any:
     from torch.distributed.checkpoint.filesystem import FileSystem
 
-    class _SealingFileSystem(FileSystem):
+    class _CheckingFileSystem(FileSystem):
         @contextmanager
         def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
-            if mode == "wb" and str(path).endswith(".distcp"):
-                with appending(Path(path)) as stream:
+            if mode == "rb":
+                with open_checked(Path(path)) as stream:
                     yield stream
             else:
                 with super().create_stream(path, mode) as stream:
                     yield stream
 
-    writer = FileSystemWriter(path, sync_files=False)
-    writer.fs = _SealingFileSystem()
-    return writer
+    return _CheckingFileSystem()
+
+
+def _dcp(call: Callable[..., Any], *args: Any, reader: SafeFileSystemReader | None = None, **kwargs: Any) -> Any:
+    """Run a DCP save/load quietly (no single-process warning); a refused metadata file, or a damaged file found
+    by the checking reader on any rank, surfaces as impel's CheckpointError naming the file."""
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            return call(*args, **kwargs)
+    except BaseException as exc:  # DCP's CheckpointException derives from BaseException
+        if reader is not None and reader.refused is not None:
+            raise reader.refused from None
+        failures = getattr(exc, "failures", None)  # DCP's: rank -> (exception, stack), gathered from every rank
+        for _, failure in sorted(failures.items()) if isinstance(failures, dict) else ():
+            cause = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(cause, CheckpointError):
+                raise CheckpointError(str(cause)) from None
+        raise
+
+
+def _writer(path: Path) -> Any:
+    """DCP's file writer writing raw chunk bytes (``dcp_raw``: no per-tensor ``torch.save``) through
+    ``digests.appending``: hashed as written and fsynced in the background (under save_state), so DCP's own fsync
+    is off."""
+    return dcp_raw.RawWriter(path)
 
 
 def model_dir(index: int) -> str:

@@ -2,8 +2,9 @@
 
 ``save_state(async_save=True)`` runs the ordinary save sequence (``checkpointer``) with deferral on: every write
 impel's writers would do (``files.write_torch``, ``files.write_safetensors``, DCP's ``save`` in ``sharded``) is
-recorded instead, with its state copied to CPU memory by DCP's stager (``DefaultStager``: pinned memory where CUDA
-exists, a plain copy on the CPU, where training then changes the parameters in place). The call returns once
+recorded instead, with its state copied to CPU memory by :class:`~impel.checkpoint.stager.Stager` (pinned memory
+where CUDA exists, a plain copy on the CPU, where training then changes the parameters in place; its buffers are
+reused from one save to the next). The call returns once
 every rank has staged. :class:`PendingSave` then replays the recorded writes on a background thread, in the order
 they were recorded, followed by the rest of the synchronous sequence (digests, the leader's commit).
 
@@ -31,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from impel.checkpoint.layout import CheckpointError
+from impel.checkpoint.stager import Stager
 from impel.runtime.collectives import is_distributed
 
 T = TypeVar("T")
@@ -45,7 +47,8 @@ class Deferred:
         self.writes: list[Callable[[], Any]] = []
 
     def record(self, fn: Callable[..., Any], state: Any, *args: Any, **kwargs: Any) -> None:
-        staged = self.stager.stage(state) if state is not None else None
+        # the write's position in the save keys its buffers: the next save of the same layout reuses them
+        staged = self.stager.stage(state, key=len(self.writes)) if state is not None else None
         self.writes.append(functools.partial(fn, staged, *args, **kwargs))
 
     def run(self, result: T) -> T:
@@ -82,7 +85,7 @@ def defer(fn: Callable[..., Any], state: Any, *args: Any, **kwargs: Any) -> bool
 
 def deferrable_dcp_save(save: Callable[..., Any]) -> Callable[..., Any]:
     """``dcp.save`` itself, or under :func:`deferring` a stand-in that stages the state dict (DTensors' local shards
-    copied by DCP's stager) and records the save, run later on the dedicated group."""
+    copied by the stager) and records the save, run later on the dedicated group."""
     deferred = _active.get()
     if deferred is None:
         return save
@@ -99,12 +102,9 @@ def _dcp_save(state_dict: Any, save: Callable[..., Any], **kwargs: Any) -> None:
         save(state_dict, **kwargs)
 
 
-def new_stager() -> Any:
-    """DCP's stager: CPU copies (pinned where CUDA exists), their buffers reused from one save to the next."""
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-    return DefaultStager(StagingOptions(use_pinned_memory=torch.cuda.is_available(), use_shared_memory=False,
-                                        use_async_staging=False, use_non_blocking_copy=False))
+def new_stager() -> Stager:
+    """CPU copies (pinned where CUDA exists) into buffers reused from one save to the next (``stager``)."""
+    return Stager(pin_memory=torch.cuda.is_available())
 
 
 # --- the dedicated process group -------------------------------------------------------------------------------

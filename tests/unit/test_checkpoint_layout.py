@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+import xxhash
 from torch import nn
 
 from helpers import make_mlp
@@ -36,20 +37,20 @@ def test_a_committed_checkpoint_has_marker_metadata_and_a_true_manifest(tmp_path
     assert set(meta["files"]) == {"model.safetensors", "optimizer.pt", "training_state.pt", "random_states_0.pt"}
     for rel, entry in meta["files"].items():
         data = (ckpt / rel).read_bytes()
-        assert entry == {"size": len(data), "sha256_blocks": [hashlib.sha256(data).hexdigest()]}
+        assert entry == {"size": len(data), "xxh3_128_blocks": [xxhash.xxh3_128(data).hexdigest()]}
     assert (meta["world_size"], meta["strategy"]["name"], meta["strategy"]["format"]) == (1, "NO", "full")
     assert meta["optimizer_steps"] == [1] and meta["torch_version"] == torch.__version__
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]  # no temporary directory left
 
 
 def block_digests(data: bytes, block: int) -> list[str]:
-    return [hashlib.sha256(data[i:i + block]).hexdigest() for i in range(0, len(data), block)] or [
-        hashlib.sha256(b"").hexdigest()]
+    return [xxhash.xxh3_128(data[i:i + block]).hexdigest() for i in range(0, len(data), block)] or [
+        xxhash.xxh3_128(b"").hexdigest()]
 
 
 def test_block_digests_computed_while_writing_match_the_bytes_on_disk(tmp_path, monkeypatch):
-    """torch.save's blocks are hashed while later blocks are still being written, safetensors after the write,
-    a hook's file at commit: every digest must equal a fresh hash of the bytes on disk."""
+    """torch.save's and safetensors' blocks are hashed as they are written, a hook's file at commit: every digest
+    must equal a fresh hash of the bytes on disk."""
     from impel.checkpoint import hashing
 
     monkeypatch.setattr(hashing, "BLOCK", 1000)
@@ -61,11 +62,11 @@ def test_block_digests_computed_while_writing_match_the_bytes_on_disk(tmp_path, 
     acc.register_save_state_pre_hook(hook)
     acc.save_state(tmp_path / "ckpt")
     meta = json.loads((tmp_path / "ckpt" / layout.METADATA_FILE).read_text())
-    assert "extra.bin" in meta["files"] and meta["format_version"] == 2
-    assert len(meta["files"]["optimizer.pt"]["sha256_blocks"]) > 1
+    assert "extra.bin" in meta["files"] and meta["format_version"] == 3
+    assert len(meta["files"]["optimizer.pt"]["xxh3_128_blocks"]) > 1
     for rel, entry in meta["files"].items():
         data = (tmp_path / "ckpt" / rel).read_bytes()
-        assert entry == {"size": len(data), "sha256_blocks": block_digests(data, 1000)}, rel
+        assert entry == {"size": len(data), "xxh3_128_blocks": block_digests(data, 1000)}, rel
     acc.load_state(tmp_path / "ckpt")  # verifies every block
 
 
@@ -92,7 +93,7 @@ def test_a_format_version_1_manifest_still_verifies(tmp_path):
     ckpt = tmp_path / "ckpt"
     meta = json.loads((ckpt / layout.METADATA_FILE).read_text())
     for rel, entry in meta["files"].items():
-        entry.pop("sha256_blocks")
+        entry.pop("xxh3_128_blocks")
         entry["sha256"] = hashlib.sha256((ckpt / rel).read_bytes()).hexdigest()
     meta["format_version"] = 1
     text = json.dumps(meta)
@@ -129,7 +130,7 @@ def test_a_damaged_file_fails_the_load_naming_the_file(tmp_path, damage):
     else:
         data[len(data) // 2] ^= 0xFF
         target.write_bytes(bytes(data))
-        why = r"is corrupted \(bytes \d+-\d+ differ from the manifest's sha256"
+        why = r"is corrupted \(bytes \d+-\d+ differ from the manifest's xxh3_128"
     with pytest.raises(CheckpointError, match=rf"optimizer\.pt {why}.*load an earlier checkpoint"):
         acc.load_state(tmp_path / "ckpt")
 

@@ -1,0 +1,194 @@
+"""Checkpoint files checked while they are read: one pass over the bytes, not a verification pass and then a read.
+
+``load_state`` checks up front only what costs nothing (every file of the manifest exists and has its size:
+``layout.verify(checksums=False)`` on the leader) and the checksums of files no impel reader reads (DeepSpeed's
+engine files, a hook's files). Under :func:`checking`, on every rank, impel's readers (``files.read_torch``,
+``files.read_safetensors``, the DCP reader in ``sharded``) open a manifest file through :func:`open_checked`: a
+:class:`VerifyingReader` hashes each byte right after the read put it into its destination (the tensor's own
+memory), and when the reader is done compares the block digests with the manifest's and raises the manifest's
+``CheckpointError`` naming the file and the byte range. A parse error in a corrupted file surfaces as that
+corruption, not as the parser's complaint. Reads that continue the hashed prefix are hashed as they arrive; what
+the reader read out of order, skipped or re-read is hashed from the file (by then in the page cache) when it is
+done, so every byte is hashed exactly once and read from disk once (``torch.load`` reads the zip's directory at
+the end first, and the records in the order it unpickles them). A failed check raises after earlier objects were
+loaded: the error names the damaged file, and the way out is an earlier checkpoint, as for any failed load.
+"""
+from __future__ import annotations
+
+import contextvars
+import io
+import os
+import re
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from impel.checkpoint import hashing
+from impel.checkpoint.layout import CheckpointError, corrupted, entry_blocks, missing_file
+
+T = TypeVar("T")
+
+# files impel's readers open through open_checked (the leader checks the others' checksums up front)
+_READ_CHECKED = re.compile(
+    r"^(model|optimizer|scheduler)(_\d+)?\.(safetensors|pt)$|^pytorch_model(_\d+)?\.bin$|^training_state\.pt$"
+    r"|^custom_checkpoint_\d+\.pt$|^random_states_\d+\.pt$|^(model|optimizer)(_\d+)?/(\.metadata|[^/]+\.distcp)$")
+
+
+def checked_on_read(rel: str) -> bool:
+    """True for a manifest path (relative, posix) that impel's readers verify while reading it."""
+    return _READ_CHECKED.match(rel) is not None
+
+
+@dataclass(frozen=True)
+class _Manifest:
+    directory: Path
+    files: dict[str, dict[str, Any]]
+    block: int
+
+
+_active: contextvars.ContextVar[_Manifest | None] = contextvars.ContextVar("impel_manifest", default=None)
+
+
+@contextmanager
+def checking(directory: Path, metadata: dict[str, Any]) -> Iterator[None]:
+    """While active, files of ``directory``'s manifest (``metadata``: ``layout.read_metadata``) opened through
+    :func:`open_checked` are verified as they are read."""
+    manifest = _Manifest(Path(directory).absolute(), dict(metadata.get("files", {})),
+                         int(metadata.get("block_size") or hashing.BLOCK))
+    token = _active.set(manifest)
+    try:
+        yield
+    finally:
+        _active.reset(token)
+
+
+def read_checked(directory: Path, metadata: dict[str, Any], read: Callable[[], T]) -> T:
+    """``read()`` under :func:`checking`."""
+    with checking(directory, metadata):
+        return read()
+
+
+def _entry(path: Path) -> tuple[dict[str, Any], int] | None:
+    manifest = _active.get()
+    if manifest is None:
+        return None
+    try:
+        rel = Path(path).absolute().relative_to(manifest.directory).as_posix()
+    except ValueError:
+        return None
+    entry = manifest.files.get(rel)
+    return (entry, manifest.block) if entry is not None else None
+
+
+class VerifyingReader(io.RawIOBase):
+    """A read-only, seekable view of a file that hashes every byte once as the caller reads it; :meth:`check`
+    compares with the manifest entry (format 3 or 2: per block; format 1: the whole file's sha256)."""
+
+    def __init__(self, path: Path, entry: dict[str, Any], block: int) -> None:
+        super().__init__()
+        self.path, self.entry = path, entry
+        found = entry_blocks(entry)
+        self.block = block if found is not None else max(1, int(entry["size"]))
+        self.hasher = hashing.BlockHasher(self.block, found[0] if found is not None else "sha256_blocks")
+        self.raw = open(path, "rb", buffering=0)  # noqa: SIM115 - closed in close()
+        self.size = os.fstat(self.raw.fileno()).st_size
+        self.position = 0
+        self.hashed = 0  # bytes [0, hashed) went through the hasher
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.position
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.position, io.SEEK_END: self.size}[whence]
+        self.position = base + offset
+        return self.position
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        n = self.raw.readinto(view) if self.raw.tell() == self.position else self._pread_into(view)
+        n = n or 0
+        self._hash(self.position, view[:n])
+        self.position += n
+        return n
+
+    def _pread_into(self, view: memoryview) -> int:
+        self.raw.seek(self.position)
+        return self.raw.readinto(view) or 0
+
+    def _hash(self, start: int, data: memoryview) -> None:
+        # only a read that continues the hashed prefix is hashed now (a zip reader reads its directory at the end
+        # first: hashing the gap up to there would read the whole file ahead of the reader); the rest at check()
+        if start <= self.hashed < start + data.nbytes:
+            self.hasher.update(data[self.hashed - start:])
+            self.hashed = start + data.nbytes
+
+    def _hash_from_file(self, end: int) -> None:
+        buffer = bytearray(min(8 << 20, max(1, end - self.hashed)))
+        fd = self.raw.fileno()
+        while self.hashed < end:
+            n = os.preadv(fd, [memoryview(buffer)[:min(len(buffer), end - self.hashed)]], self.hashed)
+            if not n:
+                break
+            self.hasher.update(memoryview(buffer)[:n])
+            self.hashed += n
+
+    def check(self) -> None:
+        """Hash what the caller never read, then raise the manifest's error if any block differs."""
+        self._hash_from_file(self.size)
+        got = self.hasher.finish()
+        if self.size != self.entry["size"]:
+            raise CheckpointError(f"checkpoint file {self.path} is truncated or corrupted ({self.size} bytes, the "
+                                  f"manifest says {self.entry['size']} bytes); load an earlier checkpoint")
+        found = entry_blocks(self.entry)
+        if found is None:
+            if got != [self.entry["sha256"]]:
+                raise CheckpointError(f"checkpoint file {self.path} is corrupted (its sha256 differs from the "
+                                      f"manifest's {self.entry['sha256'][:12]}...); load an earlier checkpoint")
+            return
+        bad = hashing.first_bad_block(found[1], got)
+        if bad is not None:
+            raise corrupted(self.path, self.entry, bad, self.block)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.raw.close()
+        super().close()
+
+
+@contextmanager
+def open_checked(path: Path) -> Iterator[Any]:
+    """``path`` opened for reading; under :func:`checking` and listed in its manifest, a :class:`VerifyingReader`
+    checked when the block ends (a failure inside the block that the file's corruption explains raises as that
+    corruption)."""
+    found = _entry(Path(path))
+    if found is None:
+        with open(path, "rb") as f:
+            yield f
+        return
+    if not Path(path).is_file():
+        raise missing_file(Path(path))
+    reader = VerifyingReader(Path(path), *found)
+    try:
+        try:
+            yield reader
+        except Exception:
+            reader.check()  # raises the corruption instead when there is one
+            raise
+        reader.check()
+    finally:
+        reader.close()
+
+
+def read_all(path: Path) -> bytes:
+    """The whole file, verified under :func:`checking` (one read)."""
+    with open_checked(path) as f:
+        data: bytes = f.read()
+    return data
