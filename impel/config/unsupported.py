@@ -28,8 +28,6 @@ _LAUNCH_INTERNAL = "an internal step of `accelerate launch`; use `impel launch` 
 _SAGEMAKER = "SageMaker launching is not in impel's scope; use `impel launch` inside the job"
 _PIPPY = "pipeline-parallel inference (PiPPy) is not in impel's scope"
 _OTHER_DEVICES = "impel runs on CPUs and CUDA GPUs only"
-_DISPATCH = "impel never dispatches batches from rank 0 (dispatch_batches=True is refused); every rank reads its " \
-            "own shard: use accelerator.prepare(dataloader) or impel.data_loader.prepare_data_loader"
 
 REASONS: dict[str, str] = {
     **{name: _BIG_MODEL for name in (
@@ -68,7 +66,6 @@ REASONS: dict[str, str] = {
         "SageMakerDistributedType", "prepare_sagemager_args_inputs")},
     "prepare_pippy": _PIPPY,
     "TorchTensorParallelPlugin": "deprecated in Accelerate; use ParallelismConfig(tp_size=...)",
-    "DataLoaderDispatcher": _DISPATCH,
     "GatheredParameters": "DeepSpeed ZeRO-3's parameter gathering; use deepspeed.zero.GatheredParameters",
     "write_basic_config": "use `impel config default` (it writes the same file for this machine's hardware)",
     "get_gpu_info": _OTHER_DEVICES + "; read torch.cuda.device_count() / get_device_name()",

@@ -243,9 +243,35 @@ def test_prepare_data_loader_on_simulated_ranks_equals_accelerates(kwargs):
         assert [b.tolist() for b in mine] == [b.tolist() for b in theirs], rank
 
 
-def test_prepare_data_loader_refuses_dispatching_naming_it():
-    with pytest.raises(Exception, match="dispatch_batches=True"):
+def test_prepare_data_loader_dispatches_as_accelerates_and_refuses_it_off_device():
+    with pytest.raises(Exception, match="dispatch_batches=True.*put_on_device=True"):
         dl.prepare_data_loader(DataLoader(list(range(4)), batch_size=2), dispatch_batches=True)
+    with pytest.raises(Exception, match="slice_fn_for_dispatch"):
+        dl.prepare_data_loader(DataLoader(list(range(4)), batch_size=2), slice_fn_for_dispatch=lambda b, *a, **k: b)
+
+    def halves(batch, part, process_index=None, num_processes=None):  # a custom cut: every other sample
+        return batch[part.start * 2:part.stop * 2:2]
+
+    for kwargs in ({"split_batches": True}, {}, {"slice_fn_for_dispatch": halves}):
+        kwargs = {"put_on_device": True, "dispatch_batches": True, **kwargs}
+        mine = dl.prepare_data_loader(DataLoader(list(range(10)), batch_size=4), **kwargs)
+        theirs = acc_dl.prepare_data_loader(DataLoader(list(range(10)), batch_size=4), **kwargs)
+        assert [b.tolist() for b in mine] == [b.tolist() for b in theirs], kwargs
+        assert len(mine) == len(theirs)
+
+
+def test_data_loader_dispatcher_built_directly_equals_accelerates():
+    from accelerate.state import PartialState as AcceleratePartialState
+
+    AcceleratePartialState(cpu=True)
+    for kwargs in ({"batch_size": 3}, {"batch_size": 3, "drop_last": True},
+                   {"batch_sampler": BatchSampler(SequentialSampler(range(10)), 4, True), "_drop_last": True}):
+        mine = dl.DataLoaderDispatcher(list(range(10)), **kwargs)
+        theirs = acc_dl.DataLoaderDispatcher(list(range(10)), **kwargs)
+        assert isinstance(mine, DataLoader) and mine.drop_last == theirs.drop_last and len(mine) == len(theirs)
+        assert [b.tolist() for b in mine] == [b.tolist() for b in theirs], kwargs
+    with pytest.raises(Exception, match="skip_batches=2.*skip_first_batches"):
+        dl.DataLoaderDispatcher(list(range(10)), skip_batches=2, batch_size=3)
     with pytest.raises(Exception, match="process_index=3"):
         dl.prepare_data_loader(DataLoader(list(range(4)), batch_size=2), num_processes=2, process_index=3)
 
@@ -338,7 +364,7 @@ def test_prepare_arguments_take_effect_or_raise():
     assert opt.param_groups[0]["lr"] == 0.1
     with pytest.raises(ConfigError, match="device_placement=False"):
         acc.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), device_placement=False)
-    with pytest.raises(ConfigError, match="slice_fn_for_dispatch"):
+    with pytest.raises(ConfigError, match="slice_fn_for_dispatch.*not dispatched.*dispatch_batches=True"):
         acc.prepare_data_loader(DataLoader(list(range(4))), slice_fn_for_dispatch=lambda b, *a: b)
     with acc.trigger_sync_in_backward(model):  # one process: nothing to force
         model(torch.ones(1, 2)).sum().backward()
