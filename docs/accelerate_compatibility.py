@@ -196,13 +196,14 @@ LIMITS = {
     "prepare_model": "evaluation_mode=True prepares the model as for training (same outputs; Accelerate leaves out "
                      "the DDP wrapper)",
     "prepare_optimizer": "device_placement=False raises (the optimizer state lives with its parameters)",
-    "prepare_data_loader": "dispatch_batches=True dispatches from rank 0 as Accelerate's (slice_fn_for_dispatch cuts "
-                           "each rank's part); slice_fn_for_dispatch on a loader that is not dispatched raises "
-                           "(Accelerate ignores it); dispatch_batches=None reads per rank, also for an iterable "
-                           "dataset (Accelerate's standalone function dispatches those)",
-    "DataLoaderDispatcher": "Accelerate's constructor, batches and length (tests/multiprocess/"
-                            "test_dispatch_batches_matches_accelerate.py); skip_batches raises (use "
-                            "skip_first_batches); prepare(dispatch_batches=True) returns a DataLoaderShard",
+    "prepare_data_loader": "slice_fn_for_dispatch cuts each rank's part of a dispatched batch "
+                           "(DataLoaderConfiguration(dispatch_batches=True)); on a loader that is not dispatched it "
+                           "raises (Accelerate ignores it)",
+    "accelerate.data_loader": "DataLoaderDispatcher: Accelerate's constructor, batches and length "
+                              "(tests/multiprocess/test_dispatch_batches_matches_accelerate.py), skip_batches raises "
+                              "(use skip_first_batches); prepare_data_loader(dispatch_batches=True) dispatches as "
+                              "Accelerate's, dispatch_batches=None reads per rank also for an iterable dataset "
+                              "(Accelerate's function dispatches those)",
     "trigger_sync_in_backward": "DDP: the next backward in the block reduces gradients (as Accelerate's); "
                                 "elsewhere nothing to do",
     "state:_reset_state": "provided because transformers calls it: forgets the state, keeps the process group",
