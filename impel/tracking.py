@@ -9,6 +9,8 @@ _EXPORTS = {
         "JSONLTracker", "TensorBoardTracker", "WandBTracker", "MLflowTracker", "TrackioTracker")},
     **{name: "impel.trackers.registry" for name in (
         "get_available_trackers", "register_tracker_class", "LOGGER_TYPE_TO_CLASS")},
+    **{name: "impel.config.unsupported" for name in (  # built-in trackers impel does not ship: the reason on use
+        "AimTracker", "CometMLTracker", "ClearMLTracker", "DVCLiveTracker", "SwanLabTracker")},
 }
 
 __all__ = sorted(_EXPORTS)

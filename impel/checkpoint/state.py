@@ -94,6 +94,6 @@ def check_registrable(objects: Sequence[Any]) -> None:
     for index, obj in enumerate(objects):
         missing = [m for m in ("state_dict", "load_state_dict") if not callable(getattr(obj, m, None))]
         if missing:
-            raise ValueError(f"register_for_checkpointing got {describe(obj)} (argument {index}), which has no "
+            raise ValueError(f"register_for_checkpointing: Item at index {index}, {describe(obj)}, has no "
                              f"{' or '.join(m + '()' for m in missing)}; give it state_dict() and load_state_dict(), "
                              "or save it yourself in a register_save_state_pre_hook hook")

@@ -29,13 +29,19 @@ _SAGEMAKER = "SageMaker launching is not in impel's scope; use `impel launch` in
 _PIPPY = "pipeline-parallel inference (PiPPy) is not in impel's scope"
 _OTHER_DEVICES = "impel runs on CPUs and CUDA GPUs only"
 
+_TRACKER = "not one of impel's built-in trackers (tensorboard, wandb, mlflow, trackio, jsonl); wrap its client in " \
+           "a GeneralTracker subclass and pass an instance to log_with= (or register_tracker_class it)"
+
 REASONS: dict[str, str] = {
+    **{name: _TRACKER for name in (
+        "AimTracker", "CometMLTracker", "ClearMLTracker", "DVCLiveTracker", "SwanLabTracker")},
     **{name: _BIG_MODEL for name in (
         "cpu_offload", "cpu_offload_with_hook", "disk_offload", "dispatch_model", "infer_auto_device_map",
         "load_checkpoint_and_dispatch", "get_balanced_memory", "get_max_layer_size", "clean_device_map",
         "check_device_map", "load_offloaded_weight", "load_offloaded_weights", "offload_weight", "save_offload_index",
         "align_module_device", "has_offloaded_params", "set_module_tensor_to_device", "OffloadedWeightsLoader",
         "PrefixedDataset", "offload_state_dict", "extract_submodules_state_dict", "get_max_memory",
+        "get_state_dict_from_offload",
         "ModelHook", "SequentialHook", "AlignDevicesHook", "CpuOffload", "UserCpuOffloadHook", "LayerwiseCastingHook",
         "add_hook_to_module", "remove_hook_from_module", "attach_align_device_hook", "remove_hook_from_submodules",
         "attach_align_device_hook_on_blocks", "attach_execution_device_hook", "attach_layerwise_casting_hooks",

@@ -230,6 +230,7 @@ class DataLoaderShard(DataLoader[Any]):
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
         self.position = 0
+        self.shard.set_epoch(epoch)  # at once, as Accelerate's (a batch sampler's epoch reads back); again per pass
 
     @property
     def remainder(self) -> int:

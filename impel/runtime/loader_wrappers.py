@@ -32,8 +32,8 @@ class BatchSamplerShard(BatchShardSampler):
                  split_batches: bool = False, even_batches: bool = True) -> None:
         size = getattr(batch_sampler, "batch_size", None)
         if split_batches and (not isinstance(size, int) or size % num_processes):
-            raise ValueError(f"split_batches=True needs the batch sampler's batch_size ({size}) to be a multiple of "
-                             f"num_processes ({num_processes}); change one of them or use split_batches=False")
+            raise ValueError(f"split_batches=True needs the batch sampler's batch_size ({size}) to be a round multiple "
+                             f"of num_processes ({num_processes}); change one of them or use split_batches=False")
         super().__init__(batch_sampler, num_processes, process_index, even_batches)
         if split_batches:
             self.batch_size = size // num_processes  # type: ignore[operator]
@@ -55,8 +55,8 @@ class IterableDatasetShard(IterableShard):
     def __init__(self, dataset: IterableDataset[Any], batch_size: int = 1, drop_last: bool = False,
                  num_processes: int = 1, process_index: int = 0, split_batches: bool = False) -> None:
         if split_batches and batch_size % num_processes:
-            raise ValueError(f"split_batches=True needs batch_size ({batch_size}) to be a multiple of num_processes "
-                             f"({num_processes}); change one of them or use split_batches=False")
+            raise ValueError(f"split_batches=True needs batch_size ({batch_size}) to be a round multiple of "
+                             f"num_processes ({num_processes}); change one of them or use split_batches=False")
         per_rank = batch_size // num_processes if split_batches else batch_size
         super().__init__(dataset, per_rank, num_processes, process_index, drop_last, even_batches=True)
         self.batch_size = batch_size

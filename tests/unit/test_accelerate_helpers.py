@@ -394,3 +394,40 @@ def test_plugin_arguments_impel_does_not_drive_raise_naming_them(plugin, kwargs)
 def test_synchronize_rng_state_without_a_type_names_the_choices():
     with pytest.raises(ValueError, match="'torch', 'cuda' or 'generator'"):
         iu.synchronize_rng_state()
+
+
+def test_data_loader_state_mixin_is_the_type_of_prepared_loaders_as_accelerates():
+    from impel import Accelerator
+
+    prepared = {dl.DataLoaderStateMixin: Accelerator(cpu=True).prepare(DataLoader(list(range(4)), batch_size=2)),
+                acc_dl.DataLoaderStateMixin: acc_dl.prepare_data_loader(DataLoader(list(range(4)), batch_size=2),
+                                                                        num_processes=1, process_index=0)}
+    for mixin, loader in prepared.items():
+        assert isinstance(loader, mixin) and not isinstance(DataLoader(list(range(4))), mixin)
+
+        class Mine(mixin):  # a loader of one's own: Accelerate's two attributes and reset()
+            pass
+
+        mine = Mine()
+        mine.end_of_dataloader, mine.remainder = True, 3
+        mine.reset()
+        state = (Mine.end_of_dataloader, Mine.remainder, mine.end_of_dataloader, mine.remainder)
+        assert state == (False, -1, False, -1)
+    with pytest.raises(NotImplementedError, match="accelerator.prepare"):
+        type("Own", (dl.DataLoaderStateMixin,), {})().begin()
+
+
+def test_set_epoch_reaches_a_custom_batch_sampler_at_once_as_accelerates():
+    from impel import Accelerator
+
+    class EpochBatches(BatchSampler):
+        epoch = 0
+
+        def set_epoch(self, epoch):
+            self.epoch = epoch
+
+    batches = EpochBatches(SequentialSampler(range(8)), 2, False)
+    loader = Accelerator(cpu=True).prepare(DataLoader(list(range(8)), batch_sampler=batches))
+    loader.set_epoch(3)
+    assert batches.epoch == 3  # before any pass, as Accelerate's DataLoaderShard.set_epoch
+    assert [b.tolist() for b in loader] == [[0, 1], [2, 3], [4, 5], [6, 7]] and batches.epoch == 3
