@@ -84,7 +84,8 @@ LIMITS = {
                            "requires_logging_directory / tracker), on_main_process, register_tracker_class, "
                            "get_available_trackers, LOGGER_TYPE_TO_CLASS and the TensorBoard / W&B / MLflow / trackio "
                            "trackers, constructed as Accelerate's (JSONLTracker is impel's own). Not provided: the "
-                           "Aim, Comet, ClearML, DVCLive and SwanLab trackers, filter_trackers, and the built-in "
+                           "Aim, Comet, ClearML, DVCLive and SwanLab trackers (they import and raise "
+                           "NotProvidedError on use), filter_trackers, and the built-in "
                            "trackers' log_images / log_table / log_figure / log_artifact(s) (use get_tracker(name, "
                            "unwrap=True))",
     "notebook_launcher": "single machine or several (same call on each) through torch's elastic agent; use_port=0 "

@@ -32,9 +32,11 @@ _OTHER_DEVICES = "impel runs on CPUs and CUDA GPUs only"
 _TRACKER = "not one of impel's built-in trackers (tensorboard, wandb, mlflow, trackio, jsonl); wrap its client in " \
            "a GeneralTracker subclass and pass an instance to log_with= (or register_tracker_class it)"
 
+# accelerate.tracking's names, not accelerate.utils' (impel.utils leaves them out)
+TRACKERS = ("AimTracker", "CometMLTracker", "ClearMLTracker", "DVCLiveTracker", "SwanLabTracker")
+
 REASONS: dict[str, str] = {
-    **{name: _TRACKER for name in (
-        "AimTracker", "CometMLTracker", "ClearMLTracker", "DVCLiveTracker", "SwanLabTracker")},
+    **{name: _TRACKER for name in TRACKERS},
     **{name: _BIG_MODEL for name in (
         "cpu_offload", "cpu_offload_with_hook", "disk_offload", "dispatch_model", "infer_auto_device_map",
         "load_checkpoint_and_dispatch", "get_balanced_memory", "get_max_layer_size", "clean_device_map",
