@@ -77,8 +77,9 @@ def check_os_kernel() -> None:
         return
     numbers = [int(p) for p in info.release.split("-")[0].split(".")[:2] if p.isdigit()]
     if len(numbers) == 2 and tuple(numbers) < (5, 5):
-        logger.warning("Detected kernel version %s, below the recommended minimum 5.5.0; processes may hang. "
-                       "Upgrade the kernel to the minimum version or higher.", info.release)
+        # the version in the message itself (not a %s argument), as Accelerate's record.msg shows it
+        logger.warning(f"Detected kernel version {info.release}, below the recommended minimum 5.5.0; processes may "
+                       "hang. Upgrade the kernel to the minimum version or higher.")
 
 
 def purge_accelerate_environment(func_or_cls: T) -> T:

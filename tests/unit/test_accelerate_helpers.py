@@ -431,3 +431,21 @@ def test_set_epoch_reaches_a_custom_batch_sampler_at_once_as_accelerates():
     loader.set_epoch(3)
     assert batches.epoch == 3  # before any pass, as Accelerate's DataLoaderShard.set_epoch
     assert [b.tolist() for b in loader] == [[0, 1], [2, 3], [4, 5], [6, 7]] and batches.epoch == 3
+
+
+def test_old_kernel_warning_carries_the_version_in_its_message_as_accelerates(caplog):
+    from unittest import mock
+
+    from accelerate.utils import check_os_kernel as theirs
+
+    from impel.utils import check_os_kernel as mine
+
+    messages = []
+    with mock.patch("platform.uname", return_value=mock.Mock(release="5.4.0-35-generic", system="Linux")):
+        for check in (mine, theirs):
+            caplog.clear()
+            with caplog.at_level("WARNING"):
+                check()
+            assert len(caplog.records) == 1
+            messages.append(caplog.records[0].msg)
+    assert all("5.4.0" in m and "5.5.0" in m for m in messages), messages
