@@ -436,10 +436,12 @@ def test_set_epoch_reaches_a_custom_batch_sampler_at_once_as_accelerates():
 def test_old_kernel_warning_carries_the_version_in_its_message_as_accelerates(caplog):
     from unittest import mock
 
+    from accelerate.state import PartialState as AcceleratePartialState
     from accelerate.utils import check_os_kernel as theirs
 
     from impel.utils import check_os_kernel as mine
 
+    AcceleratePartialState(cpu=True)  # Accelerate's logger needs its state
     messages = []
     with mock.patch("platform.uname", return_value=mock.Mock(release="5.4.0-35-generic", system="Linux")):
         for check in (mine, theirs):
