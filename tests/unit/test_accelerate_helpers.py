@@ -86,6 +86,19 @@ def test_recursively_apply_takes_accelerates_arguments_and_leaves_other_leaves()
         with pytest.raises(TypeError):
             fn(lambda t: t, data, error_on_other_type=True)
         assert fn(lambda x: x * 10, [1, "a"], test_type=lambda x: isinstance(x, int)) == [10, "a"]
+    messages = []
+    for fn in (iu.recursively_apply, acc_utils.recursively_apply):
+        with pytest.raises(TypeError) as raised:
+            fn(torch.tensor, (torch.tensor(1), 1), error_on_other_type=True)
+        messages.append(str(raised.value))
+    assert messages[0] == messages[1]  # Accelerate's sentence: code compares it
+
+
+def test_saving_tied_tensors_warns_with_accelerates_words(tmp_path, caplog):
+    shared = torch.ones(2)
+    with caplog.at_level("WARNING"):
+        iu.save({"a": shared, "b": shared}, tmp_path / "w.safetensors", safe_serialization=True)
+    assert len(caplog.records) == 1 and "Removed shared tensor ['b']" in caplog.text
 
 
 def test_send_to_device_skip_keys_as_accelerate():
