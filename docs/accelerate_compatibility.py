@@ -200,11 +200,15 @@ LIMITS = {
     "prepare_data_loader": "slice_fn_for_dispatch cuts each rank's part of a dispatched batch "
                            "(DataLoaderConfiguration(dispatch_batches=True)); on a loader that is not dispatched it "
                            "raises (Accelerate ignores it)",
-    "accelerate.data_loader": "DataLoaderDispatcher: Accelerate's constructor, batches and length "
+    "accelerate.data_loader": "DataLoaderStateMixin: prepared loaders are instances; a subclass gets "
+                              "end_of_dataloader / remainder / reset() (begin() / end(), which register with "
+                              "Accelerate's GradientState internals, raise). DataLoaderDispatcher: Accelerate's "
+                              "constructor, batches and length "
                               "(tests/multiprocess/test_dispatch_batches_matches_accelerate.py), skip_batches raises "
                               "(use skip_first_batches); prepare_data_loader(dispatch_batches=True) dispatches as "
                               "Accelerate's, dispatch_batches=None reads per rank also for an iterable dataset "
-                              "(Accelerate's function dispatches those)",
+                              "(Accelerate's function dispatches those when put_on_device=True); a loader "
+                              "accelerator.prepare dispatches is a DataLoaderShard, not a DataLoaderDispatcher",
     "trigger_sync_in_backward": "DDP: the next backward in the block reduces gradients (as Accelerate's); "
                                 "elsewhere nothing to do",
     "state:_reset_state": "provided because transformers calls it: forgets the state, keeps the process group",
@@ -268,7 +272,7 @@ paths = [("accelerate.accelerator", "impel.accelerator", ["Accelerator"]),
                                                           "prepare_data_loader", "BatchSamplerShard",
                                                           "IterableDatasetShard", "SeedableRandomSampler",
                                                           "SkipBatchSampler", "SkipDataLoader",
-                                                          "DataLoaderDispatcher"]),
+                                                          "DataLoaderDispatcher", "DataLoaderStateMixin"]),
          ("accelerate.commands.config", "impel.commands.config", ["default_config_file", "load_config_from_file"]),
          ("accelerate.big_modeling", "impel.big_modeling", ["init_empty_weights", "init_on_device"]),
          ("accelerate.launchers", "impel.launchers", ["notebook_launcher", "debug_launcher"]),
