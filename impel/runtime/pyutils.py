@@ -13,6 +13,9 @@ from typing import Any, TypeVar
 from impel.config import environment as env
 
 logger = logging.getLogger(__name__)
+# convert_dict_to_env_variables warns on the logger of the path it is imported from (impel.utils.environment, as
+# Accelerate's accelerate.utils.environment), so a filter set up for that path sees it
+_environment_logger = logging.getLogger("impel.utils.environment")
 T = TypeVar("T")
 
 
@@ -66,7 +69,7 @@ def convert_dict_to_env_variables(current_env: Mapping[str, str]) -> list[str]:
         if key and value and not any(c in key + value for c in (";", "\n", "<", ">", " ")):
             lines.append(f"{key}={value}\n")
         else:
-            logger.warning("Skipping %s=%s: it is empty or holds forbidden characters", key, value)
+            _environment_logger.warning("Skipping %s=%s: it is empty or holds forbidden characters", key, value)
     return lines
 
 

@@ -464,3 +464,12 @@ def test_old_kernel_warning_carries_the_version_in_its_message_as_accelerates(ca
             assert len(caplog.records) == 1
             messages.append(caplog.records[0].msg)
     assert all("5.4.0" in m and "5.5.0" in m for m in messages), messages
+
+
+def test_convert_dict_to_env_variables_warns_on_the_environment_modules_logger(caplog):
+    from impel.utils.environment import convert_dict_to_env_variables
+
+    with caplog.at_level("WARNING", logger="impel.utils.environment"):
+        lines = convert_dict_to_env_variables({"A": "1", "BAD": "<x", "B": "2"})
+    assert lines == ["A=1\n", "B=2\n"]  # Accelerate's result
+    assert [r.name for r in caplog.records] == ["impel.utils.environment"] and "BAD" in caplog.text
