@@ -84,7 +84,8 @@ LIMITS = {
                            "requires_logging_directory / tracker), on_main_process, register_tracker_class, "
                            "get_available_trackers, LOGGER_TYPE_TO_CLASS and the TensorBoard / W&B / MLflow / trackio "
                            "trackers, constructed as Accelerate's (JSONLTracker is impel's own). Not provided: the "
-                           "Aim, Comet, ClearML, DVCLive and SwanLab trackers, filter_trackers, and the built-in "
+                           "Aim, Comet, ClearML, DVCLive and SwanLab trackers (they import and raise "
+                           "NotProvidedError on use), filter_trackers, and the built-in "
                            "trackers' log_images / log_table / log_figure / log_artifact(s) (use get_tracker(name, "
                            "unwrap=True))",
     "notebook_launcher": "single machine or several (same call on each) through torch's elastic agent; use_port=0 "
@@ -196,7 +197,18 @@ LIMITS = {
     "prepare_model": "evaluation_mode=True prepares the model as for training (same outputs; Accelerate leaves out "
                      "the DDP wrapper)",
     "prepare_optimizer": "device_placement=False raises (the optimizer state lives with its parameters)",
-    "prepare_data_loader": "slice_fn_for_dispatch raises when given (impel never dispatches batches)",
+    "prepare_data_loader": "slice_fn_for_dispatch cuts each rank's part of a dispatched batch "
+                           "(DataLoaderConfiguration(dispatch_batches=True)); on a loader that is not dispatched it "
+                           "raises (Accelerate ignores it)",
+    "accelerate.data_loader": "DataLoaderStateMixin: prepared loaders are instances; a subclass gets "
+                              "end_of_dataloader / remainder / reset() (begin() / end(), which register with "
+                              "Accelerate's GradientState internals, raise). DataLoaderDispatcher: Accelerate's "
+                              "constructor, batches and length "
+                              "(tests/multiprocess/test_dispatch_batches_matches_accelerate.py), skip_batches raises "
+                              "(use skip_first_batches); prepare_data_loader(dispatch_batches=True) dispatches as "
+                              "Accelerate's, dispatch_batches=None reads per rank also for an iterable dataset "
+                              "(Accelerate's function dispatches those when put_on_device=True); a loader "
+                              "accelerator.prepare dispatches is a DataLoaderShard, not a DataLoaderDispatcher",
     "trigger_sync_in_backward": "DDP: the next backward in the block reduces gradients (as Accelerate's); "
                                 "elsewhere nothing to do",
     "state:_reset_state": "provided because transformers calls it: forgets the state, keeps the process group",
@@ -259,7 +271,8 @@ paths = [("accelerate.accelerator", "impel.accelerator", ["Accelerator"]),
          ("accelerate.data_loader", "impel.data_loader", ["skip_first_batches", "DataLoaderShard",
                                                           "prepare_data_loader", "BatchSamplerShard",
                                                           "IterableDatasetShard", "SeedableRandomSampler",
-                                                          "SkipBatchSampler", "SkipDataLoader"]),
+                                                          "SkipBatchSampler", "SkipDataLoader",
+                                                          "DataLoaderDispatcher", "DataLoaderStateMixin"]),
          ("accelerate.commands.config", "impel.commands.config", ["default_config_file", "load_config_from_file"]),
          ("accelerate.big_modeling", "impel.big_modeling", ["init_empty_weights", "init_on_device"]),
          ("accelerate.launchers", "impel.launchers", ["notebook_launcher", "debug_launcher"]),

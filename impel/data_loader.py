@@ -6,10 +6,11 @@ from impel.exports import lazy_face
 
 _EXPORTS = {
     "skip_first_batches": "impel.runtime.data", "DataLoaderShard": "impel.runtime.data",
-    "SeedableRandomSampler": "impel.runtime.samplers", "send_to_device": "impel.runtime.collectives",
+    "SeedableRandomSampler": "impel.runtime.samplers", "DataLoaderStateMixin": "impel.runtime.loader_state",
+    "send_to_device": "impel.runtime.collectives",
     **{name: "impel.runtime.loader_wrappers" for name in (
-        "prepare_data_loader", "BatchSamplerShard", "IterableDatasetShard", "SkipBatchSampler", "SkipDataLoader")},
-    "DataLoaderDispatcher": "impel.config.unsupported",
+        "prepare_data_loader", "BatchSamplerShard", "IterableDatasetShard", "SkipBatchSampler", "SkipDataLoader",
+        "DataLoaderDispatcher")},
 }
 
 __all__ = sorted(_EXPORTS)

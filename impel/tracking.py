@@ -1,6 +1,7 @@
 """``impel.tracking``: Accelerate's ``accelerate.tracking`` path (a face; trackers live in :mod:`impel.trackers`)."""
 from __future__ import annotations
 
+from impel.config.unsupported import TRACKERS
 from impel.exports import lazy_face
 
 _EXPORTS = {
@@ -9,6 +10,7 @@ _EXPORTS = {
         "JSONLTracker", "TensorBoardTracker", "WandBTracker", "MLflowTracker", "TrackioTracker")},
     **{name: "impel.trackers.registry" for name in (
         "get_available_trackers", "register_tracker_class", "LOGGER_TYPE_TO_CLASS")},
+    **{name: "impel.config.unsupported" for name in TRACKERS},  # built-in trackers impel does not ship: why, on use
 }
 
 __all__ = sorted(_EXPORTS)

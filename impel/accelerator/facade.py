@@ -253,9 +253,8 @@ class Accelerator(ProcessUtilities, RunSettings):
 
     def prepare_data_loader(self, data_loader: DataLoader, device_placement: bool | None = None,
                             slice_fn_for_dispatch: Callable[..., Any] | None = None) -> DataLoaderShard:
-        if slice_fn_for_dispatch is not None:
-            raise ConfigError("prepare_data_loader(slice_fn_for_dispatch=...) only applies to dispatched batches, "
-                              "which impel does not do (every rank reads its own shard); leave it None")
+        """``slice_fn_for_dispatch`` cuts each rank's part of a dispatched batch (``dispatch_batches=True``); on a
+        loader that is not dispatched it raises."""
         if isinstance(data_loader, DataLoaderShard):
             return data_loader
         place = self.device_placement if device_placement is None else device_placement
@@ -263,7 +262,7 @@ class Accelerator(ProcessUtilities, RunSettings):
         shard = shard_dataloader(data_loader, world=world, rank=rank,
                                  device=self.device if place else None, config=self.dataloader_config,
                                  gradient_state=self.gradient_state, rng_types=self.rng_types,
-                                 hooks=self._resilience)
+                                 hooks=self._resilience, slice_fn=slice_fn_for_dispatch)
         self.prepared.dataloaders.append(shard)
         return shard
 

@@ -48,6 +48,7 @@ def _save_safetensors(obj: Any, f: Any) -> None:
 
     kept, aliases = dedupe_aliases(obj)
     if aliases:
-        logger.warning("save(safe_serialization=True): %s share memory with other tensors and are stored once "
-                       "under the first name (safetensors keeps no aliases)", sorted(aliases))
+        logger.warning("save(safe_serialization=True): Removed shared tensor %s while saving: they share memory with "
+                       "other tensors and are stored once under the first name (safetensors keeps no aliases)",
+                       sorted(aliases))
     save_file(kept, os.fspath(f), metadata={"format": "pt"})

@@ -89,11 +89,13 @@ def describe(obj: Any) -> str:
 
 
 def check_registrable(objects: Sequence[Any]) -> None:
-    """Every object needs callable ``state_dict`` and ``load_state_dict``; a ValueError (as Accelerate's) naming the
-    first that lacks them."""
+    """Every object needs callable ``state_dict`` and ``load_state_dict``; a ValueError (as Accelerate's) naming
+    each that lacks them ("Item at index N, its type, has no ...")."""
+    bad = []
     for index, obj in enumerate(objects):
         missing = [m for m in ("state_dict", "load_state_dict") if not callable(getattr(obj, m, None))]
         if missing:
-            raise ValueError(f"register_for_checkpointing got {describe(obj)} (argument {index}), which has no "
-                             f"{' or '.join(m + '()' for m in missing)}; give it state_dict() and load_state_dict(), "
-                             "or save it yourself in a register_save_state_pre_hook hook")
+            bad.append(f"Item at index {index}, {describe(obj)}, has no {' or '.join(m + '()' for m in missing)}")
+    if bad:
+        raise ValueError(f"register_for_checkpointing: {'; '.join(bad)}. Give each state_dict() and "
+                         "load_state_dict(), or save it yourself in a register_save_state_pre_hook hook")

@@ -28,16 +28,22 @@ _LAUNCH_INTERNAL = "an internal step of `accelerate launch`; use `impel launch` 
 _SAGEMAKER = "SageMaker launching is not in impel's scope; use `impel launch` inside the job"
 _PIPPY = "pipeline-parallel inference (PiPPy) is not in impel's scope"
 _OTHER_DEVICES = "impel runs on CPUs and CUDA GPUs only"
-_DISPATCH = "impel never dispatches batches from rank 0 (dispatch_batches=True is refused); every rank reads its " \
-            "own shard: use accelerator.prepare(dataloader) or impel.data_loader.prepare_data_loader"
+
+_TRACKER = "not one of impel's built-in trackers (tensorboard, wandb, mlflow, trackio, jsonl); wrap its client in " \
+           "a GeneralTracker subclass and pass an instance to log_with= (or register_tracker_class it)"
+
+# accelerate.tracking's names, not accelerate.utils' (impel.utils leaves them out)
+TRACKERS = ("AimTracker", "CometMLTracker", "ClearMLTracker", "DVCLiveTracker", "SwanLabTracker")
 
 REASONS: dict[str, str] = {
+    **{name: _TRACKER for name in TRACKERS},
     **{name: _BIG_MODEL for name in (
         "cpu_offload", "cpu_offload_with_hook", "disk_offload", "dispatch_model", "infer_auto_device_map",
         "load_checkpoint_and_dispatch", "get_balanced_memory", "get_max_layer_size", "clean_device_map",
         "check_device_map", "load_offloaded_weight", "load_offloaded_weights", "offload_weight", "save_offload_index",
         "align_module_device", "has_offloaded_params", "set_module_tensor_to_device", "OffloadedWeightsLoader",
         "PrefixedDataset", "offload_state_dict", "extract_submodules_state_dict", "get_max_memory",
+        "get_state_dict_from_offload",
         "ModelHook", "SequentialHook", "AlignDevicesHook", "CpuOffload", "UserCpuOffloadHook", "LayerwiseCastingHook",
         "add_hook_to_module", "remove_hook_from_module", "attach_align_device_hook", "remove_hook_from_submodules",
         "attach_align_device_hook_on_blocks", "attach_execution_device_hook", "attach_layerwise_casting_hooks",
@@ -68,7 +74,6 @@ REASONS: dict[str, str] = {
         "SageMakerDistributedType", "prepare_sagemager_args_inputs")},
     "prepare_pippy": _PIPPY,
     "TorchTensorParallelPlugin": "deprecated in Accelerate; use ParallelismConfig(tp_size=...)",
-    "DataLoaderDispatcher": _DISPATCH,
     "GatheredParameters": "DeepSpeed ZeRO-3's parameter gathering; use deepspeed.zero.GatheredParameters",
     "write_basic_config": "use `impel config default` (it writes the same file for this machine's hardware)",
     "get_gpu_info": _OTHER_DEVICES + "; read torch.cuda.device_count() / get_device_name()",

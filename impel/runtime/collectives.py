@@ -46,8 +46,10 @@ def recursively_apply(func: Callable[..., Any], data: Any, *args: Any,
         return func(data, *args, **kwargs)
     if not error_on_other_type:
         return data
-    raise TypeError(f"cannot apply {getattr(func, '__name__', 'the operation')} to {type(data).__name__}; pass "
-                    "tensors or lists/tuples/dicts of tensors (use gather_object for other Python objects)")
+    # Accelerate's sentence, word for word (code compares it): the leaf's type, the function, what to pass instead
+    raise TypeError(f"Unsupported types ({type(data)}) passed to `{getattr(func, '__name__', func)}`. Only nested "
+                    f"list/tuple/dicts of objects that are valid for `{getattr(test_type, '__name__', test_type)}` "
+                    "should be passed.")
 
 
 def _tensors(fn: Callable[[torch.Tensor], Any], data: Any) -> Any:

@@ -101,6 +101,9 @@ class ShardSampler(_ShardLayout, Sampler[list[int]]):
         self.sampler = sampler
         self.per_rank_batch = self.batch_size = per_rank_batch  # batch_size: Accelerate's BatchSamplerShard's name
 
+    batch_sampler = property(lambda self: BatchSampler(self.sampler, self.per_rank_batch, self.drop_last),
+                             doc="The batches before sharding, per-rank size (Accelerate's BatchSamplerShard's name)")
+
     def __len__(self) -> int:
         return self._chunks(len(self.sampler), self.per_rank_batch)  # type: ignore[arg-type]
 
@@ -227,6 +230,7 @@ class DataLoaderShard(DataLoader[Any]):
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
         self.position = 0
+        self.shard.set_epoch(epoch)  # at once, as Accelerate's (a batch sampler's epoch reads back); again per pass
 
     @property
     def remainder(self) -> int:
@@ -406,8 +410,12 @@ def _order_sampler(sampler: Any, world: int, config: DataLoaderConfiguration, sh
 
 def shard_dataloader(loader: DataLoader, *, world: int, rank: int, device: torch.device | None,
                      config: DataLoaderConfiguration, gradient_state: Any,
-                     rng_types: list[str] | None = None, hooks: Any = None) -> DataLoaderShard:
+                     rng_types: list[str] | None = None, hooks: Any = None,
+                     slice_fn: Callable[..., Any] | None = None) -> DataLoaderShard:
     """Rebuild ``loader`` so this rank reads its shard; the result iterates like the original.
+
+    ``slice_fn`` (Accelerate's ``slice_fn_for_dispatch``) cuts each rank's part of a dispatched global batch; it
+    needs ``config.dispatch_batches``.
 
     ``rng_types`` (Accelerate's, default ``["generator"]``): with "generator" the order sampler's generator is
     rank 0's; "torch" / "cuda" are shared from rank 0 at the start of every pass.
@@ -429,9 +437,13 @@ def shard_dataloader(loader: DataLoader, *, world: int, rank: int, device: torch
         extra["prefetch_factor"] = loader.prefetch_factor
     if config.dispatch_batches:  # rank 0 reads, every rank receives its slice (impel.runtime.dispatch)
         shard: Any = dispatching_loader(loader, extra, world=world, rank=rank, split_batches=config.split_batches,
-                                        device=device, seedable=config.use_seedable_sampler)
+                                        device=device, seedable=config.use_seedable_sampler, slice_fn=slice_fn)
         return DataLoaderShard(shard, shard, device, config.non_blocking, gradient_state, per_rank, loader, rng_types,
                                hooks)
+    if slice_fn is not None:
+        raise ConfigError("slice_fn_for_dispatch only cuts dispatched batches (rank 0 reads, every rank receives its "
+                          "slice), and this DataLoader is not dispatched: pass dispatch_batches=True "
+                          "(DataLoaderConfiguration) or leave slice_fn_for_dispatch None")
     if isinstance(loader.dataset, IterableDataset):
         if loader.num_workers > 0:
             raise ConfigError(f"DataLoader(num_workers={loader.num_workers}) over an IterableDataset: impel shards "

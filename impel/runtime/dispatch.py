@@ -16,7 +16,7 @@ asks for ``set_epoch``, ``skip`` and the remainder, so the prepared loader keeps
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -31,8 +31,10 @@ class DispatchingLoader:
     its slice of every global batch. DataLoader attributes not defined here are ``inner``'s."""
 
     def __init__(self, inner: DataLoader[Any], original: DataLoader[Any], world: int, rank: int,
-                 split_batches: bool, device: torch.device) -> None:
+                 split_batches: bool, device: torch.device,
+                 slice_fn: Callable[..., Any] | None = None) -> None:
         self.inner = inner
+        self.slice_fn = slice_fn  # Accelerate's slice_fn_for_dispatch: (batch, slice, process_index=, num_processes=)
         self.world = world
         self.rank = rank
         self.split_batches = split_batches
@@ -81,7 +83,7 @@ class DispatchingLoader:
         while current is not None:
             batch = self._receive(current)
             if first is None and not self.drop_last:
-                first = _slice(batch, slice(0, self.world))
+                first = self._slice(batch, slice(0, self.world))
             observed = _batch_size(batch)
             per_rank = observed // self.world
             upcoming = self._fetch(source)
@@ -90,9 +92,14 @@ class DispatchingLoader:
                 if not self.drop_last and observed % self.world:
                     batch, per_rank = _concatenate([batch, first]), per_rank + 1
             if index >= self.skip:
-                yield _slice(batch, slice(self.rank * per_rank, (self.rank + 1) * per_rank))
+                yield self._slice(batch, slice(self.rank * per_rank, (self.rank + 1) * per_rank))
             index += 1
             current = upcoming
+
+    def _slice(self, batch: Any, part: slice) -> Any:
+        if self.slice_fn is None:
+            return _slice(batch, part)
+        return self.slice_fn(batch, part, process_index=self.rank, num_processes=self.world)
 
     def _fetch(self, source: Iterator[Any]) -> tuple[Any, Any] | None:
         """The next global batch on rank 0 and its layout on every rank; None when the pass is over."""
@@ -119,7 +126,8 @@ class DispatchingLoader:
 
 
 def dispatching_loader(loader: DataLoader[Any], extra: dict[str, Any], *, world: int, rank: int,
-                       split_batches: bool, device: torch.device | None, seedable: bool) -> DispatchingLoader:
+                       split_batches: bool, device: torch.device | None, seedable: bool,
+                       slice_fn: Callable[..., Any] | None = None) -> DispatchingLoader:
     """The user's loader rebuilt as Accelerate's dispatcher rebuilds it (same dataset and batch sampler, no
     generator), behind a :class:`DispatchingLoader`; raises for what the dispatcher cannot honour."""
     import torch.distributed as dist
@@ -140,7 +148,7 @@ def dispatching_loader(loader: DataLoader[Any], extra: dict[str, Any], *, world:
         inner = DataLoader(loader.dataset, batch_size=loader.batch_size, drop_last=loader.drop_last, **kwargs)
     else:
         inner = DataLoader(loader.dataset, batch_sampler=loader.batch_sampler, **kwargs)
-    return DispatchingLoader(inner, loader, world, rank, split_batches, device)
+    return DispatchingLoader(inner, loader, world, rank, split_batches, device, slice_fn)
 
 
 class _TensorLayout:

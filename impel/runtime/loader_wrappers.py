@@ -32,8 +32,8 @@ class BatchSamplerShard(BatchShardSampler):
                  split_batches: bool = False, even_batches: bool = True) -> None:
         size = getattr(batch_sampler, "batch_size", None)
         if split_batches and (not isinstance(size, int) or size % num_processes):
-            raise ValueError(f"split_batches=True needs the batch sampler's batch_size ({size}) to be a multiple of "
-                             f"num_processes ({num_processes}); change one of them or use split_batches=False")
+            raise ValueError(f"split_batches=True needs the batch sampler's batch_size ({size}) to be a round multiple "
+                             f"of num_processes ({num_processes}); change one of them or use split_batches=False")
         super().__init__(batch_sampler, num_processes, process_index, even_batches)
         if split_batches:
             self.batch_size = size // num_processes  # type: ignore[operator]
@@ -55,8 +55,8 @@ class IterableDatasetShard(IterableShard):
     def __init__(self, dataset: IterableDataset[Any], batch_size: int = 1, drop_last: bool = False,
                  num_processes: int = 1, process_index: int = 0, split_batches: bool = False) -> None:
         if split_batches and batch_size % num_processes:
-            raise ValueError(f"split_batches=True needs batch_size ({batch_size}) to be a multiple of num_processes "
-                             f"({num_processes}); change one of them or use split_batches=False")
+            raise ValueError(f"split_batches=True needs batch_size ({batch_size}) to be a round multiple of "
+                             f"num_processes ({num_processes}); change one of them or use split_batches=False")
         per_rank = batch_size // num_processes if split_batches else batch_size
         super().__init__(dataset, per_rank, num_processes, process_index, drop_last, even_batches=True)
         self.batch_size = batch_size
@@ -95,14 +95,37 @@ class SkipDataLoader(DataLoader[Any]):
         return max(0, super().__len__() - self.skip_batches)
 
 
-def _refuse_unsupported(dispatch_batches: bool | None, slice_fn_for_dispatch: Callable[..., Any] | None,
-                        torch_device_mesh: Any) -> None:
-    if dispatch_batches:
-        raise ConfigError("prepare_data_loader(dispatch_batches=True): impel never dispatches batches from rank 0; "
-                          "every rank reads its own shard. Use dispatch_batches=False (or None)")
-    if slice_fn_for_dispatch is not None:
-        raise ConfigError("prepare_data_loader(slice_fn_for_dispatch=...) only applies to dispatched batches, which "
-                          "impel does not do; leave it None")
+class DataLoaderDispatcher(DataLoaderShard):
+    """Accelerate's dispatching DataLoader built directly: a ``DataLoader(dataset, **kwargs)`` that rank 0 reads,
+    every rank of :class:`PartialState` receiving its slice of each global batch on its device
+    (:mod:`impel.runtime.dispatch`, the loader ``dispatch_batches=True`` prepares). ``_drop_last`` drops a last global
+    batch too short to split (else it is completed from the epoch's first samples), as Accelerate's; ``drop_last`` in
+    ``kwargs`` is rank 0's DataLoader's. ``slice_fn`` cuts each rank's part."""
+
+    def __init__(self, dataset: Any, split_batches: bool = False, skip_batches: int = 0,
+                 use_stateful_dataloader: bool = False, _drop_last: bool = False, _non_blocking: bool = False,
+                 slice_fn: Callable[..., Any] | None = None, torch_device_mesh: Any = None, **kwargs: Any) -> None:
+        if skip_batches:
+            raise ConfigError(f"DataLoaderDispatcher(skip_batches={skip_batches}): skip batches of one pass with "
+                              "impel.skip_first_batches(loader, num_batches) on the built loader instead")
+        _refuse_unsupported(True, True, torch_device_mesh)
+        loader = DataLoader(dataset, **kwargs)
+        state = PartialState()
+        config = DataLoaderConfiguration(split_batches=split_batches, dispatch_batches=True,
+                                         non_blocking=_non_blocking, use_stateful_dataloader=use_stateful_dataloader)
+        built = shard_dataloader(loader, world=state.num_processes, rank=state.process_index, device=state.device,
+                                 config=config, gradient_state=GradientState(GradientAccumulationPlugin(num_steps=1)),
+                                 slice_fn=slice_fn)
+        self.__dict__.update(built.__dict__)
+        self.shard.drop_last = _drop_last  # whether a short last global batch is dropped (Accelerate's _drop_last)
+        self.split_batches = split_batches
+        self.slice_fn = slice_fn
+
+
+def _refuse_unsupported(dispatch_batches: bool | None, put_on_device: bool, torch_device_mesh: Any) -> None:
+    if dispatch_batches and not put_on_device:
+        raise ConfigError("prepare_data_loader(dispatch_batches=True) broadcasts each batch on the process's device, "
+                          "so it needs put_on_device=True (as Accelerate requires); pass it, or drop dispatch_batches")
     if torch_device_mesh is not None:
         raise ConfigError("prepare_data_loader(torch_device_mesh=...): impel shards over the data-parallel ranks of "
                           "the Accelerator's mesh; use Accelerator(parallelism_config=...).prepare(dataloader)")
@@ -118,18 +141,22 @@ def prepare_data_loader(dataloader: DataLoader[Any], device: torch.device | None
     """Accelerate's ``prepare_data_loader`` outside an Accelerator: ``dataloader`` for rank ``process_index`` of
     ``num_processes`` (default :class:`PartialState`'s), the same batches as ``accelerator.prepare`` gives, on
     ``device`` (default the process's) when ``put_on_device``. With several processes a shuffling sampler takes rank
-    0's generator (as ``accelerator.prepare`` does), so every rank draws the same order."""
-    _refuse_unsupported(dispatch_batches, slice_fn_for_dispatch, torch_device_mesh)
+    0's generator (as ``accelerator.prepare`` does), so every rank draws the same order. ``dispatch_batches=True``
+    (with ``put_on_device``): rank 0 reads and every rank receives its slice (:mod:`impel.runtime.dispatch`), cut
+    by ``slice_fn_for_dispatch`` when given; None reads per rank, as an Accelerator's prepare does."""
+    _refuse_unsupported(dispatch_batches, put_on_device, torch_device_mesh)
     state = PartialState() if num_processes is None or process_index is None or put_on_device else None
     world = num_processes if num_processes is not None else state.num_processes  # type: ignore[union-attr]
     rank = process_index if process_index is not None else state.process_index  # type: ignore[union-attr]
     if not 0 <= rank < world:
         raise ConfigError(f"process_index={rank} is not a rank of num_processes={world}; pass 0 <= process_index < "
                           "num_processes")
-    config = DataLoaderConfiguration(split_batches=split_batches, even_batches=even_batches,
+    config = DataLoaderConfiguration(split_batches=split_batches, dispatch_batches=dispatch_batches,
+                                     even_batches=even_batches,
                                      use_seedable_sampler=use_seedable_sampler, data_seed=data_seed,
                                      non_blocking=non_blocking, use_stateful_dataloader=use_stateful_dataloader)
     target = (device if device is not None else state.device) if put_on_device else None  # type: ignore[union-attr]
     return shard_dataloader(dataloader, world=world, rank=rank, device=target, config=config,
                             gradient_state=GradientState(GradientAccumulationPlugin(num_steps=1)),
-                            rng_types=list(rng_types) if rng_types is not None else None)
+                            rng_types=list(rng_types) if rng_types is not None else None,
+                            slice_fn=slice_fn_for_dispatch)

@@ -13,6 +13,9 @@ from typing import Any, TypeVar
 from impel.config import environment as env
 
 logger = logging.getLogger(__name__)
+# convert_dict_to_env_variables warns on the logger of the path it is imported from (impel.utils.environment, as
+# Accelerate's accelerate.utils.environment), so a filter set up for that path sees it
+_environment_logger = logging.getLogger("impel.utils.environment")
 T = TypeVar("T")
 
 
@@ -66,7 +69,7 @@ def convert_dict_to_env_variables(current_env: Mapping[str, str]) -> list[str]:
         if key and value and not any(c in key + value for c in (";", "\n", "<", ">", " ")):
             lines.append(f"{key}={value}\n")
         else:
-            logger.warning("Skipping %s=%s: it is empty or holds forbidden characters", key, value)
+            _environment_logger.warning("Skipping %s=%s: it is empty or holds forbidden characters", key, value)
     return lines
 
 
@@ -77,8 +80,9 @@ def check_os_kernel() -> None:
         return
     numbers = [int(p) for p in info.release.split("-")[0].split(".")[:2] if p.isdigit()]
     if len(numbers) == 2 and tuple(numbers) < (5, 5):
-        logger.warning("Detected kernel version %s, below the recommended minimum 5.5.0; processes may hang. "
-                       "Upgrade the kernel to the minimum version or higher.", info.release)
+        # the version in the message itself (not a %s argument), as Accelerate's record.msg shows it
+        logger.warning(f"Detected kernel version {info.release}, below the recommended minimum 5.5.0; processes may "
+                       "hang. Upgrade the kernel to the minimum version or higher.")
 
 
 def purge_accelerate_environment(func_or_cls: T) -> T:

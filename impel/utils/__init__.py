@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from impel.config.unsupported import REASONS
+from impel.config.unsupported import REASONS, TRACKERS
 from impel.exports import lazy_face
 
 _AVAILABILITY = (
@@ -88,7 +88,7 @@ SOURCES: dict[str, str] = {
     **{name: "impel.runtime.module_tools" for name in (
         "id_tensor_storage", "find_tied_parameters", "dtype_byte_size", "convert_file_size_to_int",
         "compute_module_sizes", "is_peft_model", "get_module_children_bottom_up", "model_has_dtensor")},
-    **{name: "impel.config.unsupported" for name in REASONS},
+    **{name: "impel.config.unsupported" for name in REASONS if name not in TRACKERS},
 }
 
 

@@ -137,28 +137,11 @@ ACCELERATE_PASSES: dict[tuple[str, int], set[str]] = {
     },
 }
 
-_A2 = ("accelerator.state raises once a later, short-lived Accelerator is collected (issue 28 A2, the other half of "
-       "issue 28): the script's `if state.distributed_type ...` line before it raises, so the check does not run")
-_LOADER = "a prepared DataLoader is not a torch DataLoader yet (no .batch_sampler; the other half of issue 28)"
 REMAINING: dict[tuple[str, int, str], str] = {
-    **{("test_script.py", n, check): _A2 for n in (1, 2) for check in (
-        "central_dl_preparation_check()#1", "custom_sampler_check()#1", "check_seedable_sampler()#1",
-        "check_seedable_sampler_with_data_seed()#1")},
-    ("test_script.py", 1, "rng_sync_check()#1"): _A2 + " (its AcceleratorState() reads distributed_type)",
-    ("test_script.py", 2, "rng_sync_check()#1"): _A2 + " (its AcceleratorState() reads distributed_type)",
     ("test_script.py", 1, "test_reinstantiated_state()#1"):
         "reads Accelerate's internals: after AcceleratorState._reset_state() it expects prepare() to raise an "
         "AttributeError with Accelerate's own message; impel's prepare keeps working (the Accelerator holds its state)",
     ("test_script.py", 2, "test_reinstantiated_state()#1"): "as on 1 process: Accelerate's internal error message",
-    ("test_script.py", 2, "check_seedable_sampler_in_batch_sampler_shard()#1"): _LOADER,
-    ("test_sync.py", 1, "test_noop_sync(accelerator)#1"): _A2,
-    ("test_sync.py", 2, "test_distributed_sync(accelerator)#1"): _A2,
-    ("test_sync.py", 2, "test_distributed_sync_multiple_fwd(accelerator)#1"): _A2,
-    ("test_sync.py", 2, "test_gradient_accumulation_with_opt_and_scheduler()#1"):
-        "the last, short accumulation group divides the loss by its real length (Accelerate: the nominal one); "
-        "Accelerate's default is the other half of issue 28",
-    ("test_distributed_data_loop.py", 2, "test_pickle_accelerator()#1"):
-        "the Accelerator does not pickle yet (a weakref; the other half of issue 28)",
     ("test_distributed_data_loop.py", 2, "test_join_raises_warning_for_non_ddp_distributed(accelerator)#1"):
         "sets accelerator.state.distributed_type = FSDP by hand (read-only in impel: the strategy decides it), then "
         "expects join_uneven_inputs([Mock()]) to warn; impel raises naming the Mock (not a torch Joinable)",

@@ -54,3 +54,27 @@ def test_dispatched_batches_match_accelerate(case):
     ours = run_on_ranks(_passes, 2, args=("impel", case), timeout=240)
     assert ours == theirs
     assert theirs[0]["epochs"][0]["batches"] != theirs[1]["epochs"][0]["batches"]  # each rank its own slice
+
+
+def _direct_dispatchers(framework: str) -> list:
+    """Accelerate's DataLoaderDispatcher built directly (not by prepare), with and without its _drop_last."""
+    if framework == "accelerate":
+        from accelerate import PartialState
+        from accelerate.data_loader import DataLoaderDispatcher
+    else:
+        from impel import PartialState
+        from impel.data_loader import DataLoaderDispatcher
+    PartialState(cpu=True)
+    out = []
+    for drop_last in (False, True):
+        for private in (False, True):
+            loader = DataLoaderDispatcher(list(range(10)), batch_size=3, drop_last=drop_last, _drop_last=private)
+            out.append((len(loader), [b.tolist() for b in loader]))
+    cut = DataLoaderDispatcher(list(range(8)), batch_size=2,
+                               slice_fn=lambda b, part, process_index, num_processes: b[part].flip(0))
+    return out + [[b.tolist() for b in cut]]
+
+
+def test_data_loader_dispatcher_built_directly_matches_accelerate():
+    theirs = run_on_ranks(_direct_dispatchers, 2, args=("accelerate",), env=ACCELERATE_ENV, timeout=240)
+    assert run_on_ranks(_direct_dispatchers, 2, args=("impel",), timeout=240) == theirs

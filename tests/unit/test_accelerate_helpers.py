@@ -86,6 +86,19 @@ def test_recursively_apply_takes_accelerates_arguments_and_leaves_other_leaves()
         with pytest.raises(TypeError):
             fn(lambda t: t, data, error_on_other_type=True)
         assert fn(lambda x: x * 10, [1, "a"], test_type=lambda x: isinstance(x, int)) == [10, "a"]
+    messages = []
+    for fn in (iu.recursively_apply, acc_utils.recursively_apply):
+        with pytest.raises(TypeError) as raised:
+            fn(torch.tensor, (torch.tensor(1), 1), error_on_other_type=True)
+        messages.append(str(raised.value))
+    assert messages[0] == messages[1]  # Accelerate's sentence: code compares it
+
+
+def test_saving_tied_tensors_warns_with_accelerates_words(tmp_path, caplog):
+    shared = torch.ones(2)
+    with caplog.at_level("WARNING"):
+        iu.save({"a": shared, "b": shared}, tmp_path / "w.safetensors", safe_serialization=True)
+    assert len(caplog.records) == 1 and "Removed shared tensor ['b']" in caplog.text
 
 
 def test_send_to_device_skip_keys_as_accelerate():
@@ -243,9 +256,35 @@ def test_prepare_data_loader_on_simulated_ranks_equals_accelerates(kwargs):
         assert [b.tolist() for b in mine] == [b.tolist() for b in theirs], rank
 
 
-def test_prepare_data_loader_refuses_dispatching_naming_it():
-    with pytest.raises(Exception, match="dispatch_batches=True"):
+def test_prepare_data_loader_dispatches_as_accelerates_and_refuses_it_off_device():
+    with pytest.raises(Exception, match="dispatch_batches=True.*put_on_device=True"):
         dl.prepare_data_loader(DataLoader(list(range(4)), batch_size=2), dispatch_batches=True)
+    with pytest.raises(Exception, match="slice_fn_for_dispatch"):
+        dl.prepare_data_loader(DataLoader(list(range(4)), batch_size=2), slice_fn_for_dispatch=lambda b, *a, **k: b)
+
+    def halves(batch, part, process_index=None, num_processes=None):  # a custom cut: every other sample
+        return batch[part.start * 2:part.stop * 2:2]
+
+    for kwargs in ({"split_batches": True}, {}, {"slice_fn_for_dispatch": halves}):
+        kwargs = {"put_on_device": True, "dispatch_batches": True, **kwargs}
+        mine = dl.prepare_data_loader(DataLoader(list(range(10)), batch_size=4), **kwargs)
+        theirs = acc_dl.prepare_data_loader(DataLoader(list(range(10)), batch_size=4), **kwargs)
+        assert [b.tolist() for b in mine] == [b.tolist() for b in theirs], kwargs
+        assert len(mine) == len(theirs)
+
+
+def test_data_loader_dispatcher_built_directly_equals_accelerates():
+    from accelerate.state import PartialState as AcceleratePartialState
+
+    AcceleratePartialState(cpu=True)
+    for kwargs in ({"batch_size": 3}, {"batch_size": 3, "drop_last": True},
+                   {"batch_sampler": BatchSampler(SequentialSampler(range(10)), 4, True), "_drop_last": True}):
+        mine = dl.DataLoaderDispatcher(list(range(10)), **kwargs)
+        theirs = acc_dl.DataLoaderDispatcher(list(range(10)), **kwargs)
+        assert isinstance(mine, DataLoader) and mine.drop_last == theirs.drop_last and len(mine) == len(theirs)
+        assert [b.tolist() for b in mine] == [b.tolist() for b in theirs], kwargs
+    with pytest.raises(Exception, match="skip_batches=2.*skip_first_batches"):
+        dl.DataLoaderDispatcher(list(range(10)), skip_batches=2, batch_size=3)
     with pytest.raises(Exception, match="process_index=3"):
         dl.prepare_data_loader(DataLoader(list(range(4)), batch_size=2), num_processes=2, process_index=3)
 
@@ -338,7 +377,7 @@ def test_prepare_arguments_take_effect_or_raise():
     assert opt.param_groups[0]["lr"] == 0.1
     with pytest.raises(ConfigError, match="device_placement=False"):
         acc.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), device_placement=False)
-    with pytest.raises(ConfigError, match="slice_fn_for_dispatch"):
+    with pytest.raises(ConfigError, match="slice_fn_for_dispatch.*not dispatched.*dispatch_batches=True"):
         acc.prepare_data_loader(DataLoader(list(range(4))), slice_fn_for_dispatch=lambda b, *a: b)
     with acc.trigger_sync_in_backward(model):  # one process: nothing to force
         model(torch.ones(1, 2)).sum().backward()
@@ -368,3 +407,69 @@ def test_plugin_arguments_impel_does_not_drive_raise_naming_them(plugin, kwargs)
 def test_synchronize_rng_state_without_a_type_names_the_choices():
     with pytest.raises(ValueError, match="'torch', 'cuda' or 'generator'"):
         iu.synchronize_rng_state()
+
+
+def test_data_loader_state_mixin_is_the_type_of_prepared_loaders_as_accelerates():
+    from impel import Accelerator
+
+    prepared = {dl.DataLoaderStateMixin: Accelerator(cpu=True).prepare(DataLoader(list(range(4)), batch_size=2)),
+                acc_dl.DataLoaderStateMixin: acc_dl.prepare_data_loader(DataLoader(list(range(4)), batch_size=2),
+                                                                        num_processes=1, process_index=0)}
+    for mixin, loader in prepared.items():
+        assert isinstance(loader, mixin) and not isinstance(DataLoader(list(range(4))), mixin)
+
+        class Mine(mixin):  # a loader of one's own: Accelerate's two attributes and reset()
+            pass
+
+        mine = Mine()
+        mine.end_of_dataloader, mine.remainder = True, 3
+        mine.reset()
+        state = (Mine.end_of_dataloader, Mine.remainder, mine.end_of_dataloader, mine.remainder)
+        assert state == (False, -1, False, -1)
+    with pytest.raises(NotImplementedError, match="accelerator.prepare"):
+        type("Own", (dl.DataLoaderStateMixin,), {})().begin()
+
+
+def test_set_epoch_reaches_a_custom_batch_sampler_at_once_as_accelerates():
+    from impel import Accelerator
+
+    class EpochBatches(BatchSampler):
+        epoch = 0
+
+        def set_epoch(self, epoch):
+            self.epoch = epoch
+
+    batches = EpochBatches(SequentialSampler(range(8)), 2, False)
+    loader = Accelerator(cpu=True).prepare(DataLoader(list(range(8)), batch_sampler=batches))
+    loader.set_epoch(3)
+    assert batches.epoch == 3  # before any pass, as Accelerate's DataLoaderShard.set_epoch
+    assert [b.tolist() for b in loader] == [[0, 1], [2, 3], [4, 5], [6, 7]] and batches.epoch == 3
+
+
+def test_old_kernel_warning_carries_the_version_in_its_message_as_accelerates(caplog):
+    from unittest import mock
+
+    from accelerate.state import PartialState as AcceleratePartialState
+    from accelerate.utils import check_os_kernel as theirs
+
+    from impel.utils import check_os_kernel as mine
+
+    AcceleratePartialState(cpu=True)  # Accelerate's logger needs its state
+    messages = []
+    with mock.patch("platform.uname", return_value=mock.Mock(release="5.4.0-35-generic", system="Linux")):
+        for check in (mine, theirs):
+            caplog.clear()
+            with caplog.at_level("WARNING"):
+                check()
+            assert len(caplog.records) == 1
+            messages.append(caplog.records[0].msg)
+    assert all("5.4.0" in m and "5.5.0" in m for m in messages), messages
+
+
+def test_convert_dict_to_env_variables_warns_on_the_environment_modules_logger(caplog):
+    from impel.utils.environment import convert_dict_to_env_variables
+
+    with caplog.at_level("WARNING", logger="impel.utils.environment"):
+        lines = convert_dict_to_env_variables({"A": "1", "BAD": "<x", "B": "2"})
+    assert lines == ["A=1\n", "B=2\n"]  # Accelerate's result
+    assert [r.name for r in caplog.records] == ["impel.utils.environment"] and "BAD" in caplog.text

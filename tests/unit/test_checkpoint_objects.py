@@ -47,11 +47,14 @@ def test_registered_objects_round_trip(tmp_path):
 
 def test_registering_an_object_without_state_dict_names_it():
     acc, _model, _opt = prepared()
-    with pytest.raises(ValueError, match=r"got torch\.Tensor"):  # Accelerate's exception type
+    with pytest.raises(ValueError, match=r"Item at index 0, torch\.Tensor"):  # Accelerate's exception type
         acc.register_for_checkpointing(torch.ones(2))
-    with pytest.raises(ValueError, match=r"got builtins\.object \(argument 1\), which has no state_dict\(\) or "
+    with pytest.raises(ValueError, match=r"Item at index 1, builtins\.object, has no state_dict\(\) or "
                                         r"load_state_dict\(\)"):
         acc.register_for_checkpointing(Counter(), object())
+    with pytest.raises(ValueError, match=r"Item at index 0, torch\.Tensor.*; Item at index 1, torch\.Tensor") as raised:
+        acc.register_for_checkpointing(torch.ones(1), torch.ones(2), Counter())  # every bad item, as Accelerate's
+    assert "index 2" not in str(raised.value)
 
 
 class Opaque:
