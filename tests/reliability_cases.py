@@ -10,7 +10,6 @@ import contextlib
 import io
 import os
 import re
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -18,7 +17,7 @@ from torch import nn
 
 import process_cases
 from bad_inputs import BAD_FILES, BAD_FLAGS
-from reliability_round2 import round2_rows
+from reliability_round2 import _raises, round2_rows
 
 Row = tuple[str, str, str]
 
@@ -34,14 +33,6 @@ def _cli(argv: list[str]) -> str:
             code = exc.code
     assert code == 2, f"{argv} exited {code}: {err.getvalue()}"
     return err.getvalue().strip().splitlines()[-1]
-
-
-def _raises(fn: Callable[[], object]) -> str:
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 - the message is what the table shows
-        return f"{type(exc).__name__}: {exc}"
-    raise AssertionError("no error was raised")
 
 
 def _config_rows(work: Path) -> list[Row]:
