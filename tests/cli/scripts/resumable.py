@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 import torch
 from torch import nn
@@ -40,6 +41,18 @@ model = nn.Sequential(nn.Linear(6, 16), nn.Dropout(0.1), nn.Tanh(), nn.Linear(16
 opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
 sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7)
 model, opt, loader, sched = acc.prepare(model, opt, DataLoader(data, batch_size=4, shuffle=True), sched)
+# The signal travels launcher -> torchrun's agent -> ranks; on a busy machine that can take longer than the rest of the
+# run. Rank 0 waits until it has arrived (chained before impel's own handler), so the preemption lands at a known step.
+sigterm_seen = []
+if args.sigterm_at is not None:
+    impel_handler = signal.getsignal(signal.SIGTERM)
+
+    def _seen(signum, frame):
+        sigterm_seen.append(signum)
+        if callable(impel_handler):
+            impel_handler(signum, frame)
+
+    signal.signal(signal.SIGTERM, _seen)
 micro = 0
 while opt.steps_taken < args.total:
     for bx, by in loader:
@@ -61,6 +74,9 @@ while opt.steps_taken < args.total:
             os.kill(os.getpid(), signal.SIGKILL)
         if done == args.sigterm_at and acc.process_index == 0:
             os.kill(os.getppid(), signal.SIGTERM)
+            deadline = time.monotonic() + 120
+            while not sigterm_seen and time.monotonic() < deadline:
+                time.sleep(0.01)
         if done >= args.total:
             break
 state = acc.get_state_dict(model)
