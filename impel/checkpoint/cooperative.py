@@ -34,7 +34,7 @@ from impel.checkpoint.layout import CheckpointError
 
 ALIASES_KEY = "impel_aliases"
 OPTIMIZER_GROUPS_KEY = "impel_param_groups"
-_SEPARATOR = "/"  # optimizer keys: state/<parameter name>/<state name>
+SEPARATOR = "/"  # optimizer keys: state/<parameter name>/<state name>
 
 _DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
            torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
@@ -161,9 +161,9 @@ def optimizer_tensors(state: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor]
     tensors: dict[str, torch.Tensor] = {}
     for param, entries in state.get("state", {}).items():
         for key, value in entries.items():
-            if not isinstance(value, torch.Tensor) or _SEPARATOR in str(param) or _SEPARATOR in key:
+            if not isinstance(value, torch.Tensor) or SEPARATOR in str(param) or SEPARATOR in key:
                 return None
-            tensors[f"state{_SEPARATOR}{param}{_SEPARATOR}{key}"] = value
+            tensors[f"state{SEPARATOR}{param}{SEPARATOR}{key}"] = value
     try:
         groups = json.dumps(_tagged(state.get("param_groups", [])), allow_nan=True)
     except (TypeError, ValueError):
@@ -175,7 +175,7 @@ def optimizer_state_from(tensors: Mapping[str, torch.Tensor], metadata: Mapping[
     """The inverse of :func:`optimizer_tensors`."""
     state: dict[str, dict[str, torch.Tensor]] = {}
     for name, value in tensors.items():
-        _, param, key = name.split(_SEPARATOR)
+        _, param, key = name.split(SEPARATOR)
         state.setdefault(param, {})[key] = value
     return {"state": state, "param_groups": _untagged(json.loads(metadata[OPTIMIZER_GROUPS_KEY]))}
 

@@ -11,7 +11,7 @@ Files: ``model.safetensors`` (``model_1.safetensors`` ... for more models; ``pyt
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from pathlib import Path
 from typing import Any, cast
@@ -19,7 +19,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from impel.checkpoint import cooperative, staging
+from impel.checkpoint import cooperative, full_slices, staging
 from impel.checkpoint.files import (
     read_safetensors,
     read_safetensors_file,
@@ -148,8 +148,11 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
 
 def load_full(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer], directory: Path,
               metadata: Mapping[str, Any], *, skip_models: AbstractSet[int] = frozenset(),
-              options: Any = None) -> None:
-    """Load what :func:`save_full` wrote into the prepared models and optimizers (on every rank)."""
+              options: Any = None, slices: bool = False) -> None:
+    """Load what :func:`save_full` wrote into the prepared models and optimizers (on every rank).
+
+    ``slices`` (sharded models): each rank reads only its own shards' bytes of the safetensors files
+    (``full_slices``) instead of the whole state, which torch would then scatter from rank 0."""
     from torch.distributed.checkpoint.state_dict import (
         set_model_state_dict,
         set_optimizer_state_dict,
@@ -162,7 +165,12 @@ def load_full(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Opti
     for i, model in enumerate(models):
         if i in skip_models:
             continue
-        state = read_weights(directory / metadata["models"][i])
+        path = directory / metadata["models"][i]
+        if slices and path.suffix == ".safetensors":
+            check = _fits(model, i, path, strict=getattr(options, "strict", True))
+            _warn_not_strict(full_slices.load_model(model, path, options, check), path, i)
+            continue
+        state = read_weights(path)
         try:
             # torch types the argument as the invariant dict[str, ValueType], which a dict[str, Tensor] is not
             result = set_model_state_dict(model, state, options=options)  # type: ignore[arg-type]
@@ -171,16 +179,36 @@ def load_full(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Opti
             raise CheckpointError(f"{directory / metadata['models'][i]} does not fit prepared model {i} "
                                   f"({type(model).__name__}): {why}; load it into the model it was saved "
                                   "from") from None
-        if result is not None and (result.missing_keys or result.unexpected_keys):  # load_state(strict=False)
-            logger.warning("%s loaded into model %d with strict=False: missing %s, unexpected %s",
-                           directory / metadata["models"][i], i, list(result.missing_keys),
-                           list(result.unexpected_keys))
+        _warn_not_strict(result, path, i)
     for i, (opt, owner) in enumerate(zip(optimizers, pair_optimizers(models, optimizers))):
-        state = read_optimizer(directory / metadata["optimizers"][i], f"optimizer {i}")
+        path = directory / metadata["optimizers"][i]
+        if slices and path.suffix == ".safetensors" and full_slices.load_optimizer(models[owner], opt, path, options):
+            continue
+        state = read_optimizer(path, f"optimizer {i}")
         if not state.get("state"):
             _load_fresh_optimizer(opt, state)
             continue
         set_optimizer_state_dict(models[owner], opt, state, options=options)
+
+
+def _fits(model: nn.Module, index: int, path: Path, strict: bool) -> Callable[[Mapping[str, tuple[int, ...]]], None]:
+    """The check of a full file's names and shapes against a model, before any byte is read (``full_slices``): a
+    shape that differs raises, and under ``strict`` a name missing or extra; the message is the gathered path's."""
+    def check(shapes: Mapping[str, tuple[int, ...]]) -> None:
+        state = {name: torch.empty(shape, device="meta") for name, shape in shapes.items()}
+        why = first_mismatch(model, state)
+        own = getattr(model, "module", model).state_dict(keep_vars=True)
+        differs = any(name in state and state[name].shape != t.shape for name, t in own.items())
+        if why is not None and (strict or differs):
+            raise CheckpointError(f"{path} does not fit prepared model {index} ({type(model).__name__}): {why}; "
+                                  "load it into the model it was saved from")
+    return check
+
+
+def _warn_not_strict(result: Any, path: Path, index: int) -> None:
+    if result is not None and (result.missing_keys or result.unexpected_keys):  # load_state(strict=False)
+        logger.warning("%s loaded into model %d with strict=False: missing %s, unexpected %s", path, index,
+                       list(result.missing_keys), list(result.unexpected_keys))
 
 
 def first_mismatch(model: nn.Module, state: Mapping[str, torch.Tensor]) -> str | None:

@@ -54,8 +54,9 @@ def _bytes(tensor: torch.Tensor) -> memoryview:
     return view
 
 
-def read(stream: Any) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Every tensor of a safetensors file (in file order) and its metadata; ValueError names what is malformed."""
+def read_header(stream: Any) -> tuple[dict[str, Any], dict[str, str], int]:
+    """A safetensors file's tensor entries (name -> dtype, shape, data_offsets), its string metadata and the file
+    offset where the data starts; ValueError names what is malformed."""
     length = int.from_bytes(_exactly(stream, 8), "little")
     if length > _MAX_HEADER:
         raise ValueError(f"header length {length} is implausible")
@@ -63,28 +64,40 @@ def read(stream: Any) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     if not isinstance(entries, dict):
         raise ValueError("the header is not a JSON object")
     metadata = entries.pop("__metadata__", None) or {}
-    base = 8 + length
-    tensors: dict[str, torch.Tensor] = {}
-    for name, entry in sorted(entries.items(), key=lambda item: item[1]["data_offsets"][0]):
+    for name, entry in entries.items():
         dtype, shape = _NAMES.get(entry.get("dtype")), tuple(entry.get("shape", ()))
         start, end = entry["data_offsets"]
         if dtype is None or end - start != math.prod(shape) * dtype.itemsize:
             raise ValueError(f"tensor {name!r} has an invalid header entry {entry}")
-        tensor = torch.empty(shape, dtype=dtype)
+    return entries, {str(k): str(v) for k, v in metadata.items()}, 8 + length
+
+
+def dtype_of(entry: dict[str, Any]) -> torch.dtype:
+    """The torch dtype of a header entry checked by :func:`read_header`."""
+    return _NAMES[entry["dtype"]]
+
+
+def read(stream: Any) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Every tensor of a safetensors file (in file order) and its metadata; ValueError names what is malformed."""
+    entries, metadata, base = read_header(stream)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, entry in sorted(entries.items(), key=lambda item: item[1]["data_offsets"][0]):
+        tensor = torch.empty(tuple(entry["shape"]), dtype=dtype_of(entry))
         if tensor.numel():
-            stream.seek(base + start)
-            _fill(stream, _bytes(tensor))
+            stream.seek(base + entry["data_offsets"][0])
+            fill(stream, _bytes(tensor))
         tensors[name] = tensor
-    return tensors, {str(k): str(v) for k, v in metadata.items()}
+    return tensors, metadata
 
 
 def _exactly(stream: Any, n: int) -> bytes:
     data = bytearray(n)
-    _fill(stream, memoryview(data))
+    fill(stream, memoryview(data))
     return bytes(data)
 
 
-def _fill(stream: Any, view: memoryview) -> None:
+def fill(stream: Any, view: memoryview) -> None:
+    """Read exactly ``view``'s bytes from ``stream`` into it (ValueError when the file ends first)."""
     while view.nbytes:
         got = stream.readinto(view)
         if not got:

@@ -244,7 +244,7 @@ class FSDPStrategy(Strategy):
                                  options=StateDictOptions(strict=strict))
         else:
             full.load_full(models, optimizers, directory, metadata, skip_models=skip_models,
-                           options=StateDictOptions(full_state_dict=True, strict=strict))
+                           options=StateDictOptions(full_state_dict=True, strict=strict), slices=True)
 
     def precision_report(self, models: Sequence[nn.Module],
                          optimizers: Sequence[torch.optim.Optimizer]) -> PrecisionReport:
