@@ -148,16 +148,14 @@ class Checkpointer:
         collective.arrive("save_state", self.run.process.timeout)
         options = dataclasses.replace(options, shared_dir=not self.config.save_on_each_node)
         final = self._save_target(output_dir)
-        collective.agree(str(final), "the save_state output directory")
         if asynchronous:
             self._check_async()
         leader = self._leader()
-        prepared = collective.on_leader(lambda: self._prepare(final), "preparing the checkpoint directory", leader)
+        # one collective: the ranks agree on the target and get the temporary directory the leader prepared
+        prepared = collective.prepare_agreed(str(final), "the save_state output directory",
+                                             lambda: self._prepare(final), "preparing the checkpoint directory", leader)
         assert prepared is not None  # rank 0 always leads, and every rank gets rank 0's result
         temp = Path(prepared)
-        # the leaders create it; a failure (a directory they may not write) raises on every rank, none waits
-        collective.run_shared(self._storing(final, temp, lambda: temp.mkdir(parents=True, exist_ok=True) if leader
-                                            else None), "creating the checkpoint directory")
         try:
             if not asynchronous:
                 write = lambda: self._metadata(self._write(temp, leader, safe_serialization, options))  # noqa: E731
@@ -167,8 +165,8 @@ class Checkpointer:
                 if self._stager is None:
                     self._stager = staging.new_stager()
                 with staging.deferring(self._stager, group) as deferred:
-                    metadata = self._metadata(collective.run_shared(
-                        lambda: self._write(temp, leader, safe_serialization, options), "save_state"))
+                    metadata = self._metadata(collective.run_shared(self._storing(
+                        final, temp, lambda: self._write(temp, leader, safe_serialization, options)), "save_state"))
                 self.pending = staging.PendingSave(str(final), lambda: self._finish(
                     temp, final, leader, lambda: deferred.run(metadata), group))
         except BaseException:
@@ -184,11 +182,19 @@ class Checkpointer:
         the checkpoint metadata) while they are hashed, the digests shared, then the leader's commit. ``group``: the
         process group of its collectives (None: the default group, on the main thread)."""
         try:
+            box: dict[str, dict[str, Any]] = {}
+
+            def written(sealer: Any) -> dict[str, Any]:
+                box["metadata"] = write()
+                return sealer.entries()  # every file's digests, hashed as written (after their fsyncs)
+
             with sealing(temp) as sealer, crc32_off():
-                metadata = collective.run_shared(self._storing(final, temp, write), "save_state", group)
-                known = collective.run_shared(self._storing(final, temp, sealer.entries), "save_state", group)
-            known = share_digests(temp, known, shared_dir=not self.config.save_on_each_node, group=group)
-            commit = self._storing(final, temp, lambda: self._commit(temp, final, metadata, known) if leader else None)
+                # one all-gather: the write's failure on any rank, and every rank's digests
+                known = collective.gather_shared(self._storing(final, temp, lambda: written(sealer)), "save_state",
+                                                 group)
+            metadata = box["metadata"]
+            merged = share_digests(temp, known, shared_dir=not self.config.save_on_each_node, group=group)
+            commit = self._storing(final, temp, lambda: self._commit(temp, final, metadata, merged) if leader else None)
             collective.run_shared(commit, "committing the checkpoint", group)
         except BaseException:
             if leader:
@@ -259,6 +265,9 @@ class Checkpointer:
 
     def _write(self, temp: Path, leader: bool, safe_serialization: bool, options: SaveOptions) -> dict[str, Any]:
         run, prepared = self.run, self.run.prepared
+        # every rank creates it (the first one wins): no collective of its own; a failure (a directory that may
+        # not be written) is shared by the write's, so every rank raises and none waits
+        temp.mkdir(parents=True, exist_ok=True)
         skip = self._run_save_hooks(temp)
         meta = run.strategy.save_checkpoint(list(prepared.models), prepared.inner_optimizers(), temp,
                                             writer=leader, safe_serialization=safe_serialization,

@@ -65,23 +65,88 @@ def agree(value: str, what: str) -> None:
 
 def run_shared(fn: Callable[[], T], what: str, group: Any = None) -> T:
     """Run ``fn`` on every rank; if it raises anywhere, raise on every rank (the original error where it happened).
-    ``group``: the process group to agree on (an asynchronous save's background group; default: the default one)."""
+    ``group``: the process group to agree on (an asynchronous save's background group; default: the default one).
+
+    One all-reduce of a failure flag when nothing failed; the messages are gathered only after a failure."""
     error: BaseException | None = None
     result: Any = None
     try:
         result = fn()
     except Exception as exc:  # noqa: BLE001 - re-raised below on this rank, reported on the others
         error = exc
-    if is_distributed():
+    if is_distributed() and _any_failed(error is not None, group):
         messages: list[Any] = [None] * dist.get_world_size(group)
         dist.all_gather_object(messages, None if error is None else f"{type(error).__name__}: {error}", group=group)
         failed = {r: m for r, m in enumerate(messages) if m is not None}
-        if failed and error is None:
+        if error is None:
             listed = "; ".join(f"rank {r}: {m}" for r, m in failed.items())
             raise CheckpointError(f"{what} failed on another rank ({listed})")
     if error is not None:
         raise error
     return result
+
+
+def gather_shared(fn: Callable[[], T], what: str, group: Any = None) -> list[T]:
+    """:func:`run_shared` that also returns every rank's result (in rank order), in one all-gather."""
+    error: BaseException | None = None
+    result: Any = None
+    try:
+        result = fn()
+    except Exception as exc:  # noqa: BLE001 - re-raised below on this rank, reported on the others
+        error = exc
+    if not is_distributed():
+        if error is not None:
+            raise error
+        return [result]
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    message = None if error is None else f"{type(error).__name__}: {error}"
+    dist.all_gather_object(gathered, (message, None if error is not None else result), group=group)
+    if error is not None:
+        raise error
+    failed = {r: m for r, (m, _) in enumerate(gathered) if m is not None}
+    if failed:
+        listed = "; ".join(f"rank {r}: {m}" for r, m in failed.items())
+        raise CheckpointError(f"{what} failed on another rank ({listed})")
+    return [value for _, value in gathered]
+
+
+def _any_failed(failed: bool, group: Any) -> bool:
+    """Collective: True on every rank when ``failed`` is True on any (one all-reduce, on the group's device)."""
+    import torch
+
+    device = dist.distributed_c10d._get_object_coll_device(group)  # where all_gather_object would put it
+    flag = torch.tensor([int(failed)], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, group=group)
+    return bool(flag.item())
+
+
+def prepare_agreed(value: str, what_value: str, fn: Callable[[], T], what: str, leader: bool) -> T:
+    """One collective for three steps: every rank passed the same ``value`` (else a CheckpointError naming each
+    rank's, as :func:`agree`), ``fn`` ran on the leader(s) (a failure raised on every rank, as :func:`run_shared`),
+    and every rank returns rank 0's result (as :func:`on_leader`)."""
+    result: Any = None
+    error: BaseException | None = None
+    if leader:
+        try:
+            result = fn()
+        except Exception as exc:  # noqa: BLE001 - re-raised below on this rank, reported on the others
+            error = exc
+    if not is_distributed():
+        if error is not None:
+            raise error
+        return result
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (value, result, None if error is None else f"{type(error).__name__}: {error}"))
+    if len({g[0] for g in gathered}) > 1:
+        listed = ", ".join(f"rank {r}: {g[0]!r}" for r, g in enumerate(gathered))
+        raise CheckpointError(f"ranks disagree on {what_value} ({listed}); pass the same value on every rank")
+    if error is not None:
+        raise error
+    failed = {r: g[2] for r, g in enumerate(gathered) if g[2] is not None}
+    if failed:
+        listed = "; ".join(f"rank {r}: {m}" for r, m in failed.items())
+        raise CheckpointError(f"{what} failed on another rank ({listed})")
+    return gathered[0][1]
 
 
 def on_leader(fn: Callable[[], T], what: str, leader: bool) -> T | None:

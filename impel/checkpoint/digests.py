@@ -159,9 +159,10 @@ def appending(path: Path) -> Iterator[Any]:
     writer.close()
 
 
-def share_digests(root: Path, known: dict[str, Entry], shared_dir: bool, group: Any = None) -> dict[str, Entry]:
-    """Collective: every rank's known digests, plus those of the files nobody hashed yet, whose 64 MiB blocks are
-    dealt round-robin to the ranks (each rank also fsyncs the files it read). Every returned file is fsynced.
+def share_digests(root: Path, known: list[dict[str, Entry]], shared_dir: bool, group: Any = None) -> dict[str, Entry]:
+    """Collective: every rank's known digests (``known``, in rank order, gathered by the caller with the write's
+    outcome), plus those of the files nobody hashed yet, whose 64 MiB blocks are dealt round-robin to the ranks
+    (each rank also fsyncs the files it read). Every returned file is fsynced.
 
     ``shared_dir``: all ranks see the same directory (otherwise each node commits its own copy and only this
     rank's entries are returned; the committer hashes the rest itself). ``group``: the process group (an
@@ -169,12 +170,11 @@ def share_digests(root: Path, known: dict[str, Entry], shared_dir: bool, group: 
     differently, a file left out here is hashed by the committer (``layout.build_manifest``).
     """
     if not (is_distributed() and shared_dir):
-        return dict(known)
+        return dict(known[dist.get_rank(group) if is_distributed() else 0])
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     everyone: list[Any] = [None] * world
-    dist.all_gather_object(everyone, known, group=group)
     merged: dict[str, Entry] = {}
-    for entries in everyone:
+    for entries in known:
         merged.update(entries)
     sizes = {p: p.stat().st_size for p in sorted(root.rglob("*")) if p.is_file()
              and p.relative_to(root).as_posix() not in merged and p.name not in (METADATA_FILE, MARKER_FILE)}

@@ -110,13 +110,19 @@ def trim_host_heap() -> None:
     A checkpoint briefly holds staged state and I/O buffers in the threads that write and hash it; glibc keeps
     what they free in per-thread arenas, so a long run with periodic saves creeps up in RSS without leaking.
     """
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim() -> Any:
+    """glibc's ``malloc_trim``, looked up once (``find_library`` runs ldconfig: ~5 ms, every save otherwise)."""
     import ctypes
     import ctypes.util
 
     name = ctypes.util.find_library("c")
     try:
-        trim = ctypes.CDLL(name).malloc_trim if name else None
+        return ctypes.CDLL(name).malloc_trim if name else None
     except (OSError, AttributeError):
-        return
-    if trim is not None:
-        trim(0)
+        return None
