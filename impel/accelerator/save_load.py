@@ -184,17 +184,22 @@ class Checkpointer:
         try:
             box: dict[str, dict[str, Any]] = {}
 
-            def written(sealer: Any) -> dict[str, Any]:
+            def written(sealer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
                 box["metadata"] = write()
-                return sealer.entries()  # every file's digests, hashed as written (after their fsyncs)
+                # every file's digests, hashed as written (after their fsyncs), and the parts of the files the
+                # committer writes (each DCP directory's metadata, from every rank's)
+                return sealer.entries(), sealer.parts
 
             with sealing(temp) as sealer, crc32_off():
-                # one all-gather: the write's failure on any rank, and every rank's digests
-                known = collective.gather_shared(self._storing(final, temp, lambda: written(sealer)), "save_state",
-                                                 group)
+                # one all-gather: the write's failure on any rank, every rank's digests and parts
+                gathered = collective.gather_shared(self._storing(final, temp, lambda: written(sealer)),
+                                                    "save_state", group)
             metadata = box["metadata"]
-            merged = share_digests(temp, known, shared_dir=not self.config.save_on_each_node, group=group)
-            commit = self._storing(final, temp, lambda: self._commit(temp, final, metadata, merged) if leader else None)
+            merged = share_digests(temp, [entries for entries, _ in gathered],
+                                   shared_dir=not self.config.save_on_each_node, group=group)
+            parts = [rank_parts for _, rank_parts in gathered]
+            commit = self._storing(final, temp, lambda: self._commit(temp, final, metadata, merged, parts)
+                                   if leader else None)
             collective.run_shared(commit, "committing the checkpoint", group)
         except BaseException:
             if leader:
@@ -332,7 +337,12 @@ class Checkpointer:
             "counts": run.prepared.counts(),
         }
 
-    def _commit(self, temp: Path, final: Path, metadata: dict[str, Any], known: dict[str, Any]) -> None:
+    def _commit(self, temp: Path, final: Path, metadata: dict[str, Any], known: dict[str, Any],
+                parts: list[dict[str, Any]]) -> None:
+        for rel in sorted({rel for rank_parts in parts for rel in rank_parts}):  # after the digests were shared
+            from impel.checkpoint import dcp_raw
+
+            dcp_raw.write_merged(temp / rel, [rank_parts[rel] for rank_parts in parts if rel in rank_parts])
         layout.commit(temp, final, metadata, known, keep=ownership.carry_user_files)
         if self.config.automatic_checkpoint_naming:
             layout.rotate(final.parent, self.config.total_limit)

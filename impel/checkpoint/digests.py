@@ -44,6 +44,7 @@ class Sealer:
         self.root = root
         self._sync_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="impel-fsync")
         self._pending: dict[str, tuple[int, Callable[[], list[str]], Future[Any]]] = {}
+        self.parts: dict[str, Any] = {}  # files the committer writes from every rank's part (``contribute``)
 
     def relative(self, path: Path) -> str | None:
         try:
@@ -67,6 +68,17 @@ class Sealer:
 
     def close(self) -> None:
         self._sync_pool.shutdown(wait=True)
+
+
+def contribute(path: Path, part: Any) -> bool:
+    """Under an active :class:`Sealer`: this rank's ``part`` of the file ``path`` (a DCP directory's metadata),
+    which the committing rank writes from every rank's part; True. Else False (the caller writes it)."""
+    sealer = _current.get()
+    rel = sealer.relative(path) if sealer is not None else None
+    if sealer is None or rel is None:
+        return False
+    sealer.parts[rel] = part
+    return True
 
 
 @contextmanager

@@ -134,8 +134,14 @@ def _dcp(call: Callable[..., Any], *args: Any, reader: SafeFileSystemReader | No
 def _writer(path: Path) -> Any:
     """DCP's file writer writing raw chunk bytes (``dcp_raw``: no per-tensor ``torch.save``) through
     ``digests.appending``: hashed as written and fsynced in the background (under save_state), so DCP's own fsync
-    is off."""
-    return dcp_raw.RawWriter(path)
+    is off; each rank plans alone and the committing rank writes the merged metadata (no collective)."""
+    return dcp_raw.RawWriter(path, _rank())
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if is_distributed() else 0
 
 
 def model_dir(index: int) -> str:
@@ -152,18 +158,20 @@ def save_sharded(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.O
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    no_dist = not is_distributed()
     save = deferrable_dcp_save(dcp.save)  # save_state(async_save=True): staged now, saved in the background
-    with crc32_off():
+    rank = _rank()
+    with crc32_off():  # no_dist: every rank plans its own items (dcp_raw.LocalPlanner), nothing is exchanged
         for i, model in enumerate(models):
             if i not in skip_models:
                 _dcp(save, {"model": get_model_state_dict(model, options=options)},
-                     storage_writer=_writer(directory / model_dir(i)), no_dist=no_dist)
+                     storage_writer=_writer(directory / model_dir(i)), planner=dcp_raw.LocalPlanner(rank),
+                     no_dist=True)
         fresh = []
         for i, (opt, owner) in enumerate(zip(optimizers, pair_optimizers(models, optimizers))):
             fresh.append(not opt.state)
             _dcp(save, {"optimizer": optimizer_state(models[owner], opt, options)},
-                 storage_writer=_writer(directory / optimizer_dir(i)), no_dist=no_dist)
+                 storage_writer=_writer(directory / optimizer_dir(i)), planner=dcp_raw.LocalPlanner(rank),
+                 no_dist=True)
     return {"format": FORMAT, "models": [model_dir(i) for i in range(len(models))],
             "optimizers": [optimizer_dir(i) for i in range(len(optimizers))], "fresh_optimizers": fresh}
 
