@@ -72,7 +72,7 @@ class RawWriter(FileSystemWriter):
         if is_distributed():
             raise RuntimeError("a sharded save on several ranks runs inside save_state (its ranks' metadata are "
                                "merged when it commits)")
-        write_merged(Path(self.path) / METADATA_NAME, [metadata])
+        write_merged(Path(self.path) / METADATA_NAME, [metadata], sync=True)
 
     def write_data(self, plan: Any, planner: Any) -> Future[list[WriteResult]]:
         from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -148,12 +148,14 @@ def merge(parts: list[Any]) -> Any:
                               planner_data=planner_data)
 
 
-def write_merged(path: Path, parts: list[Any]) -> None:
-    """Merge the ranks' metadata (:func:`merge`) and write it as ``path`` (a DCP directory's ``.metadata``)."""
+def write_merged(path: Path, parts: list[Any], sync: bool = False) -> None:
+    """Merge the ranks' metadata (:func:`merge`) and write it as ``path`` (a DCP directory's ``.metadata``);
+    ``sync``: fsync it (``save_state``'s commit fsyncs it with the manifest instead)."""
     with open(path, "wb") as f:
         pickle.dump(merge(parts), f)
-        f.flush()
-        os.fsync(f.fileno())
+        if sync:
+            f.flush()
+            os.fsync(f.fileno())
 
 
 def _raw_bytes(tensor: torch.Tensor) -> memoryview:

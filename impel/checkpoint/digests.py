@@ -38,11 +38,12 @@ _current: contextvars.ContextVar[Sealer | None] = contextvars.ContextVar("impel_
 
 class Sealer:
     """Collects the digests of the files written under ``root`` (hashed as they were written) and fsyncs them on
-    an I/O thread; :meth:`entries` waits for all of it."""
+    I/O threads; :meth:`entries` waits for all of it."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        self._sync_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="impel-fsync")
+        # several at once: fsyncs of different files overlap and share the filesystem's journal commits
+        self._sync_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="impel-fsync")
         self._pending: dict[str, tuple[int, Callable[[], list[str]], Future[Any]]] = {}
         self.parts: dict[str, Any] = {}  # files the committer writes from every rank's part (``contribute``)
 

@@ -244,13 +244,15 @@ def commit(temp: Path, final: Path, metadata: dict[str, Any], known: dict[str, d
     swap, to bring what must survive the replacement into ``temp`` (the user's files, :mod:`.ownership`).
     """
     known = known or {}
-    for path in temp.rglob("*"):
-        if path.is_file() and path.relative_to(temp).as_posix() not in known:
-            fsync_file(path)
+    unsynced = [path for path in temp.rglob("*") if path.is_file() and path.relative_to(temp).as_posix() not in known]
     body = dict(metadata, format_version=FORMAT_VERSION, block_size=hashing.BLOCK, files=build_manifest(temp, known))
     text = json.dumps(body, indent=1, sort_keys=True)
     _write_text(temp / METADATA_FILE, text)
     _write_text(temp / MARKER_FILE, hashlib.sha256(text.encode()).hexdigest() + "\n")
+    # every fsync after every write: the first one's journal commit carries them all, the rest find nothing to do
+    # (one commit instead of one per file); nothing is visible before the rename below, after all of them
+    for path in [*unsynced, temp / METADATA_FILE, temp / MARKER_FILE]:
+        fsync_file(path)
     if keep is not None and is_complete(final):
         keep(final, temp)
     fsync_dir(temp)
@@ -265,10 +267,9 @@ def commit(temp: Path, final: Path, metadata: dict[str, Any], known: dict[str, d
 
 
 def _write_text(path: Path, text: str) -> None:
+    """Write ``path`` (not fsynced: :func:`commit` fsyncs it with the others)."""
     with open(path, "w", encoding="utf-8") as f:
         f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def read_metadata(directory: Path) -> dict[str, Any]:
