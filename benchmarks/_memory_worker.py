@@ -85,8 +85,11 @@ def measure_checkpoints(acc: Accelerator, checkpoint_dir: str, out: dict[str, An
     out["cold_load_s"] = timed(acc, lambda: acc.load_state(previous))
     # the reference: torch.load of the same bytes, cold: a sharded checkpoint's ranks read their own shards (one
     # file per rank), a full checkpoint's ranks each read the whole state (one file, every rank reads it)
-    with open(os.path.join(previous, "impel_checkpoint.json")) as f:
-        per_rank = json.load(f)["strategy"].get("format") == "sharded"
+    meta = os.path.join(previous, "impel_checkpoint.json")  # absent in Accelerate's checkpoints: full files
+    per_rank = False
+    if os.path.isfile(meta):
+        with open(meta) as f:
+            per_rank = json.load(f)["strategy"].get("format") == "sharded"
     state = reference_state(model, optimizer, full=not per_rank)
     reference = f"{checkpoint_dir}-torch-{acc.process_index if per_rank else 0}.pt"
     if per_rank or acc.is_main_process:

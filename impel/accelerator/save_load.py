@@ -84,6 +84,11 @@ def _storable(what: str) -> Iterator[None]:
                                      f"store ({exc}); return tensors, numbers, strings, lists and dicts") from None
 
 
+def _reraise(error: BaseException | None) -> None:
+    if error is not None:
+        raise error
+
+
 class Checkpointer:
     """Saves and loads one training run (:class:`impel.accelerator.prepared.TrainingRun`, handed over by the
     Accelerator) under
@@ -162,13 +167,12 @@ class Checkpointer:
                 self._finish(temp, final, leader, write, group=None)
             else:
                 group = staging.background_group(self.run.process.timeout)  # collective the first time
-                if self._stager is None:
-                    self._stager = staging.new_stager()
-                with staging.deferring(self._stager, group) as deferred:
-                    metadata = self._metadata(collective.run_shared(self._storing(
-                        final, temp, lambda: self._write(temp, leader, safe_serialization, options)), "save_state"))
+                staged, metadata = self._stage(temp, final, leader, safe_serialization, options, group)
                 self.pending = staging.PendingSave(str(final), lambda: self._finish(
-                    temp, final, leader, lambda: deferred.run(metadata), group))
+                    temp, final, leader, lambda: staged.run(metadata), group, staged.error), reported=staged.error)
+                if staged.error is not None:
+                    self.config.iteration += 1  # as on the other ranks, whose calls returned
+                    raise staged.error
         except BaseException:
             if leader:
                 shutil.rmtree(temp, ignore_errors=True)
@@ -176,12 +180,31 @@ class Checkpointer:
         self.config.iteration += 1
         return str(final)
 
+    def _stage(self, temp: Path, final: Path, leader: bool, safe_serialization: bool, options: SaveOptions,
+               group: Any) -> tuple[staging.Deferred, dict[str, Any]]:
+        """The blocking part of an asynchronous save: the writes recorded with their state staged, and the metadata.
+        No collective: a failure is kept in ``Deferred.error``; it raises at the call on this rank, and the
+        background job's first step shares it, so the save fails on every rank (at their next call)."""
+        if self._stager is None:
+            self._stager = staging.new_stager()
+        metadata: dict[str, Any] = {}
+        with staging.deferring(self._stager, group) as deferred:
+            try:
+                metadata = self._metadata(self._storing(
+                    final, temp, lambda: self._write(temp, leader, safe_serialization, options))())
+            except Exception as exc:  # noqa: BLE001 - raised by the caller, shared by the background job
+                deferred.error = exc
+        return deferred, metadata
+
     def _finish(self, temp: Path, final: Path, leader: bool, write: Callable[[], dict[str, Any]],
-                group: Any) -> None:
+                group: Any, staged: BaseException | None = None) -> None:
         """The part of a save that can run later, on every rank in the same order: ``write`` (the files; returns
         the checkpoint metadata) while they are hashed, the digests shared, then the leader's commit. ``group``: the
-        process group of its collectives (None: the default group, on the main thread)."""
+        process group of its collectives (None: the default group, on the main thread). ``staged``: an asynchronous
+        save's staging failure on this rank (every rank's are shared first, so all of them fail the save)."""
         try:
+            if group is not None:
+                collective.run_shared(lambda: _reraise(staged), "save_state", group)
             box: dict[str, dict[str, Any]] = {}
 
             def written(sealer: Any) -> tuple[dict[str, Any], dict[str, Any]]:

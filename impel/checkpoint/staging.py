@@ -45,6 +45,7 @@ class Deferred:
         self.stager = stager
         self.group = group  # the process group the recorded DCP saves coordinate on
         self.writes: list[Callable[[], Any]] = []
+        self.error: BaseException | None = None  # staging failed on this rank (``Checkpointer._stage``)
 
     def record(self, fn: Callable[..., Any], state: Any, *args: Any, **kwargs: Any) -> None:
         # the write's position in the save keys its buffers: the next save of the same layout reuses them
@@ -132,9 +133,10 @@ def release_group() -> None:
 class PendingSave:
     """One save being written on a background thread; :meth:`wait` joins it and raises what it raised."""
 
-    def __init__(self, final: str, job: Callable[[], None]) -> None:
+    def __init__(self, final: str, job: Callable[[], None], reported: BaseException | None = None) -> None:
         self.final = final
         self.error: BaseException | None = None
+        self.reported = reported  # raised at the call already (staging failed on this rank): not raised again
         # a script that ends right after save_state still leaves the complete checkpoint: _wait_at_exit joins it
         # (and reports a failure); not a daemon, so nothing ends it halfway
         self.thread = threading.Thread(target=self._run, args=(job,), name="impel-async-save", daemon=False)
@@ -151,10 +153,13 @@ class PendingSave:
     def done(self) -> bool:
         return not self.thread.is_alive()
 
-    def wait(self) -> str:
-        """Block until the save is committed; the checkpoint's path, or a CheckpointError naming it and the cause."""
+    def wait(self) -> str | None:
+        """Block until the save is committed; the checkpoint's path, or a CheckpointError naming it and the cause
+        (None for a save whose failure the call raised already)."""
         self.thread.join()
         _pending.discard(self)
+        if self.reported is not None:
+            return None
         if self.error is not None:
             cause = self.error
             raise CheckpointError(

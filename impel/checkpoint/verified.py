@@ -130,6 +130,12 @@ class VerifyingReader(io.RawIOBase):
             self.hasher.update(data[self.hashed - start:])
             self.hashed = start + data.nbytes
 
+    def hash_up_to(self, position: int) -> None:
+        """Hash the bytes before ``position`` the caller skips, now, from the file (a reader that reads forward
+        with gaps, ``full_slices``: the file is then read front to back once, as the kernel reads ahead)."""
+        if position > self.hashed:
+            self._hash_from_file(min(position, self.size))
+
     def _hash_from_file(self, end: int) -> None:
         buffer = bytearray(min(8 << 20, max(1, end - self.hashed)))
         fd = self.raw.fileno()

@@ -36,3 +36,61 @@ def test_async_save_on_two_ranks_is_the_call_time_state(kind, tmp_path):
         assert "failed" not in out["failed_listing"]  # never committed; the leader deletes its temporary directory:
         assert rank == 1 or out["failed_listing"] == ["async", "sync"]
         assert out["retry"] == str(tmp_path / "next")
+
+
+class _Unstorable:
+    """A registered object whose state cannot be stored until fixed (the leader stages it: staging fails on rank 0
+    only)."""
+
+    def __init__(self) -> None:
+        self.broken = True
+
+    def state_dict(self) -> dict:
+        import threading
+
+        return {"lock": threading.Lock()} if self.broken else {"n": 1}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+def _staging_fails_on_one_rank(root: str) -> dict:
+    import os
+
+    import torch
+
+    from impel import Accelerator, ProjectConfiguration
+    from impel.checkpoint import CheckpointError
+
+    acc = Accelerator(project_config=ProjectConfiguration(project_dir=root, automatic_checkpoint_naming=True))
+    model = torch.nn.Linear(4, 2)
+    model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    obj = _Unstorable()
+    acc.register_for_checkpointing(obj)
+    out: dict = {}
+    try:
+        out["returned"] = acc.save_state(async_save=True)  # no collective after staging: rank 1 returns
+    except CheckpointError as exc:
+        out["raised_at_call"] = str(exc)
+    try:
+        out["waited"] = acc.wait_for_checkpoint()
+    except CheckpointError as exc:
+        out["raised_at_wait"] = str(exc)
+    out["iteration"] = acc.project_configuration.iteration
+    obj.broken = False  # fixed: the next save works on every rank
+    out["next"] = acc.save_state(async_save=True)
+    acc.wait_for_checkpoint()
+    out["listing"] = sorted(os.listdir(os.path.join(root, "checkpoints")))
+    acc.end_training()
+    return out
+
+
+def test_a_staging_failure_on_one_rank_fails_the_save_on_every_rank(tmp_path):
+    results = run_on_ranks(_staging_fails_on_one_rank, 2, args=(str(tmp_path),), timeout=TIMEOUT)
+    first, second = results
+    assert "cannot save registered object 0" in first["raised_at_call"]  # where it happened: at the call
+    assert "raised_at_wait" not in first and first["waited"] is None  # raised once
+    assert "returned" in second and "save_state failed on another rank (rank 0: CheckpointError: cannot save" in \
+        second["raised_at_wait"]  # elsewhere: when the save is waited for
+    assert first["iteration"] == second["iteration"] == 1  # the ranks still agree on the next name
+    assert first["next"] == second["next"] and first["listing"] == second["listing"] == ["checkpoint_1"]
