@@ -23,6 +23,7 @@ import itertools
 import json
 import math
 import os
+import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -130,6 +131,7 @@ def write(tensors: Mapping[str, torch.Tensor], path: Path, metadata: Mapping[str
     header, starts = _header(parts, meta)
     total = len(header) + sum(p.nbytes for p in parts)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    flusher = _Flusher(fd)
     try:
         os.ftruncate(fd, total)  # every rank: the same length, so no order between ranks is needed
         if rank == 0:
@@ -143,9 +145,44 @@ def write(tensors: Mapping[str, torch.Tensor], path: Path, metadata: Mapping[str
             base = len(header) + starts[part.name]
             for at, local_at, count in runs(part.shape, part.offsets, tuple(part.local.shape)):
                 _pwrite_all(fd, view[local_at * size:(local_at + count) * size], base + at * size)
+                flusher.wrote(count * size)
+        flusher.join()
         os.fsync(fd)
     finally:
+        if flusher.thread is not None:
+            flusher.thread.join()  # never close the descriptor under a running fdatasync
         os.close(fd)
+
+
+class _Flusher:
+    """``fdatasync`` on a thread of its own after every 64 MiB this rank wrote (one at a time), so the disk writes
+    back while later bytes are still copied into the page cache (otherwise the final fsync starts all of it)."""
+
+    def __init__(self, fd: int, every: int = 64 << 20) -> None:
+        self.fd, self.every, self.pending = fd, every, 0
+        self.thread: threading.Thread | None = None
+        self.error: OSError | None = None  # a write-back error is sticky to the first fsync that sees it: kept here
+
+    def wrote(self, nbytes: int) -> None:
+        self.pending += nbytes
+        if self.pending >= self.every and (self.thread is None or not self.thread.is_alive()):
+            self.pending = 0
+            self.thread = threading.Thread(target=self._sync, name="impel-fdatasync")
+            self.thread.start()
+
+    def _sync(self) -> None:
+        try:
+            os.fdatasync(self.fd)
+        except OSError as exc:
+            self.error = exc
+
+    def join(self) -> None:
+        """Wait for the running fdatasync; raise what it raised."""
+        if self.thread is not None:
+            self.thread.join()
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
