@@ -21,6 +21,46 @@ import torch
 Path = tuple[Any, ...]
 
 
+class _Shard:
+    """A staged DTensor's local shard with what it takes to wrap it again (the source's spec; no reference to the
+    source tensor itself)."""
+
+    __slots__ = ("local", "spec", "mesh", "placements", "shape", "stride")
+
+    def __init__(self, local: torch.Tensor, source: Any) -> None:
+        self.local = local
+        self.spec = getattr(source, "_spec", None)
+        self.mesh, self.placements = source.device_mesh, source.placements
+        self.shape, self.stride = source.shape, source.stride()
+
+    def wrap(self) -> Any:
+        from torch.distributed.tensor import DTensor
+
+        if self.spec is not None:
+            try:  # the source's own spec (mesh, placements, global shape): no checks, no autograd function
+                return DTensor(self.local, self.spec, requires_grad=False)
+            except (AttributeError, TypeError):  # a torch whose DTensor constructor differs
+                pass
+        return DTensor.from_local(self.local, self.mesh, self.placements, run_check=False, shape=self.shape,
+                                  stride=self.stride)
+
+
+def rewrapped(obj: Any) -> Any:
+    """``obj`` (a staged state) with the placeholders of :meth:`Stager.stage` ``(rewrap=False)`` wrapped again as
+    DTensors; containers are rebuilt only where something inside changed."""
+    if isinstance(obj, _Shard):
+        return obj.wrap()
+    if type(obj) in (dict, list, tuple) or (isinstance(obj, dict) and hasattr(obj, "move_to_end")):
+        if isinstance(obj, dict):
+            out = type(obj)()
+            for k, v in obj.items():
+                out[k] = rewrapped(v)
+            return out
+        items = [rewrapped(v) for v in obj]
+        return items if isinstance(obj, list) else tuple(items)
+    return obj
+
+
 class Stager:
     """CPU copies of state (dicts, lists, tuples of tensors, DTensors and plain data) into reused buffers."""
 
@@ -28,10 +68,13 @@ class Stager:
         self.pin_memory = pin_memory
         self._buffers: dict[Path, torch.UntypedStorage] = {}
 
-    def stage(self, state: Any, key: Any = None) -> Any:
+    def stage(self, state: Any, key: Any = None, rewrap: bool = True) -> Any:
         """A copy of ``state`` whose tensors live in this stager's buffers for ``key`` (the same key next time:
-        the same buffers, reallocated only where a size changed)."""
-        return self._copy(state, (key,), {})
+        the same buffers, reallocated only where a size changed). ``rewrap=False``: DTensors come back as
+        placeholders holding the staged local shard, for :func:`rewrapped` to wrap again later (off the caller's
+        critical path: ``staging.Deferred`` does it on the background thread)."""
+        staged = self._copy(state, (key,), {})
+        return rewrapped(staged) if rewrap else staged
 
     def close(self) -> None:
         """Free the buffers (``end_training``, or memory pressure); the next stage allocates again."""
@@ -46,11 +89,7 @@ class Stager:
         if isinstance(obj, DTensor):
             shard = getattr(obj, "_local_tensor", None)  # to_local() goes through dynamo's wrapper: 0.1 ms a call
             local = self._tensor(shard if isinstance(shard, torch.Tensor) else obj.to_local(), path, memo)
-            try:  # the source's own spec (mesh, placements, global shape): no checks, no autograd function
-                return DTensor(local, obj._spec, requires_grad=False)
-            except (AttributeError, TypeError):  # a torch whose DTensor constructor differs
-                return DTensor.from_local(local, obj.device_mesh, obj.placements, run_check=False,
-                                          shape=obj.shape, stride=obj.stride())
+            return _Shard(local, obj)
         if isinstance(obj, torch.Tensor):
             return self._tensor(obj, path, memo)
         if type(obj) in (dict, list, tuple) or (isinstance(obj, dict) and hasattr(obj, "move_to_end")):

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from impel.checkpoint.layout import CheckpointError
-from impel.checkpoint.stager import Stager
+from impel.checkpoint.stager import Stager, rewrapped
 from impel.runtime.collectives import is_distributed
 
 T = TypeVar("T")
@@ -49,8 +49,9 @@ class Deferred:
 
     def record(self, fn: Callable[..., Any], state: Any, *args: Any, **kwargs: Any) -> None:
         # the write's position in the save keys its buffers: the next save of the same layout reuses them
-        staged = self.stager.stage(state, key=len(self.writes)) if state is not None else None
-        self.writes.append(functools.partial(fn, staged, *args, **kwargs))
+        # DTensors are wrapped again on the background thread (rewrapped), not on the caller's critical path
+        staged = self.stager.stage(state, key=len(self.writes), rewrap=False) if state is not None else None
+        self.writes.append(functools.partial(_rewrapped_call, fn, staged, args, kwargs))
 
     def run(self, result: T) -> T:
         """Do the recorded writes in order (on the background thread; the staged copies are dropped as they go),
@@ -58,6 +59,10 @@ class Deferred:
         while self.writes:
             self.writes.pop(0)()
         return result
+
+
+def _rewrapped_call(fn: Callable[..., Any], staged: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    return fn(rewrapped(staged), *args, **kwargs)
 
 
 _active: contextvars.ContextVar[Deferred | None] = contextvars.ContextVar("impel_deferred", default=None)
