@@ -76,7 +76,47 @@ def _checkpoint_rows(work: Path, raises: Callable[[Callable[[], object]], str],
                 raises(lambda: merge_weights(ck, ck / "out"))))
     model = acc.prepared.models[0]
     out.append(("checkpoint", "`save_model(model, ck/final)`", raises(lambda: acc.save_model(model, ck / "final"))))
+    out.append(_rotation_row(work))
     (ck / "impel_checkpoint.json").write_text("{ truncated")
     out.append(("checkpoint", "`save_state(ck)` over a checkpoint whose `impel_checkpoint.json` is damaged",
                 raises(lambda: acc.save_state(str(ck)))))
     return out
+
+
+def _rotation_row(work: Path) -> tuple[str, str, str]:
+    """``total_limit`` rotation keeps what the user wrote into the checkpoint it deletes."""
+    import logging
+
+    from impel import Accelerator, ProjectConfiguration
+    from impel.runtime.process import ProcessState
+
+    ProcessState._reset()
+    config = ProjectConfiguration(str(work / "rotate"), automatic_checkpoint_naming=True, total_limit=1)
+    acc = Accelerator(cpu=True, project_config=config)
+    model = acc.prepare(_tiny())
+    oldest = Path(acc.save_state())
+    (oldest / "notes.txt").write_text("mine")
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("impel")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        acc.save_state()
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    assert model is not None and (oldest / "notes.txt").read_text() == "mine", "LOST: notes.txt deleted"
+    assert sorted(p.name for p in oldest.iterdir()) == ["notes.txt"]
+    logged = next(line for line in lines if "kept the directory" in line)
+    return ("checkpoint", "`ProjectConfiguration(total_limit=1)`: the next `save_state()` rotates `checkpoint_0`, "
+                          "into which the user wrote `notes.txt`", f"no error: logs `{logged}`")
+
+
+def _tiny() -> Any:
+    import torch
+
+    torch.manual_seed(0)
+    return torch.nn.Linear(2, 1)

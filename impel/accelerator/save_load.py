@@ -326,7 +326,7 @@ class Checkpointer:
     def _commit(self, temp: Path, final: Path, metadata: dict[str, Any], known: dict[str, Any]) -> None:
         layout.commit(temp, final, metadata, known, keep=ownership.carry_user_files)
         if self.config.automatic_checkpoint_naming:
-            layout.rotate(final.parent, self.config.total_limit)
+            layout.rotate(final.parent, self.config.total_limit, ownership.remove_checkpoint)
 
     # --- load -------------------------------------------------------------------------------------------------
     def load(self, input_dir: Any = None, options: LoadOptions = DEFAULT_LOAD) -> str:
