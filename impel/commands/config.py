@@ -47,7 +47,7 @@ def register(subparsers: Any) -> None:
 
 
 def _path(ns: argparse.Namespace) -> str:
-    return getattr(ns, "config_file", None) or env.default_config_path()
+    return getattr(ns, "config_file", None) or env.config_path_to_write()
 
 
 def _gpu_count() -> int:
