@@ -171,6 +171,11 @@ def launch_environment(config: Mapping[str, Any], threads: int | None, gpu_ids: 
         out["OMP_NUM_THREADS"] = "1"
     if gpu_ids not in (None, "all"):
         out["CUDA_VISIBLE_DEVICES"] = str(gpu_ids)
+    if config.get("min_machines") is not None:
+        # elastic: torch's agent otherwise keeps the worker store on the machine that was rank 0 in the first round
+        # for every later round (and the ranks' keys across restarts): losing that machine would hang the rest.
+        # Unshared, each round's rank 0 hosts a fresh store for its ranks.
+        out["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     return out
 
 

@@ -1,0 +1,136 @@
+"""Elastic jobs (``impel launch --nnodes 1:2``): two loopback "machines" (two ``impel launch`` processes on
+127.0.0.1, c10d rendezvous hosted by machine 0). Machine 1 is lost mid-run (its rank SIGKILLs its agent, then
+itself): machine 0 continues alone from the last checkpoint with the accumulation doubled, and ends with the
+parameters of an uninterrupted run of the same global batch; when machine 1 comes back, the job grows back to two.
+No process is left running afterwards."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from cli_helpers import SCRIPTS, Result, finish, impel, start_impel
+from impel.testing import free_port
+
+LIMIT = 240  # per launch: a hang fails at this limit, with the machines' output
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(3 * LIMIT + 60)]
+SCRIPT = str(SCRIPTS / "elastic.py")
+STEPS = "10"
+# a machine that joins within 15 s of the first joins the first round; a lost one is dropped after 3 missed beats
+RDZV = "last_call_timeout=15,keep_alive_interval=1,keep_alive_max_attempt=3"
+SHRINK = ("impel: elastic restart: world size 2 -> 1, gradient accumulation 1 -> 2 (global batch 8 = 4 per process "
+          "x 2 x 1 kept); resumed from ")
+GROW = ("impel: elastic restart: world size 1 -> 2, gradient accumulation 2 -> 1 (global batch 8 = 4 per process "
+        "x 1 x 2 kept); resumed from ")
+
+
+def _machine(port: int, rank: int, home: Path) -> list[str]:
+    return ["launch", "--cpu", "--nnodes", "1:2", "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
+            "--machine_rank", str(rank), "--max_restarts", "3", "--rdzv_conf", RDZV, SCRIPT, str(home / "run"), STEPS]
+
+
+def _report(res: Result) -> dict:
+    assert res.returncode == 0, res.output[-6000:]
+    reports = res.reports()
+    assert len(reports) == 1, res.output[-6000:]
+    return reports[0]
+
+
+def _largest_difference(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(abs(x - y) for name in a for x, y in zip(a[name], b[name], strict=True))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _no_rank_left(home: Path) -> None:
+    """Every rank any attempt started (they append their pids) is gone within a few seconds (the ranks of a
+    killed agent die with it: parent-death signal)."""
+    pids = [int(line) for line in (home / "pids").read_text().split()]
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [p for p in pids if _alive(p)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"ranks still running: {left}"
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """One process, accumulation 2: the global batch of two machines with accumulation 1 (4 x 2 x 1 = 4 x 1 x 2)."""
+    home = tmp_path_factory.mktemp("uninterrupted")
+    return _report(impel(["launch", SCRIPT, str(home / "run"), STEPS, "--accumulation", "2"], home, timeout=LIMIT))
+
+
+def _listening(machine_0: subprocess.Popen, port: int) -> bool:
+    """Machine 0's agent hosts the rendezvous on ``port``: True once it accepts connections, False when machine 0
+    exited first (the port was taken)."""
+    deadline = time.monotonic() + LIMIT
+    while machine_0.poll() is None and time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return True
+        except OSError:
+            time.sleep(0.1)
+    return False
+
+
+def _lose_machine_1(home: Path, grow: bool) -> tuple[subprocess.Popen, int]:
+    """Start both machines (machine 1 dies after optimizer step 4); return machine 0's process and the port. Another
+    process may take the port between free_port() and machine 0's bind (machine 0 then fails at once): retry."""
+    for _ in range(3):
+        port = free_port()
+        extra = {"ELASTIC_GROW_AT": "6"} if grow else {}
+        first = start_impel(_machine(port, 0, home), home, **extra)
+        if not _listening(first, port):
+            assert "in use" in finish(first).output  # the only way machine 0 fails before its ranks start
+            continue
+        second = finish(start_impel(_machine(port, 1, home), home, ELASTIC_DIE_AT="4"), timeout=LIMIT)
+        assert second.returncode == -signal.SIGKILL, second.output[-6000:]  # its own SIGKILL, no error of impel's
+        return first, port
+    raise AssertionError("no free port in 3 attempts")
+
+
+def test_losing_a_machine_continues_on_the_other_with_the_same_global_batch(uninterrupted, tmp_path):
+    first, _ = _lose_machine_1(tmp_path, grow=False)
+    try:
+        res = finish(first, timeout=LIMIT)
+        survivor = _report(res)
+        assert survivor["world"] == 1 and survivor["accumulation"] == 2 and survivor["steps"] == 10
+        assert _largest_difference(survivor["params"], uninterrupted["params"]) < 1e-5
+        assert res.output.count(SHRINK) == 1, res.output[-6000:]  # one line names the change
+        assert res.output.count("elastic restart") == 1 and "has no RNG state" not in res.output
+    finally:
+        _no_rank_left(tmp_path)
+
+
+def test_the_job_grows_back_when_the_machine_returns(uninterrupted, tmp_path):
+    first, port = _lose_machine_1(tmp_path, grow=True)
+    try:
+        deadline = time.monotonic() + LIMIT
+        while not (tmp_path / "alone").exists() and first.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert (tmp_path / "alone").exists(), "machine 0 never ran alone"
+        back = start_impel(_machine(port, 1, tmp_path), tmp_path)
+        grown = finish(first, timeout=LIMIT)
+        returned = finish(back, timeout=60)
+        report = _report(grown)
+        assert returned.returncode == 0, returned.output[-6000:]
+        assert report["world"] == 2 and report["accumulation"] == 1 and report["steps"] == 10
+        assert _largest_difference(report["params"], uninterrupted["params"]) < 1e-5
+        assert grown.output.count(SHRINK) == 1 and grown.output.count(GROW) == 1, grown.output[-6000:]
+        assert grown.output.index(SHRINK) < grown.output.index(GROW)
+    finally:
+        _no_rank_left(tmp_path)
