@@ -38,7 +38,7 @@ def rows(work: Path, cli: Callable[[list[str]], str], raises: Callable[[Callable
          prepared: Callable[[int], Any]) -> list[tuple[str, str, str]]:
     """docs/reliability.md's rows of issue 27 (``reliability_cases.collect``): the one-process cases run here;
     :data:`PROCESS_CASES` are listed with the line their test requires (``\\d+`` shown as N)."""
-    out = _rendezvous_rows(work, cli) + _checkpoint_rows(work, raises, prepared)
+    out = _rendezvous_rows(work, cli) + _checkpoint_rows(work, raises, prepared) + [_elastic_row(raises)]
     for what, line, limit in PROCESS_CASES.values():
         shown = re.sub(r"\\(.)", r"\1", line.replace(r"\d+", "N"))
         out.append((f"ranks (`tests/cli/test_launcher_processes.py`, {limit} s limit, no rank left)", what, shown))
@@ -120,3 +120,23 @@ def _tiny() -> Any:
 
     torch.manual_seed(0)
     return torch.nn.Linear(2, 1)
+
+
+def _elastic_row(raises: Callable[[Callable[[], object]], str]) -> tuple[str, str, str]:
+    """A rank of an elastic job whose script does not resume from checkpoints."""
+    import json
+    import os
+
+    from impel import Accelerator
+    from impel.runtime.process import ProcessState
+
+    ProcessState._reset()
+    launched = {"min_machines": 1, "num_machines": 2, "main_process_ip": "127.0.0.1", "use_cpu": True}
+    os.environ["IMPEL_CONFIG"] = json.dumps(launched)
+    try:
+        line = raises(lambda: Accelerator())
+    finally:
+        del os.environ["IMPEL_CONFIG"]
+        ProcessState._reset()
+    return ("Accelerator", "`Accelerator()` in a rank of `impel launch --nnodes 1:2 ...` without `--auto_resume`",
+            line)

@@ -183,13 +183,13 @@ def plan_launch(ns: argparse.Namespace) -> LaunchPlan:
     """Resolve and check everything; raises ConfigError before any process exists."""
     config, explicit, notes = resolve_config(ns)
     rank_env = _rank_environment(ns)
+    _check_elastic(config)
     if config.num_machines > 1 or (config.num_processes or 1) > 1:
         check_rendezvous(config)  # an unknown host or a taken port: one line now, not a hang or a traceback later
     command = _script_command(ns)
     if config.distributed_type == "AUTO":
         config, explicit = _choose_strategy(config, explicit, notes)
     _check_engines(config, explicit)
-    _check_elastic(config)
     if config.gpu_ids not in (None, "all") and config.use_cpu:
         raise ConfigError(f"gpu_ids={config.gpu_ids!r} has no effect with use_cpu=true; remove one of them")
     if config.num_processes is None:

@@ -25,7 +25,7 @@ def check_elastic(config: Any) -> None:
     low, high = config.min_machines, config.num_machines
     if low > high:
         raise ConfigError(f"min_machines={low} is above num_machines={high}; an elastic job trains on "
-                          f"{low} to {high} machines (--nnodes MIN:MAX with MIN <= MAX)")
+                          "min_machines to num_machines machines: pass --nnodes MIN:MAX with MIN <= MAX")
     if config.rdzv_backend == "static" and "rdzv_backend" in config.explicit:
         raise ConfigError(f"min_machines={low} (an elastic job, --nnodes {low}:{high}) needs the c10d rendezvous, "
                           "which admits machines that join or leave; set rdzv_backend: c10d (--rdzv_backend c10d) "
