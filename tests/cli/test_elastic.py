@@ -1,8 +1,8 @@
 """Elastic jobs (``impel launch --nnodes 1:2``): two loopback "machines" (two ``impel launch`` processes on
 127.0.0.1, c10d rendezvous hosted by machine 0). Machine 1 is lost mid-run (its rank SIGKILLs its agent, then
 itself): machine 0 continues alone from the last checkpoint with the accumulation doubled, and ends with the
-parameters of an uninterrupted run of the same global batch; when machine 1 comes back, the job grows back to two.
-No process is left running afterwards."""
+parameters of the uninterrupted job (and of one process with the same global batch and order); when machine 1
+comes back, the job grows back to two. No process is left running afterwards."""
 from __future__ import annotations
 
 import os
@@ -29,9 +29,10 @@ GROW = ("impel: elastic restart: world size 1 -> 2, gradient accumulation 2 -> 1
         "x 1 x 2 kept); resumed from ")
 
 
-def _machine(port: int, rank: int, home: Path) -> list[str]:
+def _machine(port: int, rank: int, home: Path, *script_args: str) -> list[str]:
     return ["launch", "--cpu", "--nnodes", "1:2", "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
-            "--machine_rank", str(rank), "--max_restarts", "3", "--rdzv_conf", RDZV, SCRIPT, str(home / "run"), STEPS]
+            "--machine_rank", str(rank), "--max_restarts", "3", "--rdzv_conf", RDZV, SCRIPT, str(home / "run"), STEPS,
+            *script_args]
 
 
 def _report(res: Result) -> dict:
@@ -69,9 +70,19 @@ def _no_rank_left(home: Path) -> None:
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    """One process, accumulation 2: the global batch of two machines with accumulation 1 (4 x 2 x 1 = 4 x 1 x 2)."""
+    """The same job on two processes of one machine, never interrupted."""
     home = tmp_path_factory.mktemp("uninterrupted")
-    return _report(impel(["launch", SCRIPT, str(home / "run"), STEPS, "--accumulation", "2"], home, timeout=LIMIT))
+    return _report(impel(["launch", "--cpu", "--num_processes", "2", SCRIPT, str(home / "run"), STEPS], home,
+                         timeout=LIMIT))
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """One process, accumulation 2, the DataLoader shuffling with its own generator: the global batch and the order
+    of two machines with accumulation 1 (4 x 2 x 1 = 4 x 1 x 2)."""
+    home = tmp_path_factory.mktemp("one_process")
+    return _report(impel(["launch", SCRIPT, str(home / "run"), STEPS, "--accumulation", "2", "--seeded_loader"], home,
+                         timeout=LIMIT))
 
 
 def _listening(machine_0: subprocess.Popen, port: int) -> bool:
@@ -87,24 +98,25 @@ def _listening(machine_0: subprocess.Popen, port: int) -> bool:
     return False
 
 
-def _lose_machine_1(home: Path, grow: bool) -> tuple[subprocess.Popen, int]:
+def _lose_machine_1(home: Path, grow: bool, *script_args: str) -> tuple[subprocess.Popen, int]:
     """Start both machines (machine 1 dies after optimizer step 4); return machine 0's process and the port. Another
     process may take the port between free_port() and machine 0's bind (machine 0 then fails at once): retry."""
     for _ in range(3):
         port = free_port()
         extra = {"ELASTIC_GROW_AT": "6"} if grow else {}
-        first = start_impel(_machine(port, 0, home), home, **extra)
+        first = start_impel(_machine(port, 0, home, *script_args), home, **extra)
         if not _listening(first, port):
             assert "in use" in finish(first).output  # the only way machine 0 fails before its ranks start
             continue
-        second = finish(start_impel(_machine(port, 1, home), home, ELASTIC_DIE_AT="4"), timeout=LIMIT)
+        second = finish(start_impel(_machine(port, 1, home, *script_args), home, ELASTIC_DIE_AT="4"), timeout=LIMIT)
         assert second.returncode == -signal.SIGKILL, second.output[-6000:]  # its own SIGKILL, no error of impel's
         return first, port
     raise AssertionError("no free port in 3 attempts")
 
 
 def test_losing_a_machine_continues_on_the_other_with_the_same_global_batch(uninterrupted, tmp_path):
-    first, _ = _lose_machine_1(tmp_path, grow=False)
+    """The sampler shuffles with the generator impel gives it: the survivor alone keeps that order."""
+    first, _ = _lose_machine_1(tmp_path, False)
     try:
         res = finish(first, timeout=LIMIT)
         survivor = _report(res)
@@ -116,20 +128,21 @@ def test_losing_a_machine_continues_on_the_other_with_the_same_global_batch(unin
         _no_rank_left(tmp_path)
 
 
-def test_the_job_grows_back_when_the_machine_returns(uninterrupted, tmp_path):
-    first, port = _lose_machine_1(tmp_path, grow=True)
+def test_the_job_grows_back_when_the_machine_returns(one_process, tmp_path):
+    """With the DataLoader's own generator, the order is the same on one process too."""
+    first, port = _lose_machine_1(tmp_path, True, "--seeded_loader")
     try:
         deadline = time.monotonic() + LIMIT
         while not (tmp_path / "alone").exists() and first.poll() is None and time.monotonic() < deadline:
             time.sleep(0.1)
         assert (tmp_path / "alone").exists(), "machine 0 never ran alone"
-        back = start_impel(_machine(port, 1, tmp_path), tmp_path)
+        back = start_impel(_machine(port, 1, tmp_path, "--seeded_loader"), tmp_path)
         grown = finish(first, timeout=LIMIT)
         returned = finish(back, timeout=60)
         report = _report(grown)
         assert returned.returncode == 0, returned.output[-6000:]
         assert report["world"] == 2 and report["accumulation"] == 1 and report["steps"] == 10
-        assert _largest_difference(report["params"], uninterrupted["params"]) < 1e-5
+        assert _largest_difference(report["params"], one_process["params"]) < 1e-5
         assert grown.output.count(SHRINK) == 1 and grown.output.count(GROW) == 1, grown.output[-6000:]
         assert grown.output.index(SHRINK) < grown.output.index(GROW)
     finally:

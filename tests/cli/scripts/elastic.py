@@ -1,6 +1,8 @@
 """A small run that checkpoints every 2 optimizer steps, for elastic jobs (``impel launch --nnodes 1:2``).
 
-    elastic.py PROJECT_DIR TOTAL_STEPS [--accumulation N]
+    elastic.py PROJECT_DIR TOTAL_STEPS [--accumulation N] [--seeded_loader]
+
+The data is shuffled by the DataLoader's own generator with --seeded_loader, else by the one impel gives the sampler.
 
 $ELASTIC_DIE_AT=N (set for one machine only): on its first attempt, that machine's rank SIGKILLs its agent (the
 ``impel launch`` process, its parent) and then itself after optimizer step N: the machine is lost.
@@ -27,6 +29,7 @@ p = argparse.ArgumentParser()
 p.add_argument("project_dir")
 p.add_argument("total", type=int)
 p.add_argument("--accumulation", type=int, default=1)
+p.add_argument("--seeded_loader", action="store_true")
 args = p.parse_args()
 die_at = int(os.environ.get("ELASTIC_DIE_AT", "0"))
 grow_at = int(os.environ.get("ELASTIC_GROW_AT", "0"))
@@ -43,7 +46,8 @@ x = torch.randn(96, 6, generator=g)
 data = TensorDataset(x, x.sum(1, keepdim=True).tanh())
 model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1))
 opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-loader = DataLoader(data, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(1))
+loader = DataLoader(data, batch_size=4, shuffle=True,
+                    generator=torch.Generator().manual_seed(1) if args.seeded_loader else None)
 model, opt, loader = acc.prepare(model, opt, loader)
 sigterm_seen = []
 if grow_at and acc.num_processes == 1:
