@@ -165,7 +165,8 @@ def render(rows: list[Row], work: Path) -> str:
              "(`tests/unit/test_checkpoint_safety.py`), `save_state` called on one rank only, and NaN/inf losses "
              "(`tests/multiprocess/test_nonfinite_ranks.py`), and a machine of an elastic job (`--nnodes 1:2`) "
              "killed with its ranks, which the job survives on the other machine with the same global batch and "
-             "results (`tests/cli/test_elastic.py`).", "",
+             "results, or machine 0, which hosts the rendezvous: the other stops in seconds with one line naming it "
+             "(`tests/cli/test_elastic.py`).", "",
              "| area | input | error shown |", "|---|---|---|"]
     lines += [f"| {area} | {clean(what)} | {clean(error)} |" for area, what, error in rows]
     return "\n".join(lines) + "\n"

@@ -384,6 +384,7 @@ def run_torchrun(arguments: list[str], variables: dict[str, str]) -> int:
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
 
     watch = RankWatch()
     env.apply_environment({**variables, env.RANK_EXIT_DIR_VAR: watch.exit_dir})
@@ -399,4 +400,11 @@ def run_torchrun(arguments: list[str], variables: dict[str, str]) -> int:
         print(f"impel launch: stopped by {exc.sigval.name}; the ranks were told to stop (with auto_resume they save a "
               "checkpoint at their next step boundary: run the same command again to continue)", file=sys.stderr)
         return 128 + int(exc.sigval)
+    except RendezvousError as exc:  # c10d: the store on the machine of rank 0 is gone or was never reached
+        where = arguments[arguments.index("--rdzv_endpoint") + 1] if "--rdzv_endpoint" in arguments else "?"
+        print(f"impel launch: the rendezvous at {where} failed ({type(exc).__name__}: {str(exc).splitlines()[0]}); "
+              "machine 0 (--machine_rank 0) hosts it, so when that machine is gone or unreachable the job cannot "
+              "go on: start machine 0 again, then the others (with --auto_resume the job continues from its last "
+              "checkpoint)", file=sys.stderr)
+        return 1
     return 0

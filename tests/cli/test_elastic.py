@@ -147,3 +147,24 @@ def test_the_job_grows_back_when_the_machine_returns(one_process, tmp_path):
         assert grown.output.index(SHRINK) < grown.output.index(GROW)
     finally:
         _no_rank_left(tmp_path)
+
+
+def test_losing_machine_0_ends_the_job_with_one_line(tmp_path):
+    """Machine 0 hosts the c10d rendezvous: without it the other machine cannot go on, and says so (no hang)."""
+    for _ in range(3):
+        port = free_port()
+        first = start_impel(_machine(port, 0, tmp_path), tmp_path, ELASTIC_DIE_AT="4")
+        if _listening(first, port):
+            break
+        finish(first)
+    try:
+        other = finish(start_impel(_machine(port, 1, tmp_path), tmp_path), timeout=LIMIT)
+        assert finish(first).returncode == -signal.SIGKILL
+        assert other.returncode == 1, other.output[-6000:]
+        assert other.stderr.strip().splitlines()[-1] == (
+            f"impel launch: the rendezvous at 127.0.0.1:{port} failed (RendezvousConnectionError: The connection to "
+            "the C10d store has failed. See inner exception for details.); machine 0 (--machine_rank 0) hosts it, "
+            "so when that machine is gone or unreachable the job cannot go on: start machine 0 again, then the "
+            "others (with --auto_resume the job continues from its last checkpoint)")
+    finally:
+        _no_rank_left(tmp_path)
