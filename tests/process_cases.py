@@ -52,7 +52,10 @@ def _rendezvous_rows(work: Path, cli: Callable[[list[str]], str]) -> list[tuple[
         port = str(taken.getsockname()[1])
         line = cli(["launch", "--cpu", "--num_processes", "2", "--main_process_port", port, "train.py"])
     (work / "port.yaml").write_text("main_process_port: 99999\n")
-    return [("launch flags", "`--main_process_port PORT` while another process listens on PORT",
+    (work / "elastic.yaml").write_text("num_machines: 2\nmin_machines: 1\nmain_process_ip: 10.0.0.1\n")
+    return [("config file", "`impel config validate` of `num_machines: 2` / `min_machines: 1` (no max_restarts)",
+             cli(["config", "validate", str(work / "elastic.yaml")])),
+            ("launch flags", "`--main_process_port PORT` while another process listens on PORT",
              line.replace(port, "PORT")),
             ("config file", "`impel config validate` of `main_process_port: 99999`",
              cli(["config", "validate", str(work / "port.yaml")]))]

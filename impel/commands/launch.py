@@ -21,7 +21,7 @@ from impel.commands.flags import add_config_flags, explicit_from_flags, explicit
 from impel.commands.preflight import check_rendezvous
 from impel.commands.rank_watch import RankWatch, describe_exit, die_with_this_process
 from impel.config import environment as env
-from impel.config.elastic import check_elastic_batch
+from impel.config.elastic import check_elastic_launch
 from impel.config.environment_settings import describe, environment_settings
 from impel.config.run_config import ConfigError, RunConfig
 from impel.config.yaml_file import read_config_file
@@ -120,17 +120,6 @@ def with_nnodes(flags: dict[str, Any], ns: argparse.Namespace) -> dict[str, Any]
     return {**flags, **values}
 
 
-def _check_elastic(config: RunConfig) -> None:
-    """An elastic job restarts its ranks when a machine is lost, and keeps its global batch on each machine count."""
-    if config.min_machines is None:
-        return
-    if config.max_restarts < 1:
-        raise ConfigError(f"an elastic job (--nnodes {config.min_machines}:{config.num_machines}) continues after a "
-                          "machine is lost by restarting its ranks from the last checkpoint: set --max_restarts N "
-                          "(N >= 1, the failures it may survive)")
-    check_elastic_batch(config.gradient_accumulation_steps, config.min_machines, config.num_machines)
-
-
 def _check_engines(config: RunConfig, explicit: dict[str, Any]) -> None:
     if config.distributed_type == "DEEPSPEED":
         if not deepspeed_available():
@@ -183,7 +172,7 @@ def plan_launch(ns: argparse.Namespace) -> LaunchPlan:
     """Resolve and check everything; raises ConfigError before any process exists."""
     config, explicit, notes = resolve_config(ns)
     rank_env = _rank_environment(ns)
-    _check_elastic(config)
+    check_elastic_launch(config)
     if config.num_machines > 1 or (config.num_processes or 1) > 1:
         check_rendezvous(config)  # an unknown host or a taken port: one line now, not a hang or a traceback later
     command = _script_command(ns)

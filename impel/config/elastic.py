@@ -48,6 +48,18 @@ def smallest_steps(low: int, high: int) -> int:
     return out
 
 
+def check_elastic_launch(config: Any) -> None:
+    """What ``impel launch`` (and ``impel config validate``) check of an elastic job before any rank starts: it
+    restarts its ranks when a machine is lost, and keeps its global batch on each machine count."""
+    if config.min_machines is None:
+        return
+    if config.max_restarts < 1:
+        raise ConfigError(f"an elastic job (--nnodes {config.min_machines}:{config.num_machines}) continues after a "
+                          "machine is lost by restarting its ranks from the last checkpoint: set --max_restarts N "
+                          "(N >= 1, the failures it may survive)")
+    check_elastic_batch(config.gradient_accumulation_steps, config.min_machines, config.num_machines)
+
+
 def check_elastic_batch(steps: int, low: int, high: int) -> None:
     """Before any rank starts: ``steps`` keeps the global batch on every machine count the job can run on."""
     for n in range(low, high):
