@@ -82,7 +82,9 @@ class Resilience:
                               "ProjectConfiguration(project_dir=..., automatic_checkpoint_naming=True))")
         elastic = None
         if config.min_machines is not None:
-            planned = config.num_processes or config.num_machines * run.process.topology.local_world_size
+            from impel.accelerator.resolve import planned_world
+
+            planned = planned_world(config, run.process.topology)
             elastic = (planned, config.gradient_accumulation_steps * run.num_processes // planned)
         return cls(run, checkpointer, auto, nonfinite, elastic)
 

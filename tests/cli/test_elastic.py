@@ -18,7 +18,8 @@ from cli_helpers import SCRIPTS, Result, finish, impel, start_impel
 from impel.testing import free_port
 
 LIMIT = 240  # per launch: a hang fails at this limit, with the machines' output
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(3 * LIMIT + 60)]
+# the inner limits of the longest test (its fixture, then four waits of LIMIT and one of 60 s) stay below this
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(5 * LIMIT + 120)]
 SCRIPT = str(SCRIPTS / "elastic.py")
 STEPS = "10"
 # a machine that joins within 15 s of the first joins the first round; a lost one is dropped after 3 missed beats
@@ -58,7 +59,7 @@ def _alive(pid: int) -> bool:
 def _no_rank_left(home: Path) -> None:
     """Every rank any attempt started (they append their pids) is gone within a few seconds (the ranks of a
     killed agent die with it: parent-death signal)."""
-    pids = [int(line) for line in (home / "pids").read_text().split()]
+    pids = [int(line) for line in (home / "pids").read_text().split()] if (home / "pids").exists() else []
     deadline = time.monotonic() + 10
     while any(_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -66,6 +67,18 @@ def _no_rank_left(home: Path) -> None:
     for pid in left:
         os.kill(pid, signal.SIGKILL)
     assert not left, f"ranks still running: {left}"
+
+
+@pytest.fixture
+def launches():
+    """The ``impel launch`` processes a test starts: any still running at its end (a failed assertion) is killed
+    with its process group, so a failing test leaves no launcher behind either."""
+    started: list[subprocess.Popen] = []
+    yield started
+    for proc in started:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
 
 
 @pytest.fixture(scope="module")
@@ -98,25 +111,27 @@ def _listening(machine_0: subprocess.Popen, port: int) -> bool:
     return False
 
 
-def _lose_machine_1(home: Path, grow: bool, *script_args: str) -> tuple[subprocess.Popen, int]:
+def _lose_machine_1(launches: list, home: Path, grow: bool, *script_args: str) -> tuple[subprocess.Popen, int]:
     """Start both machines (machine 1 dies after optimizer step 4); return machine 0's process and the port. Another
     process may take the port between free_port() and machine 0's bind (machine 0 then fails at once): retry."""
     for _ in range(3):
         port = free_port()
         extra = {"ELASTIC_GROW_AT": "6"} if grow else {}
         first = start_impel(_machine(port, 0, home, *script_args), home, **extra)
+        launches.append(first)
         if not _listening(first, port):
             assert "in use" in finish(first).output  # the only way machine 0 fails before its ranks start
             continue
-        second = finish(start_impel(_machine(port, 1, home, *script_args), home, ELASTIC_DIE_AT="4"), timeout=LIMIT)
+        launches.append(start_impel(_machine(port, 1, home, *script_args), home, ELASTIC_DIE_AT="4"))
+        second = finish(launches[-1], timeout=LIMIT)
         assert second.returncode == -signal.SIGKILL, second.output[-6000:]  # its own SIGKILL, no error of impel's
         return first, port
     raise AssertionError("no free port in 3 attempts")
 
 
-def test_losing_a_machine_continues_on_the_other_with_the_same_global_batch(uninterrupted, tmp_path):
+def test_losing_a_machine_continues_on_the_other_with_the_same_global_batch(uninterrupted, launches, tmp_path):
     """The sampler shuffles with the generator impel gives it: the survivor alone keeps that order."""
-    first, _ = _lose_machine_1(tmp_path, False)
+    first, _ = _lose_machine_1(launches, tmp_path, False)
     try:
         res = finish(first, timeout=LIMIT)
         survivor = _report(res)
@@ -128,15 +143,16 @@ def test_losing_a_machine_continues_on_the_other_with_the_same_global_batch(unin
         _no_rank_left(tmp_path)
 
 
-def test_the_job_grows_back_when_the_machine_returns(one_process, tmp_path):
+def test_the_job_grows_back_when_the_machine_returns(one_process, launches, tmp_path):
     """With the DataLoader's own generator, the order is the same on one process too."""
-    first, port = _lose_machine_1(tmp_path, True, "--seeded_loader")
+    first, port = _lose_machine_1(launches, tmp_path, True, "--seeded_loader")
     try:
         deadline = time.monotonic() + LIMIT
         while not (tmp_path / "alone").exists() and first.poll() is None and time.monotonic() < deadline:
             time.sleep(0.1)
         assert (tmp_path / "alone").exists(), "machine 0 never ran alone"
         back = start_impel(_machine(port, 1, tmp_path, "--seeded_loader"), tmp_path)
+        launches.append(back)
         grown = finish(first, timeout=LIMIT)
         returned = finish(back, timeout=60)
         report = _report(grown)
@@ -149,16 +165,20 @@ def test_the_job_grows_back_when_the_machine_returns(one_process, tmp_path):
         _no_rank_left(tmp_path)
 
 
-def test_losing_machine_0_ends_the_job_with_one_line(tmp_path):
+def test_losing_machine_0_ends_the_job_with_one_line(launches, tmp_path):
     """Machine 0 hosts the c10d rendezvous: without it the other machine cannot go on, and says so (no hang)."""
     for _ in range(3):
         port = free_port()
         first = start_impel(_machine(port, 0, tmp_path), tmp_path, ELASTIC_DIE_AT="4")
+        launches.append(first)
         if _listening(first, port):
             break
         finish(first)
+    else:
+        raise AssertionError("no free port in 3 attempts")
     try:
-        other = finish(start_impel(_machine(port, 1, tmp_path), tmp_path), timeout=LIMIT)
+        launches.append(start_impel(_machine(port, 1, tmp_path), tmp_path))
+        other = finish(launches[-1], timeout=LIMIT)
         assert finish(first).returncode == -signal.SIGKILL
         assert other.returncode == 1, other.output[-6000:]
         assert other.stderr.strip().splitlines()[-1] == (
