@@ -65,6 +65,8 @@ BAD_FLAGS = {
                              ["min_machines=3 is above num_machines=2"]),
     "nnodes_contradicts_num_machines": (["--cpu", "--nnodes", "1:2", "--num_machines", "3"],
                                         ["--nnodes 1:2 contradicts --num_machines 3"]),
+    "node_rank_contradicts_machine_rank": (["--cpu", "--node_rank", "1", "--machine_rank", "0"],
+                                           ["--node_rank 1 contradicts --machine_rank 0"]),
     "elastic_without_restarts": (["--cpu", "--nnodes", "1:2", "--main_process_ip", "127.0.0.1"],
                                  ["restarting its ranks from the last checkpoint: set --max_restarts N"]),
     "elastic_batch_not_kept": (["--cpu", "--nnodes", "2:3", "--main_process_ip", "127.0.0.1", "--max_restarts", "3"],

@@ -57,6 +57,7 @@ def add_launcher_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--nnodes", default=None, metavar="[MIN:]MAX", help="torchrun's spelling of the machine count: "
                    "N is --num_machines N; MIN:MAX an elastic job (--min_machines MIN --num_machines MAX) that "
                    "continues on the machines left when one is lost")
+    g.add_argument("--node_rank", default=None, metavar="R", help="torchrun's spelling of --machine_rank")
     g.add_argument("--stall_warning", default=None, metavar="SECONDS", help="a rank that has waited this long for "
                    "the others in a collective prints which rank it waits for (default 60, 0: off; also "
                    "$IMPEL_STALL_WARNING)")
@@ -103,20 +104,26 @@ def resolve_config(ns: argparse.Namespace) -> tuple[RunConfig, dict[str, Any], l
 
 
 def with_nnodes(flags: dict[str, Any], ns: argparse.Namespace) -> dict[str, Any]:
-    """``--nnodes N`` / ``--nnodes MIN:MAX`` (torchrun's spelling) as the keys ``num_machines`` / ``min_machines``;
-    a contradiction with ``--num_machines`` / ``--min_machines`` raises."""
+    """torchrun's spellings: ``--nnodes N`` / ``--nnodes MIN:MAX`` as the keys ``num_machines`` / ``min_machines``,
+    ``--node_rank R`` as ``machine_rank``; a contradiction with Accelerate's flags raises."""
+    values: dict[str, int] = {}
     raw = getattr(ns, "nnodes", None)
-    if raw is None:
-        return flags
-    parts = raw.split(":")
-    if len(parts) > 2 or not all(p.strip().isdigit() and int(p) >= 1 for p in parts):
-        raise ConfigError(f"--nnodes {raw!r} must be N or MIN:MAX (whole numbers >= 1), e.g. --nnodes 1:2")
-    values = {"num_machines": int(parts[-1])}
-    if len(parts) == 2:
-        values["min_machines"] = int(parts[0])
+    if raw is not None:
+        parts = raw.split(":")
+        if len(parts) > 2 or not all(p.strip().isdigit() and int(p) >= 1 for p in parts):
+            raise ConfigError(f"--nnodes {raw!r} must be N or MIN:MAX (whole numbers >= 1), e.g. --nnodes 1:2")
+        values["num_machines"] = int(parts[-1])
+        if len(parts) == 2:
+            values["min_machines"] = int(parts[0])
+    rank = getattr(ns, "node_rank", None)
+    if rank is not None:
+        if not rank.strip().isdigit():
+            raise ConfigError(f"--node_rank {rank!r} must be a whole number >= 0 (this machine's rank)")
+        values["machine_rank"] = int(rank)
     for key, value in values.items():
         if flags.get(key, value) != value:
-            raise ConfigError(f"--nnodes {raw} contradicts --{key} {flags[key]}; pass one of them")
+            given = f"--nnodes {raw}" if key != "machine_rank" else f"--node_rank {rank}"
+            raise ConfigError(f"{given} contradicts --{key} {flags[key]}; pass one of them")
     return {**flags, **values}
 
 

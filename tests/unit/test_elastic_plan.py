@@ -32,8 +32,9 @@ def test_nnodes_min_max_is_an_elastic_c10d_launch_hosted_by_machine_0(tmp_path, 
     port = str(free_port())
     extra = ["--rdzv_conf", conf] if conf else []
     plan = _plan(tmp_path, "--nnodes", "1:2", "--main_process_ip", "127.0.0.1", "--main_process_port", port,
-                 "--machine_rank", rank, "--max_restarts", "3", *extra)
+                 "--node_rank", rank, "--max_restarts", "3", *extra)  # torchrun's spelling of --machine_rank
     assert plan.explicit["min_machines"] == 1 and plan.explicit["num_machines"] == 2
+    assert plan.config.machine_rank == int(rank)
     args = plan.torchrun_args
     assert args[args.index("--nnodes") + 1] == "1:2" and args[args.index("--max_restarts") + 1] == "3"
     assert args[args.index("--rdzv_backend") + 1] == "c10d"
