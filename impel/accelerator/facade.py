@@ -49,10 +49,11 @@ from impel.config.run_config import ConfigError, DistributedType, RunConfig
 from impel.runtime import rank_health
 from impel.runtime.accumulation import GradientState, MicroStep
 from impel.runtime.compile import Compiler, TorchDynamoPlugin, uncompiled, unwrap
-from impel.runtime.data import DataLoaderShard, shard_dataloader, skip_first_batches
+from impel.runtime.data import shard_dataloader, skip_first_batches
 from impel.runtime.item_windows import ItemWindows
 from impel.runtime.model_forward import ForwardContext, is_prepared, patch_forward
 from impel.runtime.optimizer import AcceleratedOptimizer, AcceleratedScheduler
+from impel.runtime.prepared_loader import DataLoaderShard
 from impel.runtime.process import AcceleratorState, current_topology
 from impel.runtime.seeding import check_rng_types
 from impel.strategies.base import Strategy, load_strategy

@@ -15,8 +15,8 @@ if TYPE_CHECKING:
     from torch import nn
 
     from impel.runtime.accumulation import GradientState
-    from impel.runtime.data import DataLoaderShard
     from impel.runtime.optimizer import AcceleratedOptimizer, AcceleratedScheduler
+    from impel.runtime.prepared_loader import DataLoaderShard
     from impel.runtime.process import ProcessState
     from impel.strategies.base import Strategy
 

@@ -9,9 +9,9 @@ samples of the epoch's first global batch (``n`` + 1 per rank) unless the loader
 ``drop_last`` a last group of fewer than ``num_processes`` batches is dropped. Every rank starts the user's
 loader at each pass (only rank 0 draws from it), so torch's global RNG sees the draws it sees under Accelerate.
 
-:class:`DispatchingLoader` is both the loader :class:`impel.runtime.data.DataLoaderShard` iterates and the shard it
-asks for ``set_epoch``, ``skip`` and the remainder, so the prepared loader keeps impel's position, resume and
-``end_of_dataloader`` bookkeeping.
+:class:`DispatchingLoader` is both the loader :class:`impel.runtime.prepared_loader.DataLoaderShard` iterates and
+the shard it asks for ``set_epoch``, ``skip`` and the remainder, so the prepared loader keeps impel's position,
+resume and ``end_of_dataloader`` bookkeeping.
 """
 from __future__ import annotations
 

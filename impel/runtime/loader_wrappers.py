@@ -1,5 +1,5 @@
 """Accelerate's standalone data-loading pieces (``accelerate.data_loader``), built on impel's sharding
-(:mod:`impel.data`): ``prepare_data_loader`` outside an Accelerator, the ``BatchSamplerShard`` /
+(:mod:`impel.runtime.data`): ``prepare_data_loader`` outside an Accelerator, the ``BatchSamplerShard`` /
 ``IterableDatasetShard`` wrappers with Accelerate's constructors, and the batch-skipping ``SkipBatchSampler`` /
 ``SkipDataLoader``.
 
@@ -19,8 +19,10 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 from impel.config.plugins import DataLoaderConfiguration, GradientAccumulationPlugin
 from impel.config.run_config import ConfigError
 from impel.runtime.accumulation import GradientState
-from impel.runtime.data import BatchShardSampler, DataLoaderShard, IterableShard, _SkipBatchSampler, shard_dataloader
+from impel.runtime.data import _SkipBatchSampler, shard_dataloader
+from impel.runtime.prepared_loader import DataLoaderShard
 from impel.runtime.process import PartialState
+from impel.runtime.shard_layout import BatchShardSampler, IterableShard
 
 
 class BatchSamplerShard(BatchShardSampler):

@@ -41,8 +41,8 @@ from impel.config.plugins import (
 )
 from impel.config.run_config import ConfigError
 from impel.runtime.compile import TorchDynamoPlugin
-from impel.runtime.data import DataLoaderShard
 from impel.runtime.data import skip_first_batches as impel_skip_first_batches
+from impel.runtime.prepared_loader import DataLoaderShard
 from impel.trainer import hf_fsdp
 from impel.trainer.hf_fields import check_supported
 
