@@ -53,7 +53,7 @@ from impel.runtime.data import shard_dataloader, skip_first_batches
 from impel.runtime.item_windows import ItemWindows
 from impel.runtime.model_forward import ForwardContext, is_prepared, patch_forward
 from impel.runtime.optimizer import AcceleratedOptimizer, AcceleratedScheduler
-from impel.runtime.prepared_loader import DataLoaderShard
+from impel.runtime.prepared_loader import PreparedLoader
 from impel.runtime.process import AcceleratorState, current_topology
 from impel.runtime.seeding import check_rng_types
 from impel.strategies.base import Strategy, load_strategy
@@ -157,7 +157,7 @@ class Accelerator(ProcessUtilities, RunSettings):
         return self.prepared.schedulers
 
     @property
-    def _dataloaders(self) -> list[DataLoaderShard]:
+    def _dataloaders(self) -> list[PreparedLoader]:
         return self.prepared.dataloaders
 
     @property
@@ -187,7 +187,7 @@ class Accelerator(ProcessUtilities, RunSettings):
         models = [i for i, k in enumerate(kinds) if k == "model" and not is_prepared(args[i])]
         optims = [i for i, k in enumerate(kinds) if k == "optimizer" and not isinstance(args[i], AcceleratedOptimizer)]
         for i, kind in enumerate(kinds):  # dataloaders first: DeepSpeed sizes its engine from their batch size
-            if kind == "dataloader" and not isinstance(args[i], DataLoaderShard):
+            if kind == "dataloader" and not isinstance(args[i], PreparedLoader):
                 result[i] = self.prepare_data_loader(args[i], device_placement=places[i])
         if models or optims:
             self.strategy.before_setup(self.prepared.dataloaders, [a for a, k in zip(args, kinds) if k == "scheduler"])
@@ -210,7 +210,7 @@ class Accelerator(ProcessUtilities, RunSettings):
             return "model"
         if isinstance(obj, torch.optim.Optimizer):
             return "optimizer"
-        if isinstance(obj, (DataLoader, DataLoaderShard)):
+        if isinstance(obj, (DataLoader, PreparedLoader)):
             return "dataloader"
         if isinstance(obj, (LRScheduler, AcceleratedScheduler)) or (
                 hasattr(obj, "step") and isinstance(getattr(obj, "optimizer", None), torch.optim.Optimizer)):
@@ -253,10 +253,10 @@ class Accelerator(ProcessUtilities, RunSettings):
         return self.prepare(optimizer)
 
     def prepare_data_loader(self, data_loader: DataLoader, device_placement: bool | None = None,
-                            slice_fn_for_dispatch: Callable[..., Any] | None = None) -> DataLoaderShard:
+                            slice_fn_for_dispatch: Callable[..., Any] | None = None) -> PreparedLoader:
         """``slice_fn_for_dispatch`` cuts each rank's part of a dispatched batch (``dispatch_batches=True``); on a
         loader that is not dispatched it raises."""
-        if isinstance(data_loader, DataLoaderShard):
+        if isinstance(data_loader, PreparedLoader):
             return data_loader
         place = self.device_placement if device_placement is None else device_placement
         rank, world = self._data_parallel()  # TP / CP ranks of one data-parallel rank read the same batches

@@ -1,5 +1,9 @@
-"""The prepared DataLoader (:class:`DataLoaderShard`): this rank's batches, on the device, with epoch, position,
-``end_of_dataloader`` and the random states an exact resume replays."""
+"""What every prepared DataLoader does (:class:`PreparedLoader`): this rank's batches, on the device, with epoch,
+position, ``end_of_dataloader`` and the random states an exact resume replays.
+
+Accelerate's two public kinds, :class:`impel.runtime.data.DataLoaderShard` (each rank reads its shard) and
+:class:`impel.runtime.data.DataLoaderDispatcher` (rank 0 reads, every rank receives), are subclasses with
+Accelerate's constructors; ``prepare`` builds them through :meth:`PreparedLoader.build`."""
 from __future__ import annotations
 
 import warnings
@@ -17,7 +21,7 @@ from impel.runtime.seeding import synchronize_rng_states
 _END = object()
 
 
-class DataLoaderShard(DataLoader[Any]):
+class PreparedLoader(DataLoader[Any]):
     """A prepared DataLoader: this rank's batches, on the device, with epoch and position tracking.
 
     A ``torch.utils.data.DataLoader`` (``isinstance`` holds) with its attributes (``batch_sampler``, ``drop_last``,
@@ -27,11 +31,26 @@ class DataLoaderShard(DataLoader[Any]):
     Iterating it sets ``end_of_dataloader`` while the last batch is being used (one batch of look-ahead), which
     gradient accumulation and ``gather_for_metrics`` read. A complete pass advances the epoch by itself, so
     shuffles differ per epoch even without ``set_epoch``; ``set_epoch(n)`` sets it explicitly.
+
+    The constructor is the subclass's (Accelerate's); :meth:`build` makes one from its parts, as ``prepare`` does.
     """
 
-    def __init__(self, loader: DataLoader, shard: Any, device: torch.device | None, non_blocking: bool,
-                 gradient_state: Any, per_rank_batch: int, original: DataLoader,
-                 rng_types: list[str] | None = None, hooks: Any = None) -> None:
+    synchronized_generator: torch.Generator | None = None  # Accelerate's: shared from rank 0 with rng_types
+    _skip_each_pass = 0  # Accelerate's skip_batches=N constructor argument: every pass starts N batches in
+
+    @classmethod
+    def build(cls, loader: Any, shard: Any, device: torch.device | None, non_blocking: bool,
+              gradient_state: Any, per_rank_batch: int, original: DataLoader,
+              rng_types: list[str] | None = None, hooks: Any = None) -> Any:
+        """A ``cls`` iterating ``loader`` (the rebuilt loader over this rank's ``shard``), built without running the
+        subclass's constructor."""
+        built = cls.__new__(cls)
+        built._setup(loader, shard, device, non_blocking, gradient_state, per_rank_batch, original, rng_types, hooks)
+        return built
+
+    def _setup(self, loader: Any, shard: Any, device: torch.device | None, non_blocking: bool,
+               gradient_state: Any, per_rank_batch: int, original: DataLoader,
+               rng_types: list[str] | None = None, hooks: Any = None) -> None:
         self.base_dataloader = loader
         self.rng_types = [t for t in rng_types or [] if t != "generator"]  # shared from rank 0 at each pass
         self.shard = shard
@@ -55,6 +74,10 @@ class DataLoaderShard(DataLoader[Any]):
     position = property(lambda self: self._progress["position"],
                         lambda self, value: self._progress.__setitem__("position", value),
                         doc="Batches of the current epoch consumed, skipped ones included.")
+    iteration = property(lambda self: self.epoch, lambda self, value: setattr(self, "epoch", value),
+                         doc="Accelerate's name for ``epoch``.")
+    total_dataset_length = property(lambda self: getattr(self.dataset, "total_length", None) or len(self.dataset),
+                                    doc="Samples in the dataset on all ranks together (Accelerate's attribute).")
     _pass_start = property(lambda self: self._progress["pass_start"],  # random states the current pass started from
                            lambda self, value: self._progress.__setitem__("pass_start", value))
     _resume_rng = property(lambda self: self._progress["resume_rng"],  # set by load_state_dict, used by the next pass
@@ -87,8 +110,9 @@ class DataLoaderShard(DataLoader[Any]):
 
     def _start_epoch(self) -> None:
         self.shard.set_epoch(self.epoch)
-        self.shard.skip = self._skip_next
-        self.position = self._skip_next
+        skip = self._skip_next or self._skip_each_pass
+        self.shard.skip = skip
+        self.position = skip
         self._skip_next = 0
 
     # --- the random states a pass draws from (exact resume) --------------------------------------------------
@@ -122,7 +146,7 @@ class DataLoaderShard(DataLoader[Any]):
         resume, self._resume_rng = self._resume_rng, None
         replay = (resume or {}).get("global")
         if replay is None and self.rng_types:
-            synchronize_rng_states(self.rng_types)  # Accelerator(rng_types=[...]) as in Accelerate
+            synchronize_rng_states(self.rng_types, self.synchronized_generator)  # as Accelerate's, rank 0's
         gens = self._generators()
         for name, state in (resume or {}).items():
             if name in gens:
@@ -156,16 +180,19 @@ class DataLoaderShard(DataLoader[Any]):
             it, current = self._begin_pass()
             if current is _END and self.position == 0:
                 _warn_empty(self)
+            # one batch of look-ahead, unless the base loader tells its end itself (a dispatcher reads one ahead
+            # already: a second would draw the sampler further than Accelerate's does)
+            knows_end = hasattr(self.base_dataloader, "at_end")
             while current is not _END:
                 if hooks is not None:
                     hooks.before_batch(self)  # preemption: a step boundary, before this batch counts as drawn
-                upcoming = next(it, _END)
-                self.end_of_dataloader = upcoming is _END
+                upcoming = None if knows_end else next(it, _END)
+                self.end_of_dataloader = self.base_dataloader.at_end if knows_end else upcoming is _END
                 self.position += 1
                 if self.device is not None:
                     current = send_to_device(current, self.device, self.non_blocking)
                 yield current
-                current = upcoming
+                current = next(it, _END) if knows_end else upcoming
             finished = True
         finally:
             self.end_of_dataloader = False
@@ -200,7 +227,7 @@ class DataLoaderShard(DataLoader[Any]):
         self._resume_rng = dict(rng) or None
 
 
-def _warn_empty(loader: DataLoaderShard) -> None:  # an empty dataset, or every batch dropped by drop_last
+def _warn_empty(loader: PreparedLoader) -> None:  # an empty dataset, or every batch dropped by drop_last
     world, data = getattr(loader.shard, "world", 1), loader.dataset
     if world == 1 or loader.shard.even_batches:  # else another rank may have the batches: nothing is wrong
         count = f"{len(data)} samples" if hasattr(data, "__len__") else "no length (an iterable)"

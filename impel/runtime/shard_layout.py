@@ -163,3 +163,15 @@ class IterableShard(_ShardLayout, IterableDataset):
     def __iter__(self) -> Iterator[Any]:
         for chunk in self._groups(self.dataset, self.per_rank_batch, len):
             yield from chunk
+
+
+class ItemShard(ShardSampler):
+    """Single sample indices for one rank, for a DataLoader without automatic batching (``batch_size=None``): the
+    layout of ``ShardSampler`` with one item per rank per step, each index yielded alone."""
+
+    def __init__(self, sampler: Sampler[int], world: int, rank: int, even_batches: bool) -> None:
+        super().__init__(sampler, 1, world, rank, False, even_batches)
+
+    def __iter__(self) -> Iterator[int]:  # type: ignore[override]  # indices, not index lists
+        for chunk in self._groups(self.sampler, 1, len):
+            yield chunk[0]
