@@ -28,10 +28,11 @@ from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader
 
+from impel.accelerator.not_provided import NotProvidedMembers
 from impel.accelerator.prepared import Prepared, TrainingRun
 from impel.accelerator.process_methods import ProcessUtilities
 from impel.accelerator.resilience import Resilience
-from impel.accelerator.resolve import RunArguments, resolve
+from impel.accelerator.resolve import RunArguments, accelerate_plugins, resolve
 from impel.accelerator.save_load import Checkpointer, resolve_project_configuration
 from impel.accelerator.settings import RunSettings
 from impel.checkpoint.options import load_options, save_options
@@ -68,7 +69,7 @@ _PREPARABLE = ("torch.nn.Module, torch.optim.Optimizer, torch.utils.data.DataLoa
                "torch.optim.lr_scheduler.LRScheduler")
 
 
-class Accelerator(ProcessUtilities, RunSettings):
+class Accelerator(ProcessUtilities, RunSettings, NotProvidedMembers):
     """Runs one training loop unchanged on CPU, one GPU, several GPUs or several machines."""
 
     def __init__(self, device_placement: bool = True, split_batches: bool | None = None,
@@ -80,15 +81,20 @@ class Accelerator(ProcessUtilities, RunSettings):
                  kwargs_handlers: Sequence[Any] | None = None, project_dir: str | os.PathLike[str] | None = None,
                  project_config: ProjectConfiguration | None = None,
                  fsdp_plugin: FullyShardedDataParallelPlugin | None = None,
-                 deepspeed_plugin: DeepSpeedPlugin | None = None, nonfinite_loss: str | None = None,
-                 log_with: Any = None, rng_types: Sequence[str] | None = None,
+                 deepspeed_plugin: DeepSpeedPlugin | dict[str, DeepSpeedPlugin] | None = None,
+                 nonfinite_loss: str | None = None, log_with: Any = None, rng_types: Sequence[str] | None = None,
                  dynamo_backend: Any = None, dynamo_plugin: TorchDynamoPlugin | None = None,
-                 parallelism_config: ParallelismConfig | None = None) -> None:
+                 parallelism_config: ParallelismConfig | None = None, torch_tp_plugin: Any = None,
+                 megatron_lm_plugin: Any = None,
+                 deepspeed_plugins: DeepSpeedPlugin | dict[str, DeepSpeedPlugin] | None = None) -> None:
         # resolve: every value settled (launch config, these arguments, plugins, DeepSpeed JSON) before any object
+        ds_plugin, ds_name, parallelism_config = accelerate_plugins(deepspeed_plugin, deepspeed_plugins,
+                                                                    torch_tp_plugin, megatron_lm_plugin,
+                                                                    parallelism_config)
         args = RunArguments(mixed_precision=mixed_precision, cpu=cpu,
                             gradient_accumulation_steps=gradient_accumulation_steps,
                             gradient_accumulation_plugin=gradient_accumulation_plugin, nonfinite_loss=nonfinite_loss,
-                            fsdp_plugin=fsdp_plugin, deepspeed_plugin=deepspeed_plugin,
+                            fsdp_plugin=fsdp_plugin, deepspeed_plugin=ds_plugin, deepspeed_plugin_name=ds_name,
                             dynamo_backend=dynamo_backend, dynamo_plugin=dynamo_plugin,
                             kwargs_handlers=kwargs_handlers, parallelism_config=parallelism_config)
         self.record = resolve(launched_settings(), args, current_topology())
