@@ -19,7 +19,7 @@ _LOMO = "impel does not drive LOMO optimizers (their fused backward updates the 
 _ENGINE = "impel's prepared model is the DeepSpeed engine and accelerator.backward(loss) / optimizer.step() drive it"
 
 
-class _NotProvided:
+class NotProvidedMember:
     """A class attribute that raises :class:`NotProvidedError` when read on an Accelerator (the class itself shows
     the descriptor, so ``dir`` / ``hasattr(Accelerator, name)`` still see Accelerate's name)."""
 
@@ -42,17 +42,17 @@ class _NotProvided:
 class NotProvidedMembers:
     """Mixed into the Accelerator: Accelerate's fp8, LOMO and DeepSpeed-internal members, each raising on use."""
 
-    fp8_backend = _NotProvided(_FP8)
-    fp8_recipe_handler = _NotProvided(_FP8)
-    ao_recipe_handler = _NotProvided(_FP8)
-    te_recipe_handler = _NotProvided(_FP8)
-    msamp_recipe_handler = _NotProvided(_FP8)
-    delayed_fp8_autocast = _NotProvided(_FP8)
-    lomo_backward = _NotProvided(_LOMO)
-    deepspeed_engine_wrapped = _NotProvided(_ENGINE)
-    deepspeed_config = _NotProvided("impel fills the DeepSpeed JSON for each engine at prepare: the one an engine "
+    fp8_backend = NotProvidedMember(_FP8)
+    fp8_recipe_handler = NotProvidedMember(_FP8)
+    ao_recipe_handler = NotProvidedMember(_FP8)
+    te_recipe_handler = NotProvidedMember(_FP8)
+    msamp_recipe_handler = NotProvidedMember(_FP8)
+    delayed_fp8_autocast = NotProvidedMember(_FP8)
+    lomo_backward = NotProvidedMember(_LOMO)
+    deepspeed_engine_wrapped = NotProvidedMember(_ENGINE)
+    deepspeed_config = NotProvidedMember("impel fills the DeepSpeed JSON for each engine at prepare: the one an engine "
                                     "was built with is the prepared model's .config (DeepSpeed's engine attribute)")
-    deepspeed_ulysses_dl_adapter = _NotProvided("DeepSpeed sequence parallelism (Ulysses) is not supported "
+    deepspeed_ulysses_dl_adapter = NotProvidedMember("DeepSpeed sequence parallelism (Ulysses) is not supported "
                                                 "(ParallelismConfig(sp_size > 1) raises)")
     has_fp8_handler = False  # no fp8 recipe handler: impel has no fp8 mode
     has_lomo_optimizer = False  # no LOMO optimizer: impel does not drive them
