@@ -208,6 +208,17 @@ class DataLoaderShard(PreparedLoader):
         self._drop_last = _drop_last
         self.use_stateful_dataloader = use_stateful_dataloader
         self.epoch = iteration
+        self.total_batch_size = _total_batch_size(loader)
+
+
+def _total_batch_size(loader: DataLoader) -> int | None:
+    """Accelerate's ``DataLoaderShard.total_batch_size`` for a directly built one: the batch sampler's size, times
+    its ``num_processes`` unless it splits batches (a ``BatchSamplerShard``); None without a batch size."""
+    batches: Any = loader.sampler if isinstance(loader.sampler, BatchSampler) else loader.batch_sampler
+    size = getattr(batches, "batch_size", None)
+    if size is None:
+        return None
+    return int(size if getattr(batches, "split_batches", False) else size * getattr(batches, "num_processes", 1))
 
 
 class DataLoaderDispatcher(PreparedLoader):

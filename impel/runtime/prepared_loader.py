@@ -57,7 +57,7 @@ class PreparedLoader(DataLoader[Any]):
         self.device = device
         self.non_blocking = non_blocking
         self.gradient_state = gradient_state
-        self.total_batch_size = per_rank_batch * getattr(shard, "world", 1)
+        self.total_batch_size: int | None = per_rank_batch * getattr(shard, "world", 1)
         self.original = original
         # epoch, position and the pass's random states live in one shared record, so a skip_first_batches() view
         # advances the original, consumes a resume pending on it, and leaves its pass start for state_dict()

@@ -54,6 +54,8 @@ def test_data_loader_shard_built_directly_equals_accelerates(kwargs):
     assert isinstance(mine, DataLoader) and isinstance(mine, dl.DataLoaderShard)
     assert len(mine) == len(theirs) and mine.batch_size == theirs.batch_size
     assert mine.total_dataset_length == theirs.total_dataset_length == 10
+    if kwargs.get("batch_size", 1) is not None:  # Accelerate's raises without a batch size
+        assert mine.total_batch_size == theirs.total_batch_size
     for _ in range(2):  # a second pass: the epoch counter moves on, skip_batches skips again
         assert _pass(mine) == _pass(theirs), kwargs
         assert mine.iteration == theirs.iteration
@@ -80,7 +82,7 @@ def test_data_loader_shard_built_directly_over_an_iterable_dataset_and_a_shard_b
             BatchSampler(SequentialSampler(range(10)), 2, False), 2, rank))
         theirs = acc_dl.DataLoaderShard(list(range(10)), batch_sampler=acc_dl.BatchSamplerShard(
             BatchSampler(SequentialSampler(range(10)), 2, False), 2, rank))
-        assert _pass(mine) == _pass(theirs)
+        assert _pass(mine) == _pass(theirs) and mine.total_batch_size == theirs.total_batch_size == 4
 
 
 def test_skip_first_batches_of_a_directly_built_loader_keeps_its_epoch_as_accelerates():
