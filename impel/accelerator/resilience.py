@@ -169,7 +169,8 @@ class Resilience:
         if before_world == world:
             return None
         loaders = self.run.prepared.dataloaders
-        micro = getattr(loaders[0], "total_batch_size", 0) // world if loaders else 0
+        total = getattr(loaders[0], "total_batch_size", None) if loaders else None
+        micro = total // world if isinstance(total, int) else 0
         kept = f" (global batch {micro * steps * world} = {micro} per process x {steps} x {world} kept)" if micro \
             else " (the global batch kept)"
         return f"world size {before_world} -> {world}, gradient accumulation {before_steps} -> {steps}{kept}"
