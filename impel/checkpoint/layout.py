@@ -67,9 +67,11 @@ def list_complete(root: Path) -> list[tuple[int, Path]]:
         if is_complete(entry):
             found.append((number, entry))
         elif not is_accelerate_dir(entry) and str(entry) not in _WARNED:  # Accelerate's: accelerate_format
-            _WARNED.add(str(entry))  # once per directory and process: rotation leaves the user's files behind
-            logger.warning("ignoring %s: it has no %s marker (not an impel checkpoint, or an interrupted copy)",
-                           entry, MARKER_FILE)
+            _WARNED.add(str(entry))  # once per directory and process
+            # without the metadata too, nothing of a checkpoint is left: the user's files that rotation kept
+            log = logger.warning if (entry / METADATA_FILE).exists() else logger.info
+            log("ignoring %s: it has no %s marker (not an impel checkpoint, or an interrupted copy)", entry,
+                MARKER_FILE)
     return sorted(found)
 
 

@@ -189,3 +189,16 @@ def test_rotation_deletes_only_what_the_checkpoint_owns(tmp_path, caplog):
                     "what the checkpoint does not own: eval, notes.txt"]
     assert acc.load_state().endswith("checkpoint_2")
     assert acc.save_state().endswith("checkpoint_3")
+
+
+def test_a_rotated_directory_is_skipped_quietly_but_a_half_copy_warns(tmp_path, caplog):
+    """Listing checkpoints: what rotation left (the user's files only) is skipped at INFO; a directory that still
+    holds impel's metadata without the marker (an interrupted copy) is skipped with a WARNING."""
+    root = tmp_path / "checkpoints"
+    _add_user_files(root / "checkpoint_0")
+    (root / "checkpoint_1").mkdir(parents=True)
+    (root / "checkpoint_1" / layout.METADATA_FILE).write_text("{}")
+    with caplog.at_level("INFO", logger="impel"):
+        assert layout.list_complete(root) == []
+    levels = {r.getMessage().split(":")[0]: r.levelname for r in caplog.records if "marker" in r.getMessage()}
+    assert levels == {f"ignoring {root / 'checkpoint_0'}": "INFO", f"ignoring {root / 'checkpoint_1'}": "WARNING"}
