@@ -45,7 +45,7 @@ from impel.config.run_config import ConfigError
 from impel.runtime.compile import TorchDynamoPlugin
 from impel.runtime.data import DataLoaderShard
 from impel.runtime.data import skip_first_batches as impel_skip_first_batches
-from impel.trainer import hf_deepspeed, hf_fsdp
+from impel.trainer import hf_callbacks, hf_deepspeed, hf_fsdp
 
 __all__ = ["Trainer", "TrainingArguments", "accelerator_arguments"]
 
@@ -158,7 +158,22 @@ def _check_fsdp(args: Any, plugin: Any) -> None:
 
 
 class Trainer(transformers.Trainer):
-    """``transformers.Trainer`` on impel's Accelerator: same constructor, members and behaviour."""
+    """``transformers.Trainer`` on impel's Accelerator: same constructor, members and behaviour, plus impel's
+    additions (:mod:`impel.trainer.hf_callbacks`): ``metrics.jsonl`` and ``loss.png`` in ``output_dir``
+    (``plot_loss``: None draws when matplotlib is installed, True requires it, False skips), checkpoints marked
+    complete, and ``train(resume_from_checkpoint="auto")``."""
+
+    def __init__(self, *args: Any, plot_loss: bool | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.add_callback(hf_callbacks.RunRecord(plot_loss))
+        self.add_callback(hf_callbacks.CompleteCheckpoints(self.accelerator))
+
+    def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
+        """transformers' ``train``; ``resume_from_checkpoint="auto"`` / True take the newest *complete*
+        checkpoint (``"auto"`` starts from scratch when there is none)."""
+        resume = hf_callbacks.resolve_resume(resume_from_checkpoint, self.args.output_dir,
+                                             self.is_world_process_zero())
+        return super().train(resume, *args, **kwargs)
 
     def create_accelerator_and_postprocess(self) -> None:
         self.accelerator = Accelerator(**accelerator_arguments(self.args, self.model))

@@ -79,7 +79,8 @@ def test_a_zero_run_resumed_from_its_checkpoint_ends_with_the_uninterrupted_weig
     full = _on(2, "impel.trainer.hf", str(tmp_path / "full"), **knobs)
     resumed = _on(2, "impel.trainer.hf", str(tmp_path / "resumed"),
                   resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-3"), **knobs)
-    assert {"checkpoint-3/global_step3", "checkpoint-3/scheduler.pt", "checkpoint-3/rng_state_1.pth"} <= \
+    assert {"checkpoint-3/global_step3", "checkpoint-3/scheduler.pt", "checkpoint-3/rng_state_1.pth",
+            "checkpoint-3/impel_complete.json"} <= \
         set(full["files"])
     assert full["global_step"] == resumed["global_step"] == 6
     assert _max_diff(resumed["weights"], full["weights"]) == 0.0
