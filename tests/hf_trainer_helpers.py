@@ -65,6 +65,12 @@ def _weights(module: Any) -> dict[str, torch.Tensor]:
     return {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in module.state_dict().items()}
 
 
+def _mesh(accelerator: Any) -> tuple[int, int] | None:
+    """(dp_replicate_size, dp_shard_size) of the Accelerator's ParallelismConfig, None without one."""
+    config = getattr(accelerator, "parallelism_config", None)
+    return None if config is None else (config.dp_replicate_size, config.dp_shard_size)
+
+
 def run_script(source: str, output_dir: str, **overrides: Any) -> dict[str, Any]:
     """Train and evaluate like transformers' examples; return weights, eval losses, lr trace and tokens seen."""
     module = importlib.import_module(source)
@@ -84,7 +90,8 @@ def run_script(source: str, output_dir: str, **overrides: Any) -> dict[str, Any]
             "grad_norm": [row["grad_norm"] for row in history if "grad_norm" in row],
             "tokens_seen": trainer.state.num_input_tokens_seen,
             "accelerator": type(trainer.accelerator).__module__,
-            "distributed_type": str(trainer.accelerator.distributed_type).split(".")[-1]}
+            "distributed_type": str(trainer.accelerator.distributed_type).split(".")[-1],
+            "mesh": _mesh(trainer.accelerator)}
 
 
 def custom_loop(source: str, mode: str, batch: int, accumulation: int, steps: int = 3) -> dict[str, Any]:
