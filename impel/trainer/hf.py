@@ -157,6 +157,16 @@ def _check_fsdp(args: Any, plugin: Any) -> None:
                           "FULL_STATE_DICT or save_only_model=False")
 
 
+def _check_world(args: Any, accelerator: Any) -> None:
+    """transformers sizes batches, logs and saves by Accelerate's process state (``args.world_size``,
+    ``args.process_index``); it must see the processes impel runs."""
+    if args.world_size != accelerator.num_processes:
+        raise ConfigError(f"transformers' TrainingArguments see {args.world_size} process(es) (Accelerate's process "
+                          f"state) but impel runs {accelerator.num_processes}: on a machine without GPUs set "
+                          "TrainingArguments(use_cpu=True) or ACCELERATE_USE_CPU=1 (Accelerate finds no backend "
+                          "there otherwise)")
+
+
 class Trainer(transformers.Trainer):
     """``transformers.Trainer`` on impel's Accelerator: same constructor, members and behaviour, plus impel's
     additions (:mod:`impel.trainer.hf_callbacks`): ``metrics.jsonl`` and ``loss.png`` in ``output_dir``
@@ -181,6 +191,7 @@ class Trainer(transformers.Trainer):
         if "use_gather_object" in inspect.signature(gather).parameters:
             gather = functools.partial(gather, use_gather_object=self.args.eval_use_gather_object)
         self.gather_function = gather
+        _check_world(self.args, self.accelerator)
         plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
         self.is_fsdp_enabled = plugin is not None  # its checkpoints: impel.trainer.hf_fsdp
         if plugin is not None:

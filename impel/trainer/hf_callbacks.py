@@ -35,7 +35,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from impel.trainer.plot import write_loss_plot
+from impel.trainer.plot import series, write_loss_plot
 
 logger = logging.getLogger("impel")
 
@@ -68,8 +68,12 @@ class RunRecord(TrainerCallback):
             _write_atomically(Path(args.output_dir) / METRICS, rows)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if state.is_world_process_zero:
-            write_loss_plot(state.log_history, Path(args.output_dir) / PLOT, self.plot_loss)
+        if not state.is_world_process_zero:
+            return
+        if self.plot_loss is None and not any(series(state.log_history, key)[0] for key in ("loss", "eval_loss")):
+            print("impel: no loss plot written (nothing was logged: logging_steps > the steps run)", flush=True)
+            return
+        write_loss_plot(state.log_history, Path(args.output_dir) / PLOT, self.plot_loss)
 
 
 class CompleteCheckpoints(TrainerCallback):

@@ -60,11 +60,6 @@ def adopt(args: Any, accelerator: Any) -> bool:
         raise ConfigError("transformers' Trainer on impel was launched with DeepSpeed without TrainingArguments("
                           "deepspeed=...): pass the DeepSpeed JSON as TrainingArguments(deepspeed='ds.json' or a "
                           "dict) and launch without DeepSpeed")
-    if args.world_size != accelerator.num_processes:
-        raise ConfigError(f"TrainingArguments(deepspeed=...) filled the DeepSpeed JSON for {args.world_size} "
-                          f"process(es) but {accelerator.num_processes} run: on a machine without GPUs set "
-                          "use_cpu=True (Accelerate's process state, which transformers reads, sees one process "
-                          "under DeepSpeed otherwise)")
     if args.auto_find_batch_size:
         raise ConfigError("TrainingArguments(auto_find_batch_size=True) with deepspeed=...: impel builds the "
                           "DeepSpeed engine once; set per_device_train_batch_size and auto_find_batch_size=False")

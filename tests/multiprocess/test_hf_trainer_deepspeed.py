@@ -85,3 +85,17 @@ def test_a_zero_run_resumed_from_its_checkpoint_ends_with_the_uninterrupted_weig
     assert full["global_step"] == resumed["global_step"] == 6
     assert _max_diff(resumed["weights"], full["weights"]) == 0.0
     assert resumed["loss"] == full["loss"]
+
+
+def test_use_cpu_false_on_a_cpu_machine_raises_naming_the_fix(tmp_path):
+    """transformers then builds Accelerate's DeepSpeed process state, which finds no backend without GPUs and
+    counts one process: the JSON's batch sizes, logging and saving would be one rank's."""
+    import torch
+
+    from impel.testing import RankFailed
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU machine: Accelerate's process state finds the ranks")
+    with pytest.raises(RankFailed, match=r"see 1 process\(es\).*impel runs 2.*use_cpu=True"):
+        _on(2, "impel.trainer.hf", str(tmp_path / "run"), deepspeed=_json(2), use_cpu=False,
+            per_device_train_batch_size=4)
