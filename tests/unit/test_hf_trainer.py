@@ -76,6 +76,20 @@ def test_the_deepspeed_knob_becomes_impels_plugin_with_transformers_filled_json(
                                  tiny_gpt2())["deepspeed_plugin"] is None
 
 
+def test_a_deepspeed_launch_without_the_knob_raises_naming_it(tmp_path, monkeypatch):
+    """ACCELERATE_USE_DEEPSPEED (a DeepSpeed launch) makes transformers build Accelerate's plugin from the
+    environment; impel takes DeepSpeed from the deepspeed= knob only."""
+    from transformers import TrainingArguments
+
+    from impel.trainer.hf import Trainer
+
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    assert args.deepspeed_plugin is not None and not args.deepspeed
+    with pytest.raises(ConfigError, match=r"launched with DeepSpeed.*TrainingArguments\(deepspeed='ds.json'"):
+        Trainer(model=tiny_gpt2(), args=args, train_dataset=padded_lm_data(8))
+
+
 @pytest.mark.parametrize("sizes, words", [({"tp_size": 2}, "tp_size=2"), ({"cp_size": 2}, "cp_size=2")])
 def test_parallelism_config_sizes_this_route_does_not_serve_raise(tmp_path, sizes, words):
     from impel import ParallelismConfig
