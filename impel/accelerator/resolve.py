@@ -17,13 +17,15 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from impel.config.deepspeed_json import settle_deepspeed
-from impel.config.parallelism import requested, settle
-from impel.config.plugins import GradientAccumulationPlugin, Handlers
+from impel.config.parallelism import ParallelismConfig, TorchTensorParallelPlugin, requested, settle
+from impel.config.plugins import DeepSpeedPlugin, GradientAccumulationPlugin, Handlers
 from impel.config.run_config import ConfigError, DistributedType, RunConfig, merge_code_arguments
+from impel.config.unsupported import NotProvidedError
 from impel.runtime.compile import dynamo_code_arguments, settle_dynamo
 from impel.runtime.process import live_device, pick_device
 from impel.runtime.run_record import RunArguments, RunRecord, cpu_only_config, plugins_in_effect
@@ -55,7 +57,54 @@ def resolve(launched: Mapping[str, Any] | None, args: RunArguments, topology: To
     config.freeze()
     plugins = plugins_in_effect(config, str(distributed_type), args.deepspeed_plugin)
     return RunRecord(config, handlers, topology, device, distributed_type, accumulation, dynamo, deepspeed,
-                     args.deepspeed_plugin, args.fsdp_plugin, parallelism, plugins)
+                     args.deepspeed_plugin, args.fsdp_plugin, parallelism, plugins, args.deepspeed_plugin_name)
+
+
+def accelerate_plugins(deepspeed_plugin: Any, deepspeed_plugins: Any, torch_tp_plugin: Any, megatron_lm_plugin: Any,
+                       parallelism_config: ParallelismConfig | None
+                       ) -> tuple[DeepSpeedPlugin | None, str | None, ParallelismConfig | None]:
+    """Accelerate's plugin arguments that impel maps onto its own: the DeepSpeed plugin (``deepspeed_plugin`` or
+    ``deepspeed_plugins``, a plugin or a one-entry ``{name: plugin}`` dict) and its name, and the
+    ``ParallelismConfig`` (``torch_tp_plugin``, Accelerate's deprecated spelling of ``tp_size``). What impel cannot
+    honour raises: several DeepSpeed plugins, Megatron-LM."""
+    if megatron_lm_plugin is not None:
+        raise NotProvidedError(f"Accelerator(megatron_lm_plugin={type(megatron_lm_plugin).__name__}(...)): impel "
+                               "does not drive Megatron-LM; use FSDP (fsdp_plugin=...), DeepSpeed (deepspeed_plugin="
+                               "...) or tensor parallelism (parallelism_config=ParallelismConfig(tp_size=...))")
+    if deepspeed_plugin is not None and deepspeed_plugins is not None:
+        raise ValueError("pass either deepspeed_plugin or deepspeed_plugins, not both (deepspeed_plugins is "
+                         "Accelerate's alias)")
+    plugin, name = _one_deepspeed_plugin(deepspeed_plugins if deepspeed_plugins is not None else deepspeed_plugin)
+    if torch_tp_plugin is not None:
+        if parallelism_config is not None:
+            raise ConfigError("pass either torch_tp_plugin or parallelism_config, not both (torch_tp_plugin is "
+                              "Accelerate's deprecated spelling of parallelism_config=ParallelismConfig(tp_size=...))")
+        if not isinstance(torch_tp_plugin, TorchTensorParallelPlugin):
+            raise TypeError(f"torch_tp_plugin must be a TorchTensorParallelPlugin, got "
+                            f"{type(torch_tp_plugin).__name__}")
+        warnings.warn("TorchTensorParallelPlugin is deprecated (as in Accelerate); pass parallelism_config="
+                      f"ParallelismConfig(tp_size={torch_tp_plugin.tp_size}) instead", FutureWarning, stacklevel=3)
+        parallelism_config = torch_tp_plugin.parallelism_config()
+    return plugin, name, parallelism_config
+
+
+def _one_deepspeed_plugin(given: Any) -> tuple[DeepSpeedPlugin | None, str | None]:
+    if not isinstance(given, dict):
+        if given is not None and not isinstance(given, DeepSpeedPlugin):
+            raise TypeError(f"deepspeed_plugin must be a DeepSpeedPlugin, got {type(given).__name__}")
+        return given, None
+    bad = [key for key, value in given.items() if not isinstance(value, DeepSpeedPlugin)]
+    if bad:
+        raise TypeError(f"deepspeed_plugins={{...}}: the value of {bad[0]!r} is not a DeepSpeedPlugin")
+    if len(given) != 1:
+        raise NotProvidedError(
+            f"Accelerator(deepspeed_plugins=) with {len(given)} plugins ({', '.join(map(repr, given))}): impel runs "
+            "one DeepSpeed config per Accelerator (one settled JSON drives every engine, its checkpoints and "
+            "precision), so select_deepspeed_plugin cannot switch to another; pass one plugin, and prepare a frozen "
+            "reference model under it too (accelerator.prepare(ref_model) builds an engine without optimizer), or "
+            "build it with deepspeed.initialize(model=ref_model, config=...)")
+    ((name, plugin),) = given.items()
+    return plugin, str(name)
 
 
 def _accumulation(plugin: GradientAccumulationPlugin | None, steps: int) -> GradientAccumulationPlugin:

@@ -43,8 +43,8 @@ from impel.config.plugins import (
 )
 from impel.config.run_config import ConfigError
 from impel.runtime.compile import TorchDynamoPlugin
-from impel.runtime.data import DataLoaderShard
 from impel.runtime.data import skip_first_batches as impel_skip_first_batches
+from impel.runtime.prepared_loader import PreparedLoader
 from impel.trainer import hf_callbacks, hf_deepspeed, hf_fsdp
 
 __all__ = ["Trainer", "TrainingArguments", "accelerator_arguments"]
@@ -55,7 +55,7 @@ _ACCELERATE_SKIP_FIRST_BATCHES = transformers.trainer.skip_first_batches
 def skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:
     """transformers' module-level ``skip_first_batches`` (a mid-epoch resume), resolved to impel's for impel's
     prepared loaders and left to Accelerate's for the others (transformers' Trainer on Accelerate is unchanged)."""
-    if isinstance(dataloader, DataLoaderShard):
+    if isinstance(dataloader, PreparedLoader):
         return impel_skip_first_batches(dataloader, num_batches)
     return _ACCELERATE_SKIP_FIRST_BATCHES(dataloader, num_batches)
 
