@@ -160,7 +160,11 @@ def main(argv: list[str] | None = None) -> None:
 
         from impel.trainer.hf import Trainer, TrainingArguments
 
-        knobs.update(warmup_steps=0.1, gradient_accumulation_steps=args.gradient_accumulation_steps or 1)
+        # average_tokens_across_devices=False: transformers multiplies the loss by the process count to undo its
+        # division by the tokens of all ranks, but a sequence classifier's loss is a mean over its own batch (it
+        # ignores num_items_in_batch): left on, 2 ranks would log (and step with) twice the loss
+        knobs.update(warmup_steps=0.1, gradient_accumulation_steps=args.gradient_accumulation_steps or 1,
+                     average_tokens_across_devices=False)
     else:
         from impel import EvalPrediction, Trainer, TrainingArguments
 
