@@ -219,7 +219,7 @@ def _cpu_ranks(config: RunConfig, world: int) -> dict[str, str]:
     """Several ranks that run on CPUs get ``ACCELERATE_USE_CPU=true``, as ``accelerate launch --cpu`` sets it: code
     that asks Accelerate's own state for the world (transformers' ``TrainingArguments`` on the hf Trainer route)
     otherwise sees one process per rank on a machine without GPUs. A value the user exported is kept."""
-    if world < 2 or "ACCELERATE_USE_CPU" in os.environ:
+    if world < 2 or env.read_variables(["ACCELERATE_USE_CPU"]):
         return {}
     on_cpu = config.use_cpu or config.distributed_type == "MULTI_CPU"
     if not on_cpu:
