@@ -17,6 +17,7 @@ import impel
 import impel.state
 import impel.utils as iu
 from impel.accelerator import Accelerator as IAcc
+from impel.accelerator.not_provided import NotProvidedMember
 from impel.config.unsupported import REASONS
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "unit"))
@@ -49,17 +50,21 @@ MISSING = {
     "load_fsdp_model": "use accelerator.load_state", "save_fsdp_model": "use accelerator.save_state",
     "load_fsdp_optimizer": "use accelerator.load_state", "save_fsdp_optimizer": "use accelerator.save_state",
     # Accelerator members
-    "arg:torch_tp_plugin": "deprecated in Accelerate; use parallelism_config=ParallelismConfig(tp_size=...)",
-    "deepspeed_ulysses_dl_adapter": "sequence parallelism is not supported",
-    "fp8_backend": "impel has no fp8 mode (fp8_enabled is False)", "has_fp8_handler": "impel has no fp8 mode",
-    "ao_recipe_handler": "impel has no fp8 mode", "te_recipe_handler": "impel has no fp8 mode",
-    "msamp_recipe_handler": "impel has no fp8 mode", "fp8_recipe_handler": "impel has no fp8 mode",
-    "delayed_fp8_autocast": "impel has no fp8 mode",
-    "lomo_backward": "LOMO optimizers are not supported", "has_lomo_optimizer": "LOMO optimizers are not supported",
     "arg:mixed_precision": None,
     "arg:dispatch_batches": "removed from Accelerate's signature long ago; DataLoaderConfiguration holds it",
 }
 LIMITS = {
+    "arg:torch_tp_plugin": "Accelerate's deprecated spelling of parallelism_config=ParallelismConfig(tp_size=...): "
+                           "mapped onto it with Accelerate's FutureWarning; with parallelism_config too it raises",
+    "arg:megatron_lm_plugin": "accepted; a plugin given raises NotProvidedError (impel does not drive Megatron-LM)",
+    "arg:deepspeed_plugins": "Accelerate's alias of deepspeed_plugin: one plugin (or {name: plugin}) runs as that "
+                             "plugin; several raise NotProvidedError (one DeepSpeed config per Accelerator)",
+    "arg:deepspeed_plugin": "a plugin or a one-entry {name: plugin} dict (see deepspeed_plugins)",
+    "has_fp8_handler": "always False: impel has no fp8 mode",
+    "has_lomo_optimizer": "always False: impel does not drive LOMO optimizers",
+    "state:deepspeed_plugins": "{name: plugin} when given by name, else the plugin (None without DeepSpeed)",
+    "state:get_deepspeed_plugin": "the plugin given as deepspeed_plugins={name: plugin}",
+    "state:select_deepspeed_plugin": "a no-op for the one plugin's name (several plugins raise at Accelerator(...))",
     "DistributedType": "all members exist; selecting XLA, MULTI_NPU/MLU/SDAA/MUSA/XPU/HPU/NEURON or MEGATRON_LM as "
                        "distributed_type raises naming what impel runs (NO, MULTI_CPU, MULTI_GPU, FSDP, DEEPSPEED)",
     "DistributedDataParallelKwargs": "comm_hook (fp16, bf16, power_sgd, batched_power_sgd), comm_wrapper (fp16 / bf16 "
@@ -122,7 +127,8 @@ LIMITS = {
                                "draws (tests/unit/test_data_order_matches_accelerate.py); dispatch_batches=True: "
                                "rank 0 reads and sends each rank its slice, with Accelerate's batches "
                                "(tests/multiprocess/test_dispatch_batches_matches_accelerate.py); data_seed without "
-                               "use_seedable_sampler raises; use_stateful_dataloader holds "
+                               "use_seedable_sampler changes nothing, as in Accelerate (a warning says so); "
+                               "use_stateful_dataloader holds "
                                "either way (prepared loaders always save and restore their position)",
     "TorchDynamoPlugin": "same fields and defaults (None fields take the launched dynamo_config / --dynamo_* values, "
                          "as Accelerate's take its environment); prepare compiles after the DDP wrapper and returns "
@@ -202,13 +208,16 @@ LIMITS = {
                            "raises (Accelerate ignores it)",
     "accelerate.data_loader": "DataLoaderStateMixin: prepared loaders are instances; a subclass gets "
                               "end_of_dataloader / remainder / reset() (begin() / end(), which register with "
-                              "Accelerate's GradientState internals, raise). DataLoaderDispatcher: Accelerate's "
-                              "constructor, batches and length "
-                              "(tests/multiprocess/test_dispatch_batches_matches_accelerate.py), skip_batches raises "
-                              "(use skip_first_batches); prepare_data_loader(dispatch_batches=True) dispatches as "
+                              "Accelerate's GradientState internals, raise). DataLoaderShard and "
+                              "DataLoaderDispatcher: Accelerate's constructors, batches, lengths, skip_batches and "
+                              "iteration when built directly (tests/unit/test_accelerate_loaders_direct.py, "
+                              "tests/multiprocess/test_dispatch_batches_matches_accelerate.py), and what "
+                              "accelerator.prepare returns (a DataLoaderDispatcher with dispatch_batches=True, else a "
+                              "DataLoaderShard); prepare_data_loader(dispatch_batches=True) dispatches as "
                               "Accelerate's, dispatch_batches=None reads per rank also for an iterable dataset "
-                              "(Accelerate's function dispatches those when put_on_device=True); a loader "
-                              "accelerator.prepare dispatches is a DataLoaderShard, not a DataLoaderDispatcher",
+                              "(Accelerate's function dispatches those when put_on_device=True); a loader with "
+                              "batch_size=None prepares as Accelerate's on one process (keeping its sampler) and is "
+                              "dealt sample by sample on several (Accelerate's fails there)",
     "trigger_sync_in_backward": "DDP: the next backward in the block reduces gradients (as Accelerate's); "
                                 "elsewhere nothing to do",
     "state:_reset_state": "provided because transformers calls it: forgets the state, keeps the process group",
@@ -242,6 +251,8 @@ def has(module, name):
 
 
 def row(name, present):
+    if present == "refused":  # an Accelerator member that raises NotProvidedError on use
+        return f"| `{name}` | not provided (NotProvidedError on use) | {getattr(IAcc, name).reason} |"
     if present:
         note = LIMITS.get(name, "")
         return f"| `{name}` | supported | {note} |"
@@ -253,7 +264,7 @@ def row(name, present):
 def section(title, names, present):
     out = [f"## {title}", "", "| name | impel | notes |", "|---|---|---|"]
     out += [row(n, present(n)) for n in names]
-    n_ok = sum(present(n) for n in names)
+    n_ok = sum(present(n) is True for n in names)
     return out + ["", f"{n_ok} of {len(names)} present.", ""]
 
 
@@ -319,7 +330,13 @@ for sub in signatures_subs:
 lines.append("")
 lines += section("Top-level names (`import accelerate`)", top, lambda n: has(impel, n))
 lines += section("`accelerate.utils` names scripts use", UTILS_USED, lambda n: has(iu, n))
-lines += section("`Accelerator` members", members, lambda n: n in dir(acc_i))  # listed, not read (some raise)
+def member_present(name):  # listed, not read (some raise)
+    if isinstance(getattr(IAcc, name, None), NotProvidedMember):
+        return "refused"
+    return name in dir(acc_i)
+
+
+lines += section("`Accelerator` members", members, member_present)
 a_params = [p for p in inspect.signature(accelerate.Accelerator.__init__).parameters if p != "self"]
 i_params = set(inspect.signature(IAcc.__init__).parameters)
 lines += ["## `Accelerator(...)` arguments", "", "| argument | impel | notes |", "|---|---|---|"]

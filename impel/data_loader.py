@@ -1,16 +1,17 @@
 """``impel.data_loader``: Accelerate's ``accelerate.data_loader`` path (a face; sharding lives in
-:mod:`impel.runtime.data`, the standalone wrappers in :mod:`impel.runtime.loader_wrappers`)."""
+:mod:`impel.runtime.data`, :mod:`impel.runtime.shard_layout` and :mod:`impel.runtime.prepared_loader`, the standalone
+wrappers in :mod:`impel.runtime.loader_wrappers`)."""
 from __future__ import annotations
 
 from impel.exports import lazy_face
 
 _EXPORTS = {
-    "skip_first_batches": "impel.runtime.data", "DataLoaderShard": "impel.runtime.data",
+    "skip_first_batches": "impel.runtime.data", "DataLoaderDispatcher": "impel.runtime.data",
+    "DataLoaderShard": "impel.runtime.data",
     "SeedableRandomSampler": "impel.runtime.samplers", "DataLoaderStateMixin": "impel.runtime.loader_state",
     "send_to_device": "impel.runtime.collectives",
     **{name: "impel.runtime.loader_wrappers" for name in (
-        "prepare_data_loader", "BatchSamplerShard", "IterableDatasetShard", "SkipBatchSampler", "SkipDataLoader",
-        "DataLoaderDispatcher")},
+        "prepare_data_loader", "BatchSamplerShard", "IterableDatasetShard", "SkipBatchSampler", "SkipDataLoader")},
 }
 
 __all__ = sorted(_EXPORTS)

@@ -7,6 +7,7 @@
 - ``save_load``: the ``save_state`` / ``load_state`` sequence; ``load_accelerate`` and
   ``load_accelerate_weights``: checkpoints written by Accelerate.
 - ``resilience``: automatic resume, preemption, non-finite losses; ``local_sgd``: Local SGD.
+- ``not_provided``: Accelerate's fp8, LOMO and DeepSpeed-internal members, raising ``NotProvidedError`` on use.
 """
 from __future__ import annotations
 

@@ -28,10 +28,11 @@ from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader
 
+from impel.accelerator.not_provided import NotProvidedMembers
 from impel.accelerator.prepared import Prepared, TrainingRun
 from impel.accelerator.process_methods import ProcessUtilities
 from impel.accelerator.resilience import Resilience
-from impel.accelerator.resolve import RunArguments, resolve
+from impel.accelerator.resolve import RunArguments, accelerate_plugins, resolve
 from impel.accelerator.save_load import Checkpointer, resolve_project_configuration
 from impel.accelerator.settings import RunSettings
 from impel.checkpoint.options import load_options, save_options
@@ -49,10 +50,11 @@ from impel.config.run_config import ConfigError, DistributedType, RunConfig
 from impel.runtime import rank_health
 from impel.runtime.accumulation import GradientState, MicroStep
 from impel.runtime.compile import Compiler, TorchDynamoPlugin, uncompiled, unwrap
-from impel.runtime.data import DataLoaderShard, shard_dataloader, skip_first_batches
+from impel.runtime.data import agree_on_generator, shard_dataloader, skip_first_batches
 from impel.runtime.item_windows import ItemWindows
 from impel.runtime.model_forward import ForwardContext, is_prepared, patch_forward
 from impel.runtime.optimizer import AcceleratedOptimizer, AcceleratedScheduler
+from impel.runtime.prepared_loader import PreparedLoader
 from impel.runtime.process import AcceleratorState, current_topology
 from impel.runtime.seeding import check_rng_types
 from impel.strategies.base import Strategy, load_strategy
@@ -67,7 +69,7 @@ _PREPARABLE = ("torch.nn.Module, torch.optim.Optimizer, torch.utils.data.DataLoa
                "torch.optim.lr_scheduler.LRScheduler")
 
 
-class Accelerator(ProcessUtilities, RunSettings):
+class Accelerator(ProcessUtilities, RunSettings, NotProvidedMembers):
     """Runs one training loop unchanged on CPU, one GPU, several GPUs or several machines."""
 
     def __init__(self, device_placement: bool = True, split_batches: bool | None = None,
@@ -79,15 +81,20 @@ class Accelerator(ProcessUtilities, RunSettings):
                  kwargs_handlers: Sequence[Any] | None = None, project_dir: str | os.PathLike[str] | None = None,
                  project_config: ProjectConfiguration | None = None,
                  fsdp_plugin: FullyShardedDataParallelPlugin | None = None,
-                 deepspeed_plugin: DeepSpeedPlugin | None = None, nonfinite_loss: str | None = None,
-                 log_with: Any = None, rng_types: Sequence[str] | None = None,
+                 deepspeed_plugin: DeepSpeedPlugin | dict[str, DeepSpeedPlugin] | None = None,
+                 nonfinite_loss: str | None = None, log_with: Any = None, rng_types: Sequence[str] | None = None,
                  dynamo_backend: Any = None, dynamo_plugin: TorchDynamoPlugin | None = None,
-                 parallelism_config: ParallelismConfig | None = None) -> None:
+                 parallelism_config: ParallelismConfig | None = None, torch_tp_plugin: Any = None,
+                 megatron_lm_plugin: Any = None,
+                 deepspeed_plugins: DeepSpeedPlugin | dict[str, DeepSpeedPlugin] | None = None) -> None:
         # resolve: every value settled (launch config, these arguments, plugins, DeepSpeed JSON) before any object
+        ds_plugin, ds_name, parallelism_config = accelerate_plugins(deepspeed_plugin, deepspeed_plugins,
+                                                                    torch_tp_plugin, megatron_lm_plugin,
+                                                                    parallelism_config)
         args = RunArguments(mixed_precision=mixed_precision, cpu=cpu,
                             gradient_accumulation_steps=gradient_accumulation_steps,
                             gradient_accumulation_plugin=gradient_accumulation_plugin, nonfinite_loss=nonfinite_loss,
-                            fsdp_plugin=fsdp_plugin, deepspeed_plugin=deepspeed_plugin,
+                            fsdp_plugin=fsdp_plugin, deepspeed_plugin=ds_plugin, deepspeed_plugin_name=ds_name,
                             dynamo_backend=dynamo_backend, dynamo_plugin=dynamo_plugin,
                             kwargs_handlers=kwargs_handlers, parallelism_config=parallelism_config)
         self.record = resolve(launched_settings(), args, current_topology())
@@ -156,7 +163,7 @@ class Accelerator(ProcessUtilities, RunSettings):
         return self.prepared.schedulers
 
     @property
-    def _dataloaders(self) -> list[DataLoaderShard]:
+    def _dataloaders(self) -> list[PreparedLoader]:
         return self.prepared.dataloaders
 
     @property
@@ -186,7 +193,7 @@ class Accelerator(ProcessUtilities, RunSettings):
         models = [i for i, k in enumerate(kinds) if k == "model" and not is_prepared(args[i])]
         optims = [i for i, k in enumerate(kinds) if k == "optimizer" and not isinstance(args[i], AcceleratedOptimizer)]
         for i, kind in enumerate(kinds):  # dataloaders first: DeepSpeed sizes its engine from their batch size
-            if kind == "dataloader" and not isinstance(args[i], DataLoaderShard):
+            if kind == "dataloader" and not isinstance(args[i], PreparedLoader):
                 result[i] = self.prepare_data_loader(args[i], device_placement=places[i])
         if models or optims:
             self.strategy.before_setup(self.prepared.dataloaders, [a for a, k in zip(args, kinds) if k == "scheduler"])
@@ -209,7 +216,7 @@ class Accelerator(ProcessUtilities, RunSettings):
             return "model"
         if isinstance(obj, torch.optim.Optimizer):
             return "optimizer"
-        if isinstance(obj, (DataLoader, DataLoaderShard)):
+        if isinstance(obj, (DataLoader, PreparedLoader)):
             return "dataloader"
         if isinstance(obj, (LRScheduler, AcceleratedScheduler)) or (
                 hasattr(obj, "step") and isinstance(getattr(obj, "optimizer", None), torch.optim.Optimizer)):
@@ -252,19 +259,28 @@ class Accelerator(ProcessUtilities, RunSettings):
         return self.prepare(optimizer)
 
     def prepare_data_loader(self, data_loader: DataLoader, device_placement: bool | None = None,
-                            slice_fn_for_dispatch: Callable[..., Any] | None = None) -> DataLoaderShard:
+                            slice_fn_for_dispatch: Callable[..., Any] | None = None) -> PreparedLoader:
         """``slice_fn_for_dispatch`` cuts each rank's part of a dispatched batch (``dispatch_batches=True``); on a
         loader that is not dispatched it raises."""
-        if isinstance(data_loader, DataLoaderShard):
+        if isinstance(data_loader, PreparedLoader):
             return data_loader
         place = self.device_placement if device_placement is None else device_placement
         rank, world = self._data_parallel()  # TP / CP ranks of one data-parallel rank read the same batches
+        if world == 1 and self._elastic_order():
+            agree_on_generator(data_loader.sampler)  # an elastic job alone shuffles as it does on several machines
         shard = shard_dataloader(data_loader, world=world, rank=rank,
                                  device=self.device if place else None, config=self.dataloader_config,
                                  gradient_state=self.gradient_state, rng_types=self.rng_types,
                                  hooks=self._resilience, slice_fn=slice_fn_for_dispatch)
         self.prepared.dataloaders.append(shard)
         return shard
+
+    def _elastic_order(self) -> bool:
+        """An elastic job's loaders order their samples the same way on every world size (a rank alone, too,
+        takes a generator drawn at prepare, as several do; Accelerate's one process draws a seed per pass)."""
+        rng = ["generator"] if self.rng_types is None else self.rng_types
+        return self.config.min_machines is not None and "generator" in rng \
+            and not self.dataloader_config.use_seedable_sampler
 
     def prepare_scheduler(self, scheduler: Any) -> AcceleratedScheduler:
         if isinstance(scheduler, AcceleratedScheduler):

@@ -15,8 +15,8 @@ if TYPE_CHECKING:
     from torch import nn
 
     from impel.runtime.accumulation import GradientState
-    from impel.runtime.data import DataLoaderShard
     from impel.runtime.optimizer import AcceleratedOptimizer, AcceleratedScheduler
+    from impel.runtime.prepared_loader import PreparedLoader
     from impel.runtime.process import ProcessState
     from impel.strategies.base import Strategy
 
@@ -29,7 +29,7 @@ class Prepared:
     models: list[nn.Module] = field(default_factory=list)
     optimizers: list[AcceleratedOptimizer] = field(default_factory=list)
     schedulers: list[AcceleratedScheduler] = field(default_factory=list)
-    dataloaders: list[DataLoaderShard] = field(default_factory=list)
+    dataloaders: list[PreparedLoader] = field(default_factory=list)
     registered: list[Any] = field(default_factory=list)
 
     def inner_optimizers(self) -> list[torch.optim.Optimizer]:

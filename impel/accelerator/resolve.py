@@ -17,13 +17,16 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from impel.config.deepspeed_json import settle_deepspeed
-from impel.config.parallelism import requested, settle
-from impel.config.plugins import GradientAccumulationPlugin, Handlers
+from impel.config.elastic import scaled_accumulation
+from impel.config.parallelism import ParallelismConfig, TorchTensorParallelPlugin, requested, settle
+from impel.config.plugins import DeepSpeedPlugin, GradientAccumulationPlugin, Handlers
 from impel.config.run_config import ConfigError, DistributedType, RunConfig, merge_code_arguments
+from impel.config.unsupported import NotProvidedError
 from impel.runtime.compile import dynamo_code_arguments, settle_dynamo
 from impel.runtime.process import live_device, pick_device
 from impel.runtime.run_record import RunArguments, RunRecord, cpu_only_config, plugins_in_effect
@@ -48,21 +51,80 @@ def resolve(launched: Mapping[str, Any] | None, args: RunArguments, topology: To
     if distributed_type == DistributedType.DEEPSPEED:
         deepspeed, decided = settle_deepspeed(config, args.deepspeed_plugin)
         config = config.with_values(**decided)  # what the JSON decides (accumulation steps, precision)
-    accumulation = _accumulation(args.gradient_accumulation_plugin, config.gradient_accumulation_steps)
+    elastic = config.min_machines is not None
+    if elastic:  # keep micro x accumulation x world: the accumulation asked for the planned world, scaled
+        steps = scaled_accumulation(config.gradient_accumulation_steps, planned_world(config, topology),
+                                    topology.world_size)
+        config = config.with_values(gradient_accumulation_steps=steps)
+    accumulation = _accumulation(args.gradient_accumulation_plugin, config.gradient_accumulation_steps, elastic)
     dynamo = settle_dynamo(config, args.dynamo_plugin, device, distributed_type)
     fsdp_strategy = config.fsdp.resolved_sharding_strategy if distributed_type == DistributedType.FSDP else None
     parallelism = settle(config.parallelism_config, asked, topology.world_size, str(distributed_type), fsdp_strategy)
     config.freeze()
     plugins = plugins_in_effect(config, str(distributed_type), args.deepspeed_plugin)
     return RunRecord(config, handlers, topology, device, distributed_type, accumulation, dynamo, deepspeed,
-                     args.deepspeed_plugin, args.fsdp_plugin, parallelism, plugins)
+                     args.deepspeed_plugin, args.fsdp_plugin, parallelism, plugins, args.deepspeed_plugin_name)
 
 
-def _accumulation(plugin: GradientAccumulationPlugin | None, steps: int) -> GradientAccumulationPlugin:
-    """The plugin given in code (its ``num_steps=None`` filled with the settled steps), else one of ``steps``."""
+def accelerate_plugins(deepspeed_plugin: Any, deepspeed_plugins: Any, torch_tp_plugin: Any, megatron_lm_plugin: Any,
+                       parallelism_config: ParallelismConfig | None
+                       ) -> tuple[DeepSpeedPlugin | None, str | None, ParallelismConfig | None]:
+    """Accelerate's plugin arguments that impel maps onto its own: the DeepSpeed plugin (``deepspeed_plugin`` or
+    ``deepspeed_plugins``, a plugin or a one-entry ``{name: plugin}`` dict) and its name, and the
+    ``ParallelismConfig`` (``torch_tp_plugin``, Accelerate's deprecated spelling of ``tp_size``). What impel cannot
+    honour raises: several DeepSpeed plugins, Megatron-LM."""
+    if megatron_lm_plugin is not None:
+        raise NotProvidedError(f"Accelerator(megatron_lm_plugin={type(megatron_lm_plugin).__name__}(...)): impel "
+                               "does not drive Megatron-LM; use FSDP (fsdp_plugin=...), DeepSpeed (deepspeed_plugin="
+                               "...) or tensor parallelism (parallelism_config=ParallelismConfig(tp_size=...))")
+    if deepspeed_plugin is not None and deepspeed_plugins is not None:
+        raise ValueError("pass either deepspeed_plugin or deepspeed_plugins, not both (deepspeed_plugins is "
+                         "Accelerate's alias)")
+    plugin, name = _one_deepspeed_plugin(deepspeed_plugins if deepspeed_plugins is not None else deepspeed_plugin)
+    if torch_tp_plugin is not None:
+        if parallelism_config is not None:
+            raise ConfigError("pass either torch_tp_plugin or parallelism_config, not both (torch_tp_plugin is "
+                              "Accelerate's deprecated spelling of parallelism_config=ParallelismConfig(tp_size=...))")
+        if not isinstance(torch_tp_plugin, TorchTensorParallelPlugin):
+            raise TypeError(f"torch_tp_plugin must be a TorchTensorParallelPlugin, got "
+                            f"{type(torch_tp_plugin).__name__}")
+        warnings.warn("TorchTensorParallelPlugin is deprecated (as in Accelerate); pass parallelism_config="
+                      f"ParallelismConfig(tp_size={torch_tp_plugin.tp_size}) instead", FutureWarning, stacklevel=3)
+        parallelism_config = torch_tp_plugin.parallelism_config()
+    return plugin, name, parallelism_config
+
+
+def _one_deepspeed_plugin(given: Any) -> tuple[DeepSpeedPlugin | None, str | None]:
+    if not isinstance(given, dict):
+        if given is not None and not isinstance(given, DeepSpeedPlugin):
+            raise TypeError(f"deepspeed_plugin must be a DeepSpeedPlugin, got {type(given).__name__}")
+        return given, None
+    bad = [key for key, value in given.items() if not isinstance(value, DeepSpeedPlugin)]
+    if bad:
+        raise TypeError(f"deepspeed_plugins={{...}}: the value of {bad[0]!r} is not a DeepSpeedPlugin")
+    if len(given) != 1:
+        raise NotProvidedError(
+            f"Accelerator(deepspeed_plugins=) with {len(given)} plugins ({', '.join(map(repr, given))}): impel runs "
+            "one DeepSpeed config per Accelerator (one settled JSON drives every engine, its checkpoints and "
+            "precision), so select_deepspeed_plugin cannot switch to another; pass one plugin, and prepare a frozen "
+            "reference model under it too (accelerator.prepare(ref_model) builds an engine without optimizer), or "
+            "build it with deepspeed.initialize(model=ref_model, config=...)")
+    ((name, plugin),) = given.items()
+    return plugin, str(name)
+
+
+def _accumulation(plugin: GradientAccumulationPlugin | None, steps: int,
+                  elastic: bool = False) -> GradientAccumulationPlugin:
+    """The plugin given in code (its ``num_steps=None`` filled with the settled steps; an elastic job's scaled
+    steps replace its own), else one of ``steps``."""
     if plugin is None:
         return GradientAccumulationPlugin(steps)
-    return dataclasses.replace(plugin, num_steps=steps) if plugin.num_steps is None else plugin
+    return dataclasses.replace(plugin, num_steps=steps) if plugin.num_steps is None or elastic else plugin
+
+
+def planned_world(config: RunConfig, topology: Topology) -> int:
+    """The processes an elastic job was planned for: ``num_processes``, else ``num_machines`` x this machine's."""
+    return config.num_processes or config.num_machines * topology.local_world_size
 
 
 def _code_arguments(args: RunArguments) -> dict[str, Any]:
@@ -85,6 +147,13 @@ def _code_arguments(args: RunArguments) -> dict[str, Any]:
 
 def _check_topology(config: RunConfig, launched: Mapping[str, Any] | None, topology: Topology) -> None:
     wanted = config.num_processes
+    if config.min_machines is not None:  # elastic: any whole number of machines from min_machines up
+        world, local = topology.world_size, topology.local_world_size
+        low, high = config.min_machines * local, planned_world(config, topology)
+        if world % local or not low <= world <= high:
+            raise ConfigError(f"this elastic job has WORLD_SIZE={world} but was planned for {low} to {high} "
+                              f"processes in machines of {local}; relaunch with impel launch or fix the config")
+        return
     if "num_processes" in (launched or {}) and wanted is not None and wanted != topology.world_size:
         raise ConfigError(f"the launch config says num_processes={wanted} but this job has WORLD_SIZE="
                           f"{topology.world_size}; relaunch with impel launch or fix the config")

@@ -1,5 +1,6 @@
 """N-D parallelism: :class:`ParallelismConfig` (Accelerate 1.15's, modelled on torchtitan's ``ParallelDims``) and
-its handlers, :class:`TorchTensorParallelConfig` and :class:`TorchContextParallelConfig`.
+its handlers, :class:`TorchTensorParallelConfig` and :class:`TorchContextParallelConfig`; Accelerate's deprecated
+:class:`TorchTensorParallelPlugin` maps onto it.
 
 The sizes describe one ``DeviceMesh`` with the dims ``dp_replicate``, ``dp_shard``, ``cp`` and ``tp`` (outermost to
 innermost; a dim of size 1 is left out), plus the flattened sub-meshes ``dp`` (replicate x shard: the ranks that
@@ -365,3 +366,25 @@ def settle(section: ParallelismSection | None, given: ParallelismConfig | None, 
         setattr(given, name, getattr(settled, name))
     given._sizes = dict(settled._sizes)
     return given
+
+
+class TorchTensorParallelPlugin:
+    """Accelerate's deprecated tensor-parallel plugin: ``Accelerator(torch_tp_plugin=TorchTensorParallelPlugin(
+    tp_size=2))`` is ``Accelerator(parallelism_config=ParallelismConfig(tp_size=2))``, which replaces it (a
+    FutureWarning says so, as Accelerate's). impel builds the mesh itself: a ``torch_device_mesh`` given here raises."""
+
+    def __init__(self, tp_size: int = 1, torch_device_mesh: Any = None) -> None:
+        if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+            raise ConfigError(f"TorchTensorParallelPlugin(tp_size={tp_size!r}) must be a whole number >= 1")
+        if torch_device_mesh is not None:
+            raise ConfigError("TorchTensorParallelPlugin(torch_device_mesh=...): impel builds the device mesh from "
+                              "the sizes; pass parallelism_config=ParallelismConfig(tp_size=...) instead")
+        self.tp_size = tp_size
+        self.torch_device_mesh = None
+
+    def __repr__(self) -> str:
+        return f"TorchTensorParallelPlugin(tp_size={self.tp_size})"
+
+    def parallelism_config(self) -> ParallelismConfig:
+        """The ``ParallelismConfig`` that replaces this plugin."""
+        return ParallelismConfig(tp_size=self.tp_size)

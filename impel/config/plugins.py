@@ -112,7 +112,8 @@ class DataLoaderConfiguration:
     otherwise it is the per-rank batch. even_batches: the last global batch is completed with samples from the
     start so every rank runs the same number of steps (``gather_for_metrics`` drops the duplicates).
     use_seedable_sampler: a shuffled loader's epoch ``e`` order comes from ``data_seed + e`` (``data_seed`` defaults
-    to rank 0's ``torch.initial_seed()``); otherwise from the sampler's generator, agreed across ranks.
+    to rank 0's ``torch.initial_seed()``); otherwise from the sampler's generator, agreed across ranks, and a
+    ``data_seed`` changes nothing (a warning says so; Accelerate ignores it there too).
     non_blocking: host-to-device copies are asynchronous (pin_memory recommended).
     dispatch_batches: None and False: every rank reads its own shard; True: rank 0 reads and every rank receives
     its slice of each global batch, as Accelerate's dispatcher (``impel.runtime.dispatch``).
@@ -136,9 +137,10 @@ class DataLoaderConfiguration:
             _check_bool("DataLoaderConfiguration", "dispatch_batches", self.dispatch_batches)
         if self.data_seed is not None and (isinstance(self.data_seed, bool) or not isinstance(self.data_seed, int)):
             raise ConfigError(f"DataLoaderConfiguration(data_seed={self.data_seed!r}) must be an integer or None")
-        if self.data_seed is not None and not self.use_seedable_sampler:
-            raise ConfigError(f"DataLoaderConfiguration(data_seed={self.data_seed}) only seeds the seedable sampler; "
-                              "add use_seedable_sampler=True (or drop data_seed)")
+        if self.data_seed is not None and not self.use_seedable_sampler:  # accepted, as Accelerate does
+            warnings.warn(f"DataLoaderConfiguration(data_seed={self.data_seed}) only seeds the seedable sampler, so "
+                          "without use_seedable_sampler=True it changes nothing (as in Accelerate, which ignores it "
+                          "there): add use_seedable_sampler=True for the order to follow it", stacklevel=3)
 
 
 @dataclass

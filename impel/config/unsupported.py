@@ -73,7 +73,6 @@ REASONS: dict[str, str] = {
     **{name: _SAGEMAKER for name in (
         "SageMakerDistributedType", "prepare_sagemager_args_inputs")},
     "prepare_pippy": _PIPPY,
-    "TorchTensorParallelPlugin": "deprecated in Accelerate; use ParallelismConfig(tp_size=...)",
     "GatheredParameters": "DeepSpeed ZeRO-3's parameter gathering; use deepspeed.zero.GatheredParameters",
     "write_basic_config": "use `impel config default` (it writes the same file for this machine's hardware)",
     "get_gpu_info": _OTHER_DEVICES + "; read torch.cuda.device_count() / get_device_name()",

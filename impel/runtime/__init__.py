@@ -6,7 +6,10 @@
 - ``accumulation``: ``GradientState`` and the micro-step; ``optimizer``: prepared optimizer and scheduler.
 - ``precision``, ``precision_report``, ``model_forward``, ``compile``: autocast, dtypes, the prepared forward,
   torch.compile.
-- ``data``: prepared dataloaders; ``model_loading``: weights without allocation; ``memory``: OOM retry.
+- ``data``: preparing a dataloader (``shard_dataloader``, ``skip_first_batches``) into Accelerate's
+  ``DataLoaderShard`` / ``DataLoaderDispatcher``; ``shard_layout``: this rank's share of an epoch (Accelerate's
+  layout); ``prepared_loader``: what every prepared loader does (``PreparedLoader``).
+- ``model_loading``: weights without allocation; ``memory``: OOM retry.
 - ``logger``, ``progress_bar``: per-process logging and progress; ``availability``: ``is_*_available``.
 - ``context_parallel``: the sequence split over the cp ranks; ``launchers``: start a function on N processes.
 - ``run_record``: the run, settled before anything is built (what the strategies read).

@@ -9,9 +9,9 @@ samples of the epoch's first global batch (``n`` + 1 per rank) unless the loader
 ``drop_last`` a last group of fewer than ``num_processes`` batches is dropped. Every rank starts the user's
 loader at each pass (only rank 0 draws from it), so torch's global RNG sees the draws it sees under Accelerate.
 
-:class:`DispatchingLoader` is both the loader :class:`impel.runtime.data.DataLoaderShard` iterates and the shard it
-asks for ``set_epoch``, ``skip`` and the remainder, so the prepared loader keeps impel's position, resume and
-``end_of_dataloader`` bookkeeping.
+:class:`DispatchingLoader` is both the loader :class:`impel.runtime.prepared_loader.PreparedLoader` iterates and
+the shard it asks for ``set_epoch``, ``skip`` and the remainder, so the prepared loader keeps impel's position,
+resume and ``end_of_dataloader`` bookkeeping.
 """
 from __future__ import annotations
 
@@ -26,9 +26,10 @@ from impel.config.run_config import ConfigError
 from impel.runtime.collectives import broadcast, broadcast_object_list, recursively_apply, send_to_device
 
 
-class DispatchingLoader:
+class DispatchingLoader(DataLoader[Any]):
     """Rank 0 reads ``inner`` (the user's loader without its generator, as Accelerate rebuilds it); each rank gets
-    its slice of every global batch. DataLoader attributes not defined here are ``inner``'s."""
+    its slice of every global batch. DataLoader attributes not defined here are ``inner``'s (a ``DataLoader``, as
+    Accelerate's dispatcher's ``base_dataloader``, that never runs ``DataLoader.__init__``)."""
 
     def __init__(self, inner: DataLoader[Any], original: DataLoader[Any], world: int, rank: int,
                  split_batches: bool, device: torch.device,
@@ -44,6 +45,7 @@ class DispatchingLoader:
         self.per_rank_batch = (size // world if split_batches else size) if size is not None else None
         self.skip = 0  # batches of the next pass to fetch and drop (resume), set by DataLoaderShard
         self.last_real = -1  # real samples of the latest global batch when it was the epoch's last
+        self.at_end = False  # the batch just yielded is the pass's last (this loader reads one ahead already)
 
     def __getattr__(self, name: str) -> Any:
         if name == "inner":  # not set yet (unpickling): no recursion
@@ -51,11 +53,11 @@ class DispatchingLoader:
         return getattr(self.inner, name)
 
     @property
-    def batch_size(self) -> int | None:
+    def batch_size(self) -> int | None:  # type: ignore[override]  # read-only: computed from the split
         return self.per_rank_batch
 
     @property
-    def sampler(self) -> Any:
+    def sampler(self) -> Any:  # type: ignore[override]  # read-only: rank 0's sampler
         """The sampler ordering the epoch on rank 0 (None for an iterable dataset)."""
         batch_sampler = self.inner.batch_sampler
         return None if isinstance(self.inner.dataset, IterableDataset) else getattr(batch_sampler, "sampler", None)
@@ -75,7 +77,7 @@ class DispatchingLoader:
     def last_batch_size(self) -> int:
         return self.last_real
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # a generator, not torch's _BaseDataLoaderIter
         source = iter(self.inner)  # on every rank: the same global RNG draws as under Accelerate
         first: Any = None
         current = self._fetch(source)
@@ -92,6 +94,7 @@ class DispatchingLoader:
                 if not self.drop_last and observed % self.world:
                     batch, per_rank = _concatenate([batch, first]), per_rank + 1
             if index >= self.skip:
+                self.at_end = upcoming is None
                 yield self._slice(batch, slice(self.rank * per_rank, (self.rank + 1) * per_rank))
             index += 1
             current = upcoming

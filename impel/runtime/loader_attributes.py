@@ -1,7 +1,8 @@
 """What a prepared DataLoader shows of ``torch.utils.data.DataLoader``, as Accelerate's prepared loaders do.
 
-impel's prepared loader (:class:`impel.data.DataLoaderShard`) is a ``DataLoader`` subclass (``isinstance`` is True)
-that iterates a rebuilt loader over this rank's shard. It carries the attributes code reads from a DataLoader:
+impel's prepared loader (:class:`impel.runtime.prepared_loader.PreparedLoader`) is a ``DataLoader`` subclass
+(``isinstance`` is True) that iterates a rebuilt loader over this rank's shard. It carries the attributes code
+reads from a DataLoader:
 
 - from the rebuilt loader: ``batch_sampler`` (this rank's batches of indices, the shard sampler with ``even_batches``
   and ``drop_last``; torch's ``BatchSampler`` over an iterable dataset's shard), ``collate_fn``, ``num_workers``,

@@ -1,5 +1,5 @@
 """Accelerate's standalone data-loading pieces (``accelerate.data_loader``), built on impel's sharding
-(:mod:`impel.data`): ``prepare_data_loader`` outside an Accelerator, the ``BatchSamplerShard`` /
+(:mod:`impel.runtime.data`): ``prepare_data_loader`` outside an Accelerator, the ``BatchSamplerShard`` /
 ``IterableDatasetShard`` wrappers with Accelerate's constructors, and the batch-skipping ``SkipBatchSampler`` /
 ``SkipDataLoader``.
 
@@ -19,8 +19,11 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 from impel.config.plugins import DataLoaderConfiguration, GradientAccumulationPlugin
 from impel.config.run_config import ConfigError
 from impel.runtime.accumulation import GradientState
-from impel.runtime.data import BatchShardSampler, DataLoaderShard, IterableShard, _SkipBatchSampler, shard_dataloader
+from impel.runtime.data import DataLoaderDispatcher as DataLoaderDispatcher  # re-exported: its earlier home
+from impel.runtime.data import _SkipBatchSampler, shard_dataloader
+from impel.runtime.prepared_loader import PreparedLoader
 from impel.runtime.process import PartialState
+from impel.runtime.shard_layout import BatchShardSampler, IterableShard
 
 
 class BatchSamplerShard(BatchShardSampler):
@@ -86,6 +89,8 @@ class SkipDataLoader(DataLoader[Any]):
         self.skip_batches = skip_batches
         self.use_stateful_dataloader = use_stateful_dataloader
 
+    base_dataloader = property(lambda self: self, doc="The DataLoader it iterates: itself (Accelerate's attribute).")
+
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # a generator, as Accelerate's
         for index, batch in enumerate(super().__iter__()):
             if index >= self.skip_batches:
@@ -93,33 +98,6 @@ class SkipDataLoader(DataLoader[Any]):
 
     def __len__(self) -> int:
         return max(0, super().__len__() - self.skip_batches)
-
-
-class DataLoaderDispatcher(DataLoaderShard):
-    """Accelerate's dispatching DataLoader built directly: a ``DataLoader(dataset, **kwargs)`` that rank 0 reads,
-    every rank of :class:`PartialState` receiving its slice of each global batch on its device
-    (:mod:`impel.runtime.dispatch`, the loader ``dispatch_batches=True`` prepares). ``_drop_last`` drops a last global
-    batch too short to split (else it is completed from the epoch's first samples), as Accelerate's; ``drop_last`` in
-    ``kwargs`` is rank 0's DataLoader's. ``slice_fn`` cuts each rank's part."""
-
-    def __init__(self, dataset: Any, split_batches: bool = False, skip_batches: int = 0,
-                 use_stateful_dataloader: bool = False, _drop_last: bool = False, _non_blocking: bool = False,
-                 slice_fn: Callable[..., Any] | None = None, torch_device_mesh: Any = None, **kwargs: Any) -> None:
-        if skip_batches:
-            raise ConfigError(f"DataLoaderDispatcher(skip_batches={skip_batches}): skip batches of one pass with "
-                              "impel.skip_first_batches(loader, num_batches) on the built loader instead")
-        _refuse_unsupported(True, True, torch_device_mesh)
-        loader = DataLoader(dataset, **kwargs)
-        state = PartialState()
-        config = DataLoaderConfiguration(split_batches=split_batches, dispatch_batches=True,
-                                         non_blocking=_non_blocking, use_stateful_dataloader=use_stateful_dataloader)
-        built = shard_dataloader(loader, world=state.num_processes, rank=state.process_index, device=state.device,
-                                 config=config, gradient_state=GradientState(GradientAccumulationPlugin(num_steps=1)),
-                                 slice_fn=slice_fn)
-        self.__dict__.update(built.__dict__)
-        self.shard.drop_last = _drop_last  # whether a short last global batch is dropped (Accelerate's _drop_last)
-        self.split_batches = split_batches
-        self.slice_fn = slice_fn
 
 
 def _refuse_unsupported(dispatch_batches: bool | None, put_on_device: bool, torch_device_mesh: Any) -> None:
@@ -137,7 +115,7 @@ def prepare_data_loader(dataloader: DataLoader[Any], device: torch.device | None
                         dispatch_batches: bool | None = None, even_batches: bool = True,
                         slice_fn_for_dispatch: Callable[..., Any] | None = None, use_seedable_sampler: bool = False,
                         data_seed: int | None = None, non_blocking: bool = False,
-                        use_stateful_dataloader: bool = False, torch_device_mesh: Any = None) -> DataLoaderShard:
+                        use_stateful_dataloader: bool = False, torch_device_mesh: Any = None) -> PreparedLoader:
     """Accelerate's ``prepare_data_loader`` outside an Accelerator: ``dataloader`` for rank ``process_index`` of
     ``num_processes`` (default :class:`PartialState`'s), the same batches as ``accelerator.prepare`` gives, on
     ``device`` (default the process's) when ``put_on_device``. With several processes a shuffling sampler takes rank

@@ -146,12 +146,14 @@ class ProcessState:
 
         After an elastic restart the store can still hold the previous attempt's keys (the agent keeps its store
         across attempts); gloo then reads a dead rank's address and fails with "Connection refused". A prefix per
-        ``TORCHELASTIC_RESTART_COUNT`` makes every attempt's keys its own.
+        ``TORCHELASTIC_RESTART_COUNT`` makes every attempt's keys its own. Without the agent's store (an elastic
+        job: ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``) rank 0 hosts a new store every attempt, and the agents' restart
+        counts differ (a machine that rejoins starts at 0), so the prefix is the same for all.
         """
         host_store = not topo.agent_store and topo.rank == 0
         store = dist.TCPStore(topo.master_addr, topo.master_port, topo.world_size, is_master=host_store,
                               timeout=self.timeout, multi_tenant=True)
-        return dist.PrefixStore(f"impel/attempt_{topo.restart_count}", store)
+        return dist.PrefixStore(f"impel/attempt_{topo.restart_count}" if topo.agent_store else "impel/job", store)
 
     # --- topology -------------------------------------------------------------------------------------------
     @property
@@ -366,6 +368,37 @@ class AcceleratorState(PartialState):
     @property
     def deepspeed_plugin(self) -> Any:
         return self._accelerator("deepspeed_plugin").deepspeed_plugin
+
+    @property
+    def deepspeed_plugins(self) -> Any:
+        """Accelerate's: ``{name: plugin}`` when the plugin was given as ``deepspeed_plugins={name: plugin}``, else
+        the plugin in effect; None without DeepSpeed."""
+        accelerator = self._accelerator("deepspeed_plugins")
+        plugin, name = accelerator.deepspeed_plugin, accelerator.record.deepspeed_plugin_name
+        return {name: plugin} if plugin is not None and name is not None else plugin
+
+    def get_deepspeed_plugin(self, name: str) -> Any:
+        """The DeepSpeed plugin given as ``deepspeed_plugins={name: plugin}``."""
+        return self._named_deepspeed_plugin(name, "get_deepspeed_plugin")
+
+    def select_deepspeed_plugin(self, name: str | None = None) -> None:
+        """Make ``name`` the active DeepSpeed plugin: impel runs one (Accelerate's multiple plugins raise at
+        ``Accelerator(...)``), so this checks ``name`` is it."""
+        self._named_deepspeed_plugin(name, "select_deepspeed_plugin")
+
+    def _named_deepspeed_plugin(self, name: str | None, what: str) -> Any:
+        plugins = self.deepspeed_plugins
+        if self.distributed_type != DistributedType.DEEPSPEED or plugins is None:
+            raise ValueError(f"AcceleratorState().{what}({name!r}): DeepSpeed is not enabled; build the Accelerator "
+                             "with deepspeed_plugins={name: DeepSpeedPlugin(...)} (or launch with --use_deepspeed)")
+        if not isinstance(plugins, dict):
+            raise KeyError(f"AcceleratorState().{what}({name!r}): the DeepSpeed plugin was given without a name; "
+                           "pass it as deepspeed_plugins={name: plugin} to look it up by name, or read "
+                           "AcceleratorState().deepspeed_plugin")
+        if name not in plugins:
+            raise KeyError(f"AcceleratorState().{what}({name!r}): no DeepSpeed plugin of that name; the Accelerator "
+                           f"has {', '.join(map(repr, plugins))}")
+        return plugins[name]
 
     @property
     def fsdp_plugin(self) -> Any:

@@ -42,6 +42,7 @@ class RunArguments:
     dynamo_plugin: TorchDynamoPlugin | None = None
     kwargs_handlers: Sequence[Any] | None = None
     parallelism_config: ParallelismConfig | None = None
+    deepspeed_plugin_name: str | None = None  # its key in Accelerator(deepspeed_plugins={name: plugin})
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,7 @@ class RunRecord:
     fsdp_plugin: FullyShardedDataParallelPlugin | None = None
     parallelism: ParallelismConfig | None = None  # the mesh sizes, settled against the world size
     plugins: PluginsInEffect = PluginsInEffect()
+    deepspeed_plugin_name: str | None = None  # Accelerate's deepspeed_plugins={name: plugin}: the plugin's key
 
     @property
     def cpu_only(self) -> bool:

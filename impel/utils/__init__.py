@@ -49,7 +49,7 @@ SOURCES: dict[str, str] = {
         "KwargsHandler", "ProjectConfiguration")},
     "ProfileKwargs": "impel.config.profiling",
     **{name: "impel.config.parallelism" for name in (
-        "ParallelismConfig", "TorchTensorParallelConfig", "TorchContextParallelConfig")},
+        "ParallelismConfig", "TorchTensorParallelConfig", "TorchContextParallelConfig", "TorchTensorParallelPlugin")},
     **{name: "impel.runtime.compile" for name in (
         "TorchDynamoPlugin", "DynamoBackend", "is_compiled_module", "has_compiled_regions",
         "extract_model_from_parallel")},

@@ -28,10 +28,6 @@ ALLOWED = {
     "Accelerator.__init__: default gradient_accumulation_steps": "None: the launched config or 1",
     "Accelerator.__init__: default cpu": "None: the launched config or False",
     "is_mps_available: default min_version": "None asks for any MPS (Accelerate's '1.12' is a torch version)",
-    # arguments of parts impel does not drive (docs/accelerate-compatibility.md, "not provided")
-    "Accelerator.__init__: missing torch_tp_plugin": "deprecated in Accelerate; ParallelismConfig(tp_size=...)",
-    "Accelerator.__init__: missing megatron_lm_plugin": "impel does not drive Megatron-LM",
-    "Accelerator.__init__: missing deepspeed_plugins": "one DeepSpeed plugin per Accelerator",
     # positional order: these are keyword arguments in practice (Accelerate's own docs pass them by name)
     "Accelerator.__init__: order": "impel's keywords after cpu are in another order; pass them by name",
     "FullyShardedDataParallelPlugin: order": "generated from the config's fields; pass them by name",
@@ -41,10 +37,6 @@ ALLOWED = {
     "Accelerator.on_local_main_process: default function": "decorator: the function is required",
     "PartialState.on_main_process: default function": "decorator: the function is required",
     "PartialState.on_local_main_process: default function": "decorator: the function is required",
-    "Accelerator: missing method deepspeed_ulysses_dl_adapter": "sequence parallelism is not supported",
-    "Accelerator: missing method lomo_backward": "LOMO optimizers are not supported",
-    "AcceleratorState: missing method get_deepspeed_plugin": "one DeepSpeed plugin per Accelerator",
-    "AcceleratorState: missing method select_deepspeed_plugin": "one DeepSpeed plugin per Accelerator",
 }
 
 
@@ -90,7 +82,7 @@ def _pairs() -> list[tuple[str, Any, Any]]:
             continue
         pairs.append((name, getattr(iu, name), getattr(acc_utils, name)))
     for name in ("prepare_data_loader", "BatchSamplerShard", "IterableDatasetShard", "SkipBatchSampler",
-                 "SkipDataLoader", "skip_first_batches"):
+                 "SkipDataLoader", "skip_first_batches", "DataLoaderShard", "DataLoaderDispatcher"):
         pairs.append((name, getattr(dl, name), getattr(acc_dl, name)))
     pairs.append(("Accelerator.__init__", Accelerator.__init__, accelerate.Accelerator.__init__))
     for cls_name, mine, theirs in (("Accelerator", Accelerator, accelerate.Accelerator),

@@ -79,6 +79,16 @@ def test_seedable_sampler_matches_accelerate(world, data_seed):
 
 
 @pytest.mark.parametrize("world", [1, 2])
+def test_data_seed_without_the_seedable_sampler_is_accepted_and_ignored_as_by_accelerate(world):
+    def make():
+        return DataLoader(IndexDataset(11), batch_size=2, shuffle=True)
+
+    # Accelerate passes data_seed to the seedable sampler only: without it the order is the generator's
+    with pytest.warns(UserWarning, match="data_seed=5.*changes nothing.*use_seedable_sampler=True"):
+        assert_same_as_accelerate(make, world, data_seed=5)
+
+
+@pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("seedable", [False, True])
 def test_a_user_generator_is_used_as_accelerate_uses_it(world, seedable):
     def make():

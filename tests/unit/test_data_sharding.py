@@ -294,9 +294,13 @@ def test_distributed_sampler_is_rejected():
         shard(loader, 2, 0)
 
 
-def test_loader_without_automatic_batching_is_rejected():
-    with pytest.raises(ConfigError, match="batch_size=None"):
-        shard(DataLoader(IndexDataset(4), batch_size=None), 2, 0)
+def test_loader_without_automatic_batching_is_sharded_sample_by_sample():
+    # DataLoader(batch_size=None): each rank takes every world-th sample, padded from the start with even_batches
+    loaders = [shard(DataLoader(IndexDataset(5), batch_size=None), 2, r) for r in (0, 1)]
+    assert [[int(s) for s in loader] for loader in loaders] == [[0, 2, 4], [1, 3, 0]]
+    assert loaders[0].batch_size is None and len(loaders[0]) == 3
+    with pytest.raises(ConfigError, match="batch_size=None.*split_batches"):
+        shard(DataLoader(IndexDataset(4), batch_size=None), 2, 0, split_batches=True)
 
 
 # --- len ------------------------------------------------------------------------------------------------------

@@ -114,5 +114,6 @@ def test_a_loader_with_batches_does_not_warn_nor_one_that_leaves_a_rank_empty_on
         data = TensorDataset(torch.zeros(3, 2))
         base = DataLoader(data, batch_size=4)
         shard = ShardSampler(base.sampler, 4, 2, 1, False, even_batches=False)
-        rank1 = DataLoaderShard(DataLoader(data, batch_sampler=shard), shard, None, False, acc.gradient_state, 4, base)
+        rank1 = DataLoaderShard.build(DataLoader(data, batch_sampler=shard), shard, None, False, acc.gradient_state, 4,
+                                      base)
         assert list(rank1) == []
