@@ -69,7 +69,8 @@ def run(quick: bool = False) -> dict[str, Any]:
         script = os.path.join(home, "noop.py")
         Path(script).write_text(SCRIPT)
         env = dict(os.environ, HOME=home, XDG_CACHE_HOME=os.path.join(home, "cache"),
-                   IMPEL_CONFIG_FILE=os.path.join(home, "none.yaml"), OMP_NUM_THREADS="1")
+                   HF_HOME=os.path.join(home, "hf"), OMP_NUM_THREADS="1")  # no launch config anywhere
+        env.pop("IMPEL_CONFIG_FILE", None)  # it must now name an existing file
         cmds = commands(script, home)
         times: dict[str, list[float]] = {name: [] for name in cmds}
         for cmd in cmds.values():  # warm the page cache once

@@ -34,7 +34,10 @@ def launch(flags: list[str], args: list[str], home: str, malloc_threshold: bool 
     """Run the worker on 2 ranks; ``malloc_threshold``: return freed memory to the OS (for honest RSS figures;
     throughput benchmarks leave glibc's default, as users do)."""
     impel = str(Path(sys.executable).parent / "impel")
-    env = dict(os.environ, OMP_NUM_THREADS="1", HOME=home, IMPEL_CONFIG_FILE=os.path.join(home, "none.yaml"))
+    # no launch config: an empty home and caches (IMPEL_CONFIG_FILE must now name an existing file)
+    env = {k: v for k, v in os.environ.items() if k != "IMPEL_CONFIG_FILE"}
+    env.update(OMP_NUM_THREADS="1", HOME=home, XDG_CACHE_HOME=os.path.join(home, "cache"),
+               HF_HOME=os.path.join(home, "hf"))
     if malloc_threshold:
         env["MALLOC_MMAP_THRESHOLD_"] = "131072"
     cmd = [impel, "launch", "--cpu", "--num_processes", "2", *flags, worker, *args]
