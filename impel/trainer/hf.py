@@ -13,7 +13,7 @@ FSDP checkpoint calls are served by :mod:`impel.trainer.hf_fsdp`), ``deepspeed``
 
 Example (a transformers script with the import renamed)::
 
-    from impel.trainer.hf import Trainer, TrainingArguments
+    from impel import Trainer, TrainingArguments   # = impel.trainer.hf's; was: from transformers import ...
 
     args = TrainingArguments(output_dir="out", do_train=True, per_device_train_batch_size=4,
                              gradient_accumulation_steps=2, average_tokens_across_devices=True)
@@ -28,9 +28,21 @@ from typing import Any
 try:
     import transformers
     import transformers.trainer
-    from transformers import TrainingArguments
-except ImportError as exc:  # pragma: no cover - the extra is installed in the test environment
-    raise ImportError("impel.trainer.hf is transformers' Trainer on impel and needs transformers 5.24 or newer: "
+    from transformers import (
+        EarlyStoppingCallback,
+        EvalPrediction,
+        ProgressCallback,
+        TrainerCallback,
+        TrainerControl,
+        TrainerState,
+        TrainingArguments,
+        default_data_collator,
+        get_scheduler,
+    )
+    from transformers.trainer_utils import PredictionOutput, TrainOutput
+except ImportError as exc:
+    raise ImportError("impel's Trainer (impel.Trainer, impel.TrainingArguments, impel.trainer.hf) is transformers' "
+                      "Trainer on impel's Accelerator and needs transformers 5.24 or newer: "
                       "pip install 'impel[transformers]'") from exc
 
 from impel.accelerator.facade import Accelerator
@@ -47,7 +59,10 @@ from impel.runtime.data import skip_first_batches as impel_skip_first_batches
 from impel.runtime.prepared_loader import PreparedLoader
 from impel.trainer import hf_callbacks, hf_deepspeed, hf_fsdp
 
-__all__ = ["Trainer", "TrainingArguments", "accelerator_arguments"]
+# transformers' own classes, re-exported so that `from impel import TrainerCallback, ...` names them
+__all__ = ["EarlyStoppingCallback", "EvalPrediction", "PredictionOutput", "ProgressCallback", "TrainOutput", "Trainer",
+           "TrainerCallback", "TrainerControl", "TrainerState", "TrainingArguments", "accelerator_arguments",
+           "default_data_collator", "get_scheduler"]
 
 _ACCELERATE_SKIP_FIRST_BATCHES = transformers.trainer.skip_first_batches
 

@@ -39,15 +39,19 @@ def test_two_ranks_by_4_with_accumulation_2_equal_one_process_of_16(tmp_path):
 
 def test_the_example_script_on_two_ranks_gives_transformers_numbers(tmp_path):
     knobs = {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2}
+    knobs = dict(knobs, do_predict=True)  # predict(): every sample once, in order, on both ranks
     reference = run_on_ranks(_run, 2, args=("transformers", str(tmp_path / "hf"), knobs), env=ACCELERATE_ENV,
                              timeout=150)[0]
-    ours = run_on_ranks(_run, 2, args=("impel.trainer.hf", str(tmp_path / "impel"), knobs), timeout=150)[0]
+    ours = run_on_ranks(_run, 2, args=("impel", str(tmp_path / "impel"), knobs), timeout=150)[0]
     assert (reference["world"], ours["world"]) == (2, 2)
     assert (reference["accelerator"], ours["accelerator"]) == ("accelerate.accelerator", "impel.accelerator.facade")
     assert _max_diff(ours["weights"], reference["weights"]) <= 1e-5
     for key in ("eval_loss", "loss", "learning_rate"):
         assert ours[key] == pytest.approx(reference[key], abs=1e-6), key
     assert ours["tokens_seen"] == reference["tokens_seen"] == 6 * 2 * 2 * 4 * 16
+    assert ours["predictions"].shape == reference["predictions"].shape == (12, 16, 64)
+    assert (ours["predictions"] - reference["predictions"]).abs().max().item() <= 1e-5
+    assert ours["test_loss"] == pytest.approx(reference["test_loss"], abs=1e-6)
 
 
 @pytest.mark.parametrize("state_dict_type, files", [
