@@ -26,6 +26,12 @@ NOTES: dict[str, str] = {
     "parallelism_config": "impel's ParallelismConfig: `dp_replicate_size` / `dp_shard_size` (DDP, FSDP2, HSDP on "
                           "impel's device mesh); `tp_size`, `cp_size`, `sp_size` > 1 raise (not served on this "
                           "route: a custom loop on impel's Accelerator takes them)",
+    "resume_from_checkpoint": "transformers' behaviour, plus `\"auto\"` (impel: the newest complete checkpoint in "
+                              "`output_dir`, from scratch when there is none); `True` takes the newest *complete* "
+                              "one (impel.trainer.hf_callbacks)",
+    "use_cpu": "transformers' behaviour; needed for more than one process on a machine without GPUs (transformers "
+               "counts processes through Accelerate's process state): a run where that count differs from impel's "
+               "raises naming it",
 }
 
 
@@ -45,7 +51,7 @@ def member_names() -> list[str]:
 
 def fields_table() -> str:
     """The Markdown table of every field: transformers' behaviour, or what impel does with it."""
-    rows = ["| TrainingArguments field | on impel.trainer.hf.Trainer |", "|---|---|"]
+    rows = ["| TrainingArguments field | on impel's Trainer (`impel.Trainer`) |", "|---|---|"]
     for name in field_names():
         note = NOTES.get(name, "transformers' behaviour")
         rows.append(f"| `{name}` | {note} |")

@@ -150,7 +150,9 @@ def test_docs_table_is_generated_from_the_code():
     from impel.trainer.hf_fields import NOTES, field_names, fields_table, members_line
 
     assert set(NOTES) <= set(field_names()) and len(field_names()) >= 100
-    block = f"{START}\n{fields_table()}\n\nEvery public `Trainer` member is transformers' own: {members_line()}.\n{END}"
+    block = (f"{START}\n{fields_table()}\n\nEvery public `Trainer` member is transformers' own code (impel's replaces "
+             "`create_accelerator_and_postprocess`, and wraps `train` for `resume_from_checkpoint=\"auto\"`): "
+             f"{members_line()}.\n{END}")
     path = DOCS / "trainer.md"
     text = path.read_text(encoding="utf-8")
     if os.environ.get("IMPEL_UPDATE_DOCS") == "1":
