@@ -193,9 +193,9 @@ def plan_launch(ns: argparse.Namespace) -> LaunchPlan:
     else:
         nproc = config.num_processes // config.num_machines
     _check_mesh(config, nproc * config.num_machines)
+    rank_variables = {**_rank_variables(config, ns), **_cpu_ranks(config, nproc * config.num_machines)}
     plan = LaunchPlan(config, explicit, nproc, command, notes=notes, agent_args=_agent_arguments(ns),
-                      quiet=bool(getattr(ns, "quiet", False)), rank_variables=_rank_variables(config, ns),
-                      rank_env=rank_env)
+                      quiet=bool(getattr(ns, "quiet", False)), rank_variables=rank_variables, rank_env=rank_env)
     plan.torchrun_args = torchrun_arguments(plan)
     if rank_env and plan.config.num_machines * nproc == 1:
         raise ConfigError("--stall_warning has no effect on one process (no rank waits for another); remove it, or "
@@ -213,6 +213,20 @@ def _rank_variables(config: RunConfig, ns: argparse.Namespace) -> dict[str, str]
     if getattr(ns, "use_parallelism_config", False):
         out["ACCELERATE_USE_PARALLELISM_CONFIG"] = "true"
     return out
+
+
+def _cpu_ranks(config: RunConfig, world: int) -> dict[str, str]:
+    """Several ranks that run on CPUs get ``ACCELERATE_USE_CPU=true``, as ``accelerate launch --cpu`` sets it: code
+    that asks Accelerate's own state for the world (transformers' ``TrainingArguments`` on the hf Trainer route)
+    otherwise sees one process per rank on a machine without GPUs. A value the user exported is kept."""
+    if world < 2 or env.read_variables(["ACCELERATE_USE_CPU"]):
+        return {}
+    on_cpu = config.use_cpu or config.distributed_type == "MULTI_CPU"
+    if not on_cpu:
+        import torch
+
+        on_cpu = not torch.cuda.is_available()
+    return {"ACCELERATE_USE_CPU": "true"} if on_cpu else {}
 
 
 def _check_mesh(config: RunConfig, world: int) -> None:
