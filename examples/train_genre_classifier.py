@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
     transformers.logging.disable_progress_bar()  # per-rank loading and tokenizing bars: only the Trainer's shows
     datasets.disable_progress_bars()
     # use_cpu: transformers' TrainingArguments count processes through Accelerate's process state, which finds no
-    # backend on a machine without GPUs unless told to use the CPU.
+    # backend on a machine without GPUs unless told to use the CPU (impel launch tells it; plain torchrun does not).
     # average_tokens_across_devices=False: transformers multiplies the loss by the process count to undo its
     # division by the tokens of all ranks, but a sequence classifier's loss is a mean over its own batch (it
     # ignores num_items_in_batch): left on, 2 ranks would log (and step with) twice the loss

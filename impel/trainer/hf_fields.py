@@ -29,9 +29,9 @@ NOTES: dict[str, str] = {
     "resume_from_checkpoint": "transformers' behaviour, plus `\"auto\"` (impel: the newest complete checkpoint in "
                               "`output_dir`, from scratch when there is none); `True` takes the newest *complete* "
                               "one (impel.trainer.hf_callbacks)",
-    "use_cpu": "transformers' behaviour; needed for more than one process on a machine without GPUs (transformers "
-               "counts processes through Accelerate's process state): a run where that count differs from impel's "
-               "raises naming it",
+    "use_cpu": "transformers' behaviour; several CPU ranks outside `impel launch` (which sets ACCELERATE_USE_CPU) "
+               "need it (transformers counts processes through Accelerate's process state): a run where that count "
+               "differs from impel's raises naming it",
 }
 
 
