@@ -46,6 +46,7 @@ except ImportError as exc:
                       "pip install 'impel[transformers]'") from exc
 
 from impel.accelerator.facade import Accelerator
+from impel.config.environment_settings import launched_settings
 from impel.config.parallelism import ParallelismConfig
 from impel.config.plugins import (
     DataLoaderConfiguration,
@@ -182,6 +183,16 @@ def _check_world(args: Any, accelerator: Any) -> None:
                           "there otherwise)")
 
 
+def _check_auto_resume() -> None:
+    """The launch config's ``auto_resume`` resumes (and, on SIGTERM, writes) the Accelerator's ``save_state``
+    checkpoints; the Trainer writes transformers' ``checkpoint-N``, so its switch is ``resume_from_checkpoint``."""
+    if (launched_settings() or {}).get("auto_resume"):
+        raise ConfigError("auto_resume=true in the launch config (impel launch --auto_resume) resumes the "
+                          "Accelerator's save_state checkpoints, which the Trainer does not write: drop it and call "
+                          "trainer.train(resume_from_checkpoint=\"auto\") (the newest complete checkpoint-N in "
+                          "output_dir; from scratch when there is none)")
+
+
 class Trainer(transformers.Trainer):
     """``transformers.Trainer`` on impel's Accelerator: same constructor, members and behaviour, plus impel's
     additions (:mod:`impel.trainer.hf_callbacks`): ``metrics.jsonl`` and ``loss.png`` in ``output_dir``
@@ -201,6 +212,7 @@ class Trainer(transformers.Trainer):
         return super().train(resume, *args, **kwargs)
 
     def create_accelerator_and_postprocess(self) -> None:
+        _check_auto_resume()
         self.accelerator = Accelerator(**accelerator_arguments(self.args, self.model))
         gather = self.accelerator.gather_for_metrics
         if "use_gather_object" in inspect.signature(gather).parameters:

@@ -262,3 +262,16 @@ def test_accumulation_set_twice_raises_naming_both(tmp_path):
                              accelerator_config={"gradient_accumulation_kwargs": {"num_steps": 4}})
     with pytest.raises(ConfigError, match=r"num_steps=4 and gradient_accumulation_steps=2: set one of them"):
         Trainer(model=tiny_gpt2(), args=args, train_dataset=padded_lm_data(8))
+
+
+def test_the_launch_configs_auto_resume_names_the_trainers_switch(tmp_path, monkeypatch):
+    """impel launch --auto_resume is the Accelerator's (save_state checkpoints); the Trainer's is "auto"."""
+    import json
+
+    from impel import Trainer, TrainingArguments
+    from impel.config import environment as env
+
+    monkeypatch.setenv(env.CONFIG_VAR, json.dumps({"auto_resume": True}))
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    with pytest.raises(ConfigError, match=r"auto_resume=true in the launch config.*resume_from_checkpoint=\"auto\""):
+        Trainer(model=tiny_gpt2(), args=args, train_dataset=padded_lm_data(8))
