@@ -45,10 +45,11 @@ def folder_name(index: int) -> str:
     return "deepspeed" if index == 0 else f"deepspeed_{index}"
 
 
-def save_engines(engines: Sequence[Any], directory: Path, *, stage: int, world: int,
+def save_engines(engines: Sequence[Any], directory: Path, *, stages: Sequence[int], world: int,
                  dtype: torch.dtype, engine_kwargs: Mapping[str, Any] = {}) -> dict[str, Any]:  # noqa: B006
     """Every rank writes its part; returns the ``strategy`` section of the checkpoint metadata. ``engines``:
-    DeepSpeedEngine modules (typed Any: deepspeed has no type information).
+    DeepSpeedEngine modules (typed Any: deepspeed has no type information); ``stages``: each engine's ZeRO stage
+    (engines built under several DeepSpeed plugins differ).
 
     An engine saves module and optimizer together, so a save pre-hook that takes over a model does not keep its
     weights out of the engine checkpoint."""
@@ -56,17 +57,22 @@ def save_engines(engines: Sequence[Any], directory: Path, *, stage: int, world: 
     for name, engine in zip(names, engines):
         engine.save_checkpoint(str(directory / name), tag=TAG, client_state={}, save_latest=False,
                                **engine_kwargs)  # save_state(**kwargs), e.g. exclude_frozen_parameters
-    return {"format": FORMAT, "models": names, "tag": TAG, "zero_stage": stage, "world_size": world,
-            "dtype": str(dtype).replace("torch.", "")}
+    return {"format": FORMAT, "models": names, "tag": TAG, "zero_stage": max(stages, default=0),
+            "zero_stages": list(stages), "world_size": world, "dtype": str(dtype).replace("torch.", "")}
 
 
 def load_engines(engines: Sequence[Any], directory: Path, metadata: Mapping[str, Any],
-                 skip: AbstractSet[int], *, stage: int, world: int,
+                 skip: AbstractSet[int], *, stages: Sequence[int], world: int,
                  engine_kwargs: Mapping[str, Any] = {}) -> None:  # noqa: B006
     """Restore module, float32 masters and optimizer states of each engine (schedulers are impel's)."""
     from impel.checkpoint.layout import CheckpointError
 
-    _check_loadable(directory, metadata, skip, stage=stage, world=world)
+    _check_loadable(directory, metadata, skip, stage=max(stages, default=0), world=world)
+    saved = metadata.get("zero_stages")
+    if saved is not None and list(saved) != list(stages):
+        raise CheckpointError(f"{directory} holds engines of ZeRO stages {list(saved)} but this run prepared stages "
+                              f"{list(stages)}; prepare the same models under the same DeepSpeed plugins, in the same "
+                              "order, as the run that saved it")
     for name, engine in zip(metadata["models"], engines):
         with safe_loading():
             kwargs = {"load_optimizer_states": engine.optimizer is not None, **engine_kwargs}
@@ -109,7 +115,8 @@ def merge_zero_checkpoint(directory: Path, metadata: Mapping[str, Any], model_in
     folder = directory / metadata["models"][model_index]
     tag = metadata.get("tag", TAG)
     with safe_loading():
-        if metadata.get("zero_stage", 1) == 0:
+        stages = metadata.get("zero_stages") or [metadata.get("zero_stage", 1)] * len(metadata["models"])
+        if stages[model_index] == 0:
             state = torch.load(folder / tag / "mp_rank_00_model_states.pt", map_location="cpu")["module"]
         else:
             state = get_fp32_state_dict_from_zero_checkpoint(str(folder), tag=tag)
