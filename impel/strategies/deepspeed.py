@@ -410,7 +410,8 @@ class DeepSpeedStrategy(Strategy):
                         directory: Path, *, writer: bool, safe_serialization: bool,
                         skip_models: AbstractSet[int] = frozenset(), options: Any = None) -> dict[str, Any]:
         """Each engine's own checkpoint (its ZeRO partitions, written by every rank); see deepspeed_checkpoint."""
-        return save_engines(models, directory, stages=[self.resolved_for(m).stage for m in models],
+        trained = {i for i, m in enumerate(models) if any(m is e for e in self._by_optimizer.values())}
+        return save_engines(models, directory, stages=[self.resolved_for(m).stage for m in models], trained=trained,
                             world=self.state.num_processes,
                             dtype=self.resolved.dtype, engine_kwargs=getattr(options, "engine_kwargs", {}))
 
