@@ -181,7 +181,8 @@ LIMITS = {
     "deepspeed_plugin": "the active plugin (passed in code, else one built from the launched config); its "
                         "deepspeed_config is the settled JSON, filled with each engine's concrete values at prepare "
                         "(as Accelerate's), and get_value, is_auto, fill_match, deepspeed_config_process, selected, "
-                        "is_zero3_init_enabled work as Accelerate's; zero3_init_context_manager raises NotProvidedError",
+                        "is_zero3_init_enabled work as Accelerate's; zero3_init_context_manager raises "
+                        "NotProvidedError",
     "ParallelismConfig": "Accelerate's fields, properties and mesh (dims dp_replicate, dp_shard, cp, tp; flattened dp, "
                          "dp_shard_cp, dp_cp); the sizes are checked against the world size when the Accelerator is "
                          "built (and by impel launch). Differences: tensor parallelism is applied at prepare from the "

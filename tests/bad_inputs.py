@@ -59,6 +59,23 @@ BAD_FLAGS = {
                           ["--stall_warning='soon' must be a number of seconds >= 0"]),
     "stall_warning_on_one_process": (["--cpu", "--stall_warning", "5"],
                                      ["--stall_warning has no effect on one process"]),
+    # elastic jobs (--nnodes MIN:MAX)
+    "nnodes_not_a_range": (["--cpu", "--nnodes", "1-2"], ["--nnodes '1-2' must be N or MIN:MAX"]),
+    "nnodes_min_above_max": (["--cpu", "--nnodes", "3:2", "--main_process_ip", "127.0.0.1"],
+                             ["min_machines=3 is above num_machines=2"]),
+    "nnodes_contradicts_num_machines": (["--cpu", "--nnodes", "1:2", "--num_machines", "3"],
+                                        ["--nnodes 1:2 contradicts --num_machines 3"]),
+    "node_rank_contradicts_machine_rank": (["--cpu", "--node_rank", "1", "--machine_rank", "0"],
+                                           ["--node_rank 1 contradicts --machine_rank 0"]),
+    "elastic_without_restarts": (["--cpu", "--nnodes", "1:2", "--main_process_ip", "127.0.0.1"],
+                                 ["restarting its ranks from the last checkpoint: set --max_restarts N"]),
+    "elastic_batch_not_kept": (["--cpu", "--nnodes", "2:3", "--main_process_ip", "127.0.0.1", "--max_restarts", "3"],
+                               ["gradient_accumulation_steps=1 cannot keep the global batch when the job planned "
+                                "for 3 machines runs on 2", "a multiple of 2"]),
+    "elastic_static_rendezvous": (["--cpu", "--nnodes", "1:2", "--main_process_ip", "127.0.0.1", "--rdzv_backend",
+                                   "static", "--max_restarts", "3"], ["needs the c10d rendezvous"]),
+    "elastic_deepspeed": (["--use_deepspeed", "--nnodes", "1:2", "--main_process_ip", "127.0.0.1",
+                           "--max_restarts", "3"], ["(elastic) is not supported with DeepSpeed"]),
 }
 
 # `impel config validate` / `impel config convert --to fsdp` of DS_YAML, whose DeepSpeed JSON (ds.json) is missing

@@ -54,6 +54,23 @@ def _files(output_dir: str) -> list[str]:
             for name in os.listdir(os.path.join(output_dir, ckpt))]
 
 
+def _weights(module: Any) -> dict[str, torch.Tensor]:
+    """The full weights: FSDP2's DTensors gathered, ZeRO-3's partitions gathered."""
+    params = list(module.parameters())
+    if any(hasattr(p, "ds_id") for p in params):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(params):
+            return {k: v.detach().clone() for k, v in module.state_dict().items()}
+    return {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in module.state_dict().items()}
+
+
+def _mesh(accelerator: Any) -> tuple[int, int] | None:
+    """(dp_replicate_size, dp_shard_size) of the Accelerator's ParallelismConfig, None without one."""
+    config = getattr(accelerator, "parallelism_config", None)
+    return None if config is None else (config.dp_replicate_size, config.dp_shard_size)
+
+
 def run_script(source: str, output_dir: str, **overrides: Any) -> dict[str, Any]:
     """Train and evaluate like transformers' examples; return weights, eval losses, lr trace and tokens seen."""
     module = importlib.import_module(source)
@@ -64,15 +81,17 @@ def run_script(source: str, output_dir: str, **overrides: Any) -> dict[str, Any]
         trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)  # as transformers examples do
     final = trainer.evaluate() if args.do_eval else {}
     history = trainer.state.log_history
-    weights = trainer.accelerator.unwrap_model(trainer.model).state_dict()
-    weights = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in weights.items()}  # FSDP2
+    weights = _weights(trainer.accelerator.unwrap_model(trainer.model))
     return {"weights": {k: v.detach().clone() for k, v in weights.items()},
             "global_step": trainer.state.global_step, "files": sorted(_files(output_dir)),
             "eval_loss": [row["eval_loss"] for row in history if "eval_loss" in row] + [final.get("eval_loss")],
             "loss": [row["loss"] for row in history if "loss" in row],
             "learning_rate": [row["learning_rate"] for row in history if "learning_rate" in row],
+            "grad_norm": [row["grad_norm"] for row in history if "grad_norm" in row],
             "tokens_seen": trainer.state.num_input_tokens_seen,
-            "accelerator": type(trainer.accelerator).__module__}
+            "accelerator": type(trainer.accelerator).__module__,
+            "distributed_type": str(trainer.accelerator.distributed_type).split(".")[-1],
+            "mesh": _mesh(trainer.accelerator)}
 
 
 def custom_loop(source: str, mode: str, batch: int, accumulation: int, steps: int = 3) -> dict[str, Any]:

@@ -38,7 +38,7 @@ def rows(work: Path, cli: Callable[[list[str]], str], raises: Callable[[Callable
          prepared: Callable[[int], Any]) -> list[tuple[str, str, str]]:
     """docs/reliability.md's rows of issue 27 (``reliability_cases.collect``): the one-process cases run here;
     :data:`PROCESS_CASES` are listed with the line their test requires (``\\d+`` shown as N)."""
-    out = _rendezvous_rows(work, cli) + _checkpoint_rows(work, raises, prepared)
+    out = _rendezvous_rows(work, cli) + _checkpoint_rows(work, raises, prepared) + [_elastic_row(raises)]
     for what, line, limit in PROCESS_CASES.values():
         shown = re.sub(r"\\(.)", r"\1", line.replace(r"\d+", "N"))
         out.append((f"ranks (`tests/cli/test_launcher_processes.py`, {limit} s limit, no rank left)", what, shown))
@@ -52,7 +52,10 @@ def _rendezvous_rows(work: Path, cli: Callable[[list[str]], str]) -> list[tuple[
         port = str(taken.getsockname()[1])
         line = cli(["launch", "--cpu", "--num_processes", "2", "--main_process_port", port, "train.py"])
     (work / "port.yaml").write_text("main_process_port: 99999\n")
-    return [("launch flags", "`--main_process_port PORT` while another process listens on PORT",
+    (work / "elastic.yaml").write_text("num_machines: 2\nmin_machines: 1\nmain_process_ip: 10.0.0.1\n")
+    return [("config file", "`impel config validate` of `num_machines: 2` / `min_machines: 1` (no max_restarts)",
+             cli(["config", "validate", str(work / "elastic.yaml")])),
+            ("launch flags", "`--main_process_port PORT` while another process listens on PORT",
              line.replace(port, "PORT")),
             ("config file", "`impel config validate` of `main_process_port: 99999`",
              cli(["config", "validate", str(work / "port.yaml")]))]
@@ -76,7 +79,67 @@ def _checkpoint_rows(work: Path, raises: Callable[[Callable[[], object]], str],
                 raises(lambda: merge_weights(ck, ck / "out"))))
     model = acc.prepared.models[0]
     out.append(("checkpoint", "`save_model(model, ck/final)`", raises(lambda: acc.save_model(model, ck / "final"))))
+    out.append(_rotation_row(work))
     (ck / "impel_checkpoint.json").write_text("{ truncated")
     out.append(("checkpoint", "`save_state(ck)` over a checkpoint whose `impel_checkpoint.json` is damaged",
                 raises(lambda: acc.save_state(str(ck)))))
     return out
+
+
+def _rotation_row(work: Path) -> tuple[str, str, str]:
+    """``total_limit`` rotation keeps what the user wrote into the checkpoint it deletes."""
+    import logging
+
+    from impel import Accelerator, ProjectConfiguration
+    from impel.runtime.process import ProcessState
+
+    ProcessState._reset()
+    config = ProjectConfiguration(str(work / "rotate"), automatic_checkpoint_naming=True, total_limit=1)
+    acc = Accelerator(cpu=True, project_config=config)
+    model = acc.prepare(_tiny())
+    oldest = Path(acc.save_state())
+    (oldest / "notes.txt").write_text("mine")
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("impel")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        acc.save_state()
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    assert model is not None and (oldest / "notes.txt").read_text() == "mine", "LOST: notes.txt deleted"
+    assert sorted(p.name for p in oldest.iterdir()) == ["notes.txt"]
+    logged = next(line for line in lines if "kept the directory" in line)
+    return ("checkpoint", "`ProjectConfiguration(total_limit=1)`: the next `save_state()` rotates `checkpoint_0`, "
+                          "into which the user wrote `notes.txt`", f"no error: logs `{logged}`")
+
+
+def _tiny() -> Any:
+    import torch
+
+    torch.manual_seed(0)
+    return torch.nn.Linear(2, 1)
+
+
+def _elastic_row(raises: Callable[[Callable[[], object]], str]) -> tuple[str, str, str]:
+    """A rank of an elastic job whose script does not resume from checkpoints."""
+    import json
+    import os
+
+    from impel import Accelerator
+    from impel.runtime.process import ProcessState
+
+    ProcessState._reset()
+    launched = {"min_machines": 1, "num_machines": 2, "main_process_ip": "127.0.0.1", "use_cpu": True}
+    os.environ["IMPEL_CONFIG"] = json.dumps(launched)
+    try:
+        line = raises(lambda: Accelerator())
+    finally:
+        del os.environ["IMPEL_CONFIG"]
+        ProcessState._reset()
+    return ("Accelerator", "`Accelerator()` in a rank of `impel launch --nnodes 1:2 ...` without `--auto_resume`",
+            line)

@@ -45,6 +45,7 @@ def _config_rows(work: Path) -> list[Row]:
         rows.append(("config file", f"`{shown}`", _cli(["launch", "--config_file", str(path), "train.py"])))
     rows.append(("config file", "`--config_file nowhere.yaml`",
                  _cli(["launch", "--config_file", str(work / "nowhere.yaml"), "train.py"])))
+    rows += _variable_rows(work)
     for name in sorted(BAD_FLAGS):
         flags, _ = BAD_FLAGS[name]
         rows.append(("launch flags", f"`impel launch {' '.join(flags)} train.py`",
@@ -55,6 +56,21 @@ def _config_rows(work: Path) -> list[Row]:
                                    str(work / "ds.json"), str(work / "ds.json")])))
     rows.append(("launch flags", "`impel launch missing_script.py`", _cli(["launch", "missing_script.py"])))
     rows.append(("launch flags", "`impel launch -m no_such_module`", _cli(["launch", "-m", "no_such_module"])))
+    return rows
+
+
+def _variable_rows(work: Path) -> list[Row]:
+    """$IMPEL_CONFIG_FILE naming a directory or a missing file (impel config writes there; the others read)."""
+    rows: list[Row] = []
+    (work / "configs").mkdir()
+    for shown, value, argv in (("a directory", work / "configs", ["launch", "train.py"]),
+                               ("a missing file", work / "nowhere.yaml", ["launch", "train.py"]),
+                               ("a directory", work / "configs", ["config", "default"])):
+        os.environ["IMPEL_CONFIG_FILE"] = str(value)
+        try:
+            rows.append(("config file", f"`IMPEL_CONFIG_FILE` naming {shown}, `impel {' '.join(argv)}`", _cli(argv)))
+        finally:
+            del os.environ["IMPEL_CONFIG_FILE"]
     return rows
 
 
@@ -107,9 +123,13 @@ def _checkpoint_rows(work: Path) -> list[Row]:
     return rows
 
 
+_ISOLATED = ("IMPEL_CONFIG_FILE", "XDG_CACHE_HOME", "HF_HOME")
+
+
 def collect(work: Path) -> list[Row]:
-    old = os.environ.get("IMPEL_CONFIG_FILE")
-    os.environ["IMPEL_CONFIG_FILE"] = str(work / "no-default-config.yaml")
+    old = {name: os.environ.get(name) for name in _ISOLATED}
+    os.environ.pop("IMPEL_CONFIG_FILE", None)  # no user config: empty cache homes
+    os.environ.update(XDG_CACHE_HOME=str(work / "cache"), HF_HOME=str(work / "cache" / "huggingface"))
     cwd = os.getcwd()
     os.chdir(work)
     try:
@@ -117,10 +137,11 @@ def collect(work: Path) -> list[Row]:
                 + process_cases.rows(work, _cli, _raises, _prepared))
     finally:
         os.chdir(cwd)
-        if old is None:
-            os.environ.pop("IMPEL_CONFIG_FILE", None)
-        else:
-            os.environ["IMPEL_CONFIG_FILE"] = old
+        for name, value in old.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def render(rows: list[Row], work: Path) -> str:
@@ -142,7 +163,10 @@ def render(rows: list[Row], work: Path) -> str:
              "`tests/cli/test_fault_tolerance.py`), SIGTERM (preemption, exit code 75), a save killed halfway "
              "(`tests/multiprocess/test_checkpoint_ddp.py`), a malicious pickle in a checkpoint "
              "(`tests/unit/test_checkpoint_safety.py`), `save_state` called on one rank only, and NaN/inf losses "
-             "(`tests/multiprocess/test_nonfinite_ranks.py`).", "",
+             "(`tests/multiprocess/test_nonfinite_ranks.py`), and a machine of an elastic job (`--nnodes 1:2`) "
+             "killed with its ranks, which the job survives on the other machine with the same global batch and "
+             "results, or machine 0, which hosts the rendezvous: the other stops in seconds with one line naming it "
+             "(`tests/cli/test_elastic.py`).", "",
              "| area | input | error shown |", "|---|---|---|"]
     lines += [f"| {area} | {clean(what)} | {clean(error)} |" for area, what, error in rows]
     return "\n".join(lines) + "\n"

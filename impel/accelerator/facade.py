@@ -50,7 +50,7 @@ from impel.config.run_config import ConfigError, DistributedType, RunConfig
 from impel.runtime import rank_health
 from impel.runtime.accumulation import GradientState, MicroStep
 from impel.runtime.compile import Compiler, TorchDynamoPlugin, uncompiled, unwrap
-from impel.runtime.data import shard_dataloader, skip_first_batches
+from impel.runtime.data import agree_on_generator, shard_dataloader, skip_first_batches
 from impel.runtime.item_windows import ItemWindows
 from impel.runtime.model_forward import ForwardContext, is_prepared, patch_forward
 from impel.runtime.optimizer import AcceleratedOptimizer, AcceleratedScheduler
@@ -266,12 +266,21 @@ class Accelerator(ProcessUtilities, RunSettings, NotProvidedMembers):
             return data_loader
         place = self.device_placement if device_placement is None else device_placement
         rank, world = self._data_parallel()  # TP / CP ranks of one data-parallel rank read the same batches
+        if world == 1 and self._elastic_order():
+            agree_on_generator(data_loader.sampler)  # an elastic job alone shuffles as it does on several machines
         shard = shard_dataloader(data_loader, world=world, rank=rank,
                                  device=self.device if place else None, config=self.dataloader_config,
                                  gradient_state=self.gradient_state, rng_types=self.rng_types,
                                  hooks=self._resilience, slice_fn=slice_fn_for_dispatch)
         self.prepared.dataloaders.append(shard)
         return shard
+
+    def _elastic_order(self) -> bool:
+        """An elastic job's loaders order their samples the same way on every world size (a rank alone, too,
+        takes a generator drawn at prepare, as several do; Accelerate's one process draws a seed per pass)."""
+        rng = ["generator"] if self.rng_types is None else self.rng_types
+        return self.config.min_machines is not None and "generator" in rng \
+            and not self.dataloader_config.use_seedable_sampler
 
     def prepare_scheduler(self, scheduler: Any) -> AcceleratedScheduler:
         if isinstance(scheduler, AcceleratedScheduler):

@@ -49,8 +49,11 @@ class Resilience:
     """The Accelerator's crash-safety switches over one training run and its checkpointer; created only when one
     of them is on."""
 
-    def __init__(self, run: TrainingRun, checkpointer: Checkpointer, auto_resume: bool, nonfinite: str) -> None:
+    def __init__(self, run: TrainingRun, checkpointer: Checkpointer, auto_resume: bool, nonfinite: str,
+                 elastic: tuple[int, int] | None = None) -> None:
         self.run = run
+        self.elastic = elastic  # (planned world, accumulation asked for it) of an elastic job, else None
+        checkpointer.elastic = elastic is not None
         self.checkpointer = checkpointer
         self.resume_pending = auto_resume
         self.handle_preemption = auto_resume
@@ -67,12 +70,23 @@ class Resilience:
                checkpointer: Checkpointer) -> Resilience | None:
         auto = bool(config.auto_resume or project.automatic_resume)
         nonfinite = config.nonfinite_loss
+        if config.min_machines is not None and not auto:
+            raise ConfigError(f"an elastic job (impel launch --nnodes {config.min_machines}:{config.num_machines}) "
+                              "continues from the last checkpoint when a machine is lost: turn on auto_resume "
+                              "(impel launch --auto_resume, or ProjectConfiguration(automatic_resume=True)) and "
+                              "call save_state() as training goes")
         if not auto and nonfinite == "ignore":
             return None
         if auto and not (project.project_dir and project.automatic_checkpoint_naming):
             raise ConfigError("auto_resume needs somewhere to find checkpoints: pass Accelerator(project_config="
                               "ProjectConfiguration(project_dir=..., automatic_checkpoint_naming=True))")
-        return cls(run, checkpointer, auto, nonfinite)
+        elastic = None
+        if config.min_machines is not None:
+            from impel.accelerator.resolve import planned_world
+
+            planned = planned_world(config, run.process.topology)
+            elastic = (planned, config.gradient_accumulation_steps * run.num_processes // planned)
+        return cls(run, checkpointer, auto, nonfinite, elastic)
 
     # --- preemption -------------------------------------------------------------------------------------------
     def _install_handler(self) -> None:
@@ -111,8 +125,9 @@ class Resilience:
         if _any_rank(self.preempt_requested, self.run.device):
             path = self.checkpointer.save(async_save=False)  # the process exits right after
             if self.run.is_main_process:
-                print(f"impel: preempted; saved {path}; exiting with code {PREEMPTED_EXIT_CODE} (relaunch the same "
-                      "command to continue)", flush=True)
+                again = "an elastic job's agent restarts it when machines join (after a preemption, relaunch the " \
+                    "same command)" if self.elastic else "relaunch the same command to continue"
+                print(f"impel: preempted; saved {path}; exiting with code {PREEMPTED_EXIT_CODE} ({again})", flush=True)
             raise SystemExit(PREEMPTED_EXIT_CODE)
 
     def _resume(self) -> str | None:
@@ -124,14 +139,41 @@ class Resilience:
         found = broadcast_object_list([bool(layout.list_complete(root)) if run.is_main_process else None])
         if not found[0]:
             if run.is_main_process:
-                print(f"impel: auto_resume: no complete checkpoint under {root} yet; starting fresh", flush=True)
+                change = self._elastic_change(None)
+                print(f"impel: auto_resume: no complete checkpoint under {root} yet; starting fresh"
+                      + (f" ({change})" if change else ""), flush=True)
             return None
         self.resumed_from = self.checkpointer.load()
         if run.is_main_process:
             steps = sum(run.prepared.optimizer_steps())
-            print(f"impel: auto_resume: resumed from {self.resumed_from} (optimizer steps taken: {steps})",
-                  flush=True)
+            change = self._elastic_change(self.resumed_from)
+            what = f"elastic restart: {change}; resumed" if change else "auto_resume: resumed"
+            print(f"impel: {what} from {self.resumed_from} (optimizer steps taken: {steps})", flush=True)
         return self.resumed_from
+
+    def _elastic_change(self, checkpoint: str | None) -> str | None:
+        """An elastic job on another world size than ``checkpoint``'s (or, starting fresh, than planned): what
+        changed, as one phrase (world size a -> b, gradient accumulation c -> d, the global batch kept)."""
+        if self.elastic is None:
+            return None
+        from pathlib import Path
+
+        from impel.checkpoint.layout import read_metadata
+
+        world, steps = self.run.num_processes, self.run.gradient_state.num_steps
+        before_world, before_steps = self.elastic
+        if checkpoint is not None:
+            saved = read_metadata(Path(checkpoint))
+            before_world = int(saved.get("world_size") or world)
+            before_steps = int(saved.get("gradient_accumulation_steps") or steps * world // before_world)
+        if before_world == world:
+            return None
+        loaders = self.run.prepared.dataloaders
+        total = getattr(loaders[0], "total_batch_size", None) if loaders else None
+        micro = total // world if isinstance(total, int) else 0
+        kept = f" (global batch {micro * steps * world} = {micro} per process x {steps} x {world} kept)" if micro \
+            else " (the global batch kept)"
+        return f"world size {before_world} -> {world}, gradient accumulation {before_steps} -> {steps}{kept}"
 
     # --- non-finite losses ------------------------------------------------------------------------------------
     def observe(self, loss: torch.Tensor) -> None:

@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from impel.config.deepspeed_json import get, json_source, load_json, resolve_static, settle_deepspeed
+from impel.config.elastic import scaled_accumulation
 from impel.config.parallelism import ParallelismConfig, TorchTensorParallelPlugin, requested, settle
 from impel.config.plugins import DeepSpeedPlugin, GradientAccumulationPlugin, Handlers
 from impel.config.run_config import ConfigError, DistributedType, RunConfig, merge_code_arguments
@@ -53,7 +54,12 @@ def resolve(launched: Mapping[str, Any] | None, args: RunArguments, topology: To
         deepspeed, decided = settle_deepspeed(config, args.deepspeed_plugin)
         config = config.with_values(**decided)  # what the JSON decides (accumulation steps, precision)
         named = _settle_named(launched, args, asked, config, deepspeed)
-    accumulation = _accumulation(args.gradient_accumulation_plugin, config.gradient_accumulation_steps)
+    elastic = config.min_machines is not None
+    if elastic:  # keep micro x accumulation x world: the accumulation asked for the planned world, scaled
+        steps = scaled_accumulation(config.gradient_accumulation_steps, planned_world(config, topology),
+                                    topology.world_size)
+        config = config.with_values(gradient_accumulation_steps=steps)
+    accumulation = _accumulation(args.gradient_accumulation_plugin, config.gradient_accumulation_steps, elastic)
     dynamo = settle_dynamo(config, args.dynamo_plugin, device, distributed_type)
     fsdp_strategy = config.fsdp.resolved_sharding_strategy if distributed_type == DistributedType.FSDP else None
     parallelism = settle(config.parallelism_config, asked, topology.world_size, str(distributed_type), fsdp_strategy)
@@ -146,11 +152,18 @@ def _check_same_precision(ds: Mapping[str, Any], source: str, mode: str, name: s
                 f"{section}.enabled, or cast the model (model.to(torch.bfloat16)) before prepare")
 
 
-def _accumulation(plugin: GradientAccumulationPlugin | None, steps: int) -> GradientAccumulationPlugin:
-    """The plugin given in code (its ``num_steps=None`` filled with the settled steps), else one of ``steps``."""
+def _accumulation(plugin: GradientAccumulationPlugin | None, steps: int,
+                  elastic: bool = False) -> GradientAccumulationPlugin:
+    """The plugin given in code (its ``num_steps=None`` filled with the settled steps; an elastic job's scaled
+    steps replace its own), else one of ``steps``."""
     if plugin is None:
         return GradientAccumulationPlugin(steps)
-    return dataclasses.replace(plugin, num_steps=steps) if plugin.num_steps is None else plugin
+    return dataclasses.replace(plugin, num_steps=steps) if plugin.num_steps is None or elastic else plugin
+
+
+def planned_world(config: RunConfig, topology: Topology) -> int:
+    """The processes an elastic job was planned for: ``num_processes``, else ``num_machines`` x this machine's."""
+    return config.num_processes or config.num_machines * topology.local_world_size
 
 
 def _code_arguments(args: RunArguments) -> dict[str, Any]:
@@ -173,6 +186,13 @@ def _code_arguments(args: RunArguments) -> dict[str, Any]:
 
 def _check_topology(config: RunConfig, launched: Mapping[str, Any] | None, topology: Topology) -> None:
     wanted = config.num_processes
+    if config.min_machines is not None:  # elastic: any whole number of machines from min_machines up
+        world, local = topology.world_size, topology.local_world_size
+        low, high = config.min_machines * local, planned_world(config, topology)
+        if world % local or not low <= world <= high:
+            raise ConfigError(f"this elastic job has WORLD_SIZE={world} but was planned for {low} to {high} "
+                              f"processes in machines of {local}; relaunch with impel launch or fix the config")
+        return
     if "num_processes" in (launched or {}) and wanted is not None and wanted != topology.world_size:
         raise ConfigError(f"the launch config says num_processes={wanted} but this job has WORLD_SIZE="
                           f"{topology.world_size}; relaunch with impel launch or fix the config")

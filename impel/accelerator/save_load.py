@@ -97,6 +97,7 @@ class Checkpointer:
         self._stager: Any = None  # stager.Stager, created by the first asynchronous save
         self.save_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
         self.load_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
+        self.elastic = False  # an elastic job: a load on another world size is expected (resilience reports it)
 
     # --- registration -----------------------------------------------------------------------------------------
     def register(self, *objects: Any) -> None:
@@ -318,7 +319,8 @@ class Checkpointer:
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "iteration": self.config.iteration, "step": run.step,
             "optimizer_steps": run.prepared.optimizer_steps(),
-            "world_size": run.num_processes, "distributed_type": str(run.distributed_type),
+            "world_size": run.num_processes, "gradient_accumulation_steps": run.gradient_state.num_steps,
+            "distributed_type": str(run.distributed_type),
             "mixed_precision": run.mixed_precision, "strategy": dict(strategy_meta, name=run.strategy.name),
             "counts": run.prepared.counts(),
         }
@@ -326,7 +328,7 @@ class Checkpointer:
     def _commit(self, temp: Path, final: Path, metadata: dict[str, Any], known: dict[str, Any]) -> None:
         layout.commit(temp, final, metadata, known, keep=ownership.carry_user_files)
         if self.config.automatic_checkpoint_naming:
-            layout.rotate(final.parent, self.config.total_limit)
+            layout.rotate(final.parent, self.config.total_limit, ownership.remove_checkpoint)
 
     # --- load -------------------------------------------------------------------------------------------------
     def load(self, input_dir: Any = None, options: LoadOptions = DEFAULT_LOAD) -> str:
@@ -379,9 +381,10 @@ class Checkpointer:
                 raise layout.CheckpointError(
                     f"{directory} was saved with {saved[kind]} {kind} but {have} are prepared now; prepare (and "
                     "register) the same objects in the same order before load_state()")
-        if metadata.get("world_size") != self.run.num_processes:
+        if metadata.get("world_size") != self.run.num_processes and not self.elastic:  # elastic: resilience says it
             logger.warning("%s was saved by %s processes and is loaded by %d: model and optimizer state are "
-                           "resharded, but per-rank RNG streams and the data position follow a different layout",
+                           "resharded and the data position converted, but per-rank RNG streams follow a different "
+                           "layout",
                            directory, metadata.get("world_size"), self.run.num_processes)
 
     def _run_load_hooks(self, directory: Path) -> frozenset[int]:
@@ -410,6 +413,6 @@ class Checkpointer:
         rng = directory / f"random_states_{run.process_index}.pt"
         if rng.is_file():
             restore_rng_state(read_torch(rng, f"rank {run.process_index} RNG state"), run.device)
-        else:
+        elif not self.elastic:  # an elastic job that grew: expected, and its resume line says so
             logger.warning("%s has no RNG state for rank %d (saved by %s processes); this rank's random streams "
                            "start fresh", directory, run.process_index, metadata.get("world_size"))

@@ -31,6 +31,7 @@ TMP_PREFIX = ".impel-tmp-"
 OLD_PREFIX = ".impel-old-"
 FORMAT_VERSION = 3  # 3: XXH3-128 per 64 MiB block (hashing.py); 2: sha256 per block; 1: sha256 per file (all load)
 _NAME = re.compile(r"^checkpoint_(\d+)$")
+_WARNED: set[str] = set()
 
 
 class CheckpointError(RuntimeError):
@@ -65,9 +66,12 @@ def list_complete(root: Path) -> list[tuple[int, Path]]:
             continue
         if is_complete(entry):
             found.append((number, entry))
-        elif not is_accelerate_dir(entry):  # those are listed by accelerate_format, which loads them
-            logger.warning("ignoring %s: it has no %s marker (not an impel checkpoint, or an interrupted copy)",
-                           entry, MARKER_FILE)
+        elif not is_accelerate_dir(entry) and str(entry) not in _WARNED:  # Accelerate's: accelerate_format
+            _WARNED.add(str(entry))  # once per directory and process
+            # without the metadata too, nothing of a checkpoint is left: the user's files that rotation kept
+            log = logger.warning if (entry / METADATA_FILE).exists() else logger.info
+            log("ignoring %s: it has no %s marker (not an impel checkpoint, or an interrupted copy)", entry,
+                MARKER_FILE)
     return sorted(found)
 
 
@@ -131,15 +135,15 @@ def recover_swap(final: Path) -> None:
             return
 
 
-def rotate(root: Path, total_limit: int | None) -> list[Path]:
-    """Delete the oldest complete checkpoints so that at most ``total_limit`` remain."""
+def rotate(root: Path, total_limit: int | None, remove: Callable[[Path, str], object]) -> list[Path]:
+    """Remove the oldest complete checkpoints so that at most ``total_limit`` remain, each with
+    ``remove(path, why)`` (``ownership.remove_checkpoint``: the user's files in it stay)."""
     if total_limit is None:
         return []
     found = list_complete(root)
     doomed = [path for _, path in found[: max(0, len(found) - total_limit)]]
     for path in doomed:
-        logger.info("total_limit=%d: deleting %s", total_limit, path)
-        shutil.rmtree(path, ignore_errors=True)
+        remove(path, f"total_limit={total_limit}")
     return doomed
 
 

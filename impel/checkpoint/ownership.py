@@ -5,16 +5,24 @@ Anything else in the directory (``notes.txt``, ``eval/results.json``) is the use
 same path carries it into the new checkpoint (hard links made before the swap, so that it exists under the final
 name at every moment, whatever crashes), as Accelerate, which writes into the directory, keeps it.
 
+Rotation (``total_limit``, the Trainer's ``save_total_limit``) deletes what an old checkpoint owns and keeps the
+directory when anything else is left in it, with one log line naming what was kept (Accelerate deletes the whole
+directory).
+
 Our other writers (``merge-weights``, ``save_model``) refuse an output directory inside a checkpoint: their files
 would sit outside its manifest, looking like the user's, mixed with the checkpoint's.
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import shutil
 from pathlib import Path
 
 from impel.checkpoint.layout import MARKER_FILE, METADATA_FILE, CheckpointError, is_complete, read_metadata
+
+logger = logging.getLogger("impel")
 
 
 def owned_files(directory: Path) -> set[str]:
@@ -66,6 +74,32 @@ def carry_user_files(old: Path, new: Path) -> list[str]:
         else:
             _link_or_copy(str(source), str(target))
     return entries
+
+
+def remove_checkpoint(directory: Path, why: str) -> list[str]:
+    """Rotation: delete the files the complete checkpoint ``directory`` owns; the directory goes too unless
+    something the checkpoint does not own is in it (the user's), which stays, named in one log line. ``why`` is
+    the setting that rotates (``total_limit=2``). Returns the kept paths (relative to ``directory``)."""
+    try:
+        owned = owned_files(directory)
+    except CheckpointError as exc:
+        logger.warning("%s: not deleting %s: %s", why, directory, exc)
+        return []
+    kept = user_entries(directory, owned)
+    if not kept:
+        logger.info("%s: deleting %s", why, directory)
+        shutil.rmtree(directory, ignore_errors=True)
+        return []
+    (directory / MARKER_FILE).unlink(missing_ok=True)  # first: from here on it is no longer a checkpoint
+    for rel in sorted(owned):
+        (directory / rel).unlink(missing_ok=True)
+    folders = {p for rel in owned for p in (directory / rel).parents if directory in p.parents}
+    for folder in sorted(folders, key=lambda p: len(p.parts), reverse=True):
+        with contextlib.suppress(OSError):  # not empty: it holds a file of the user's
+            folder.rmdir()
+    logger.info("%s: deleted the checkpoint files of %s but kept the directory, which holds what the checkpoint "
+                "does not own: %s", why, directory, ", ".join(kept))
+    return kept
 
 
 def _link_or_copy(source: str, target: str) -> None:

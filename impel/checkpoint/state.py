@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from impel.checkpoint.layout import CheckpointError
+
 logger = logging.getLogger("impel")
 
 
@@ -64,7 +66,7 @@ def collect_training_state(step: int, gradient_state: Any, optimizers: Sequence[
         "gradient_state": gradient_state.state_dict(),
         "optimizers": [{"steps_taken": int(o.steps_taken), "step_was_skipped": bool(o.step_was_skipped)}
                        for o in optimizers],
-        "dataloaders": [dl.state_dict() for dl in dataloaders],
+        "dataloaders": [_with_batch(dl) for dl in dataloaders],
         "precision": precision,
     }
 
@@ -77,8 +79,33 @@ def restore_training_state(state: dict[str, Any], gradient_state: Any, optimizer
         opt.steps_taken = counters["steps_taken"]
         opt.step_was_skipped = counters["step_was_skipped"]
     for dl, dl_state in zip(dataloaders, state["dataloaders"]):
-        dl.load_state_dict(dl_state)
+        dl.load_state_dict(_rescaled(dl, dl_state))
     return int(state["step"])
+
+
+def _with_batch(loader: Any) -> dict[str, Any]:
+    """A loader's state plus its global batch (samples per step over all ranks), so that a run on another world
+    size finds the same place in the sample stream."""
+    state = dict(loader.state_dict())
+    total = getattr(loader, "total_batch_size", None)
+    if isinstance(total, int) and "position" in state:
+        state["global_batch"] = total
+    return state
+
+
+def _rescaled(loader: Any, state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` for ``loader`` when its global batch differs from the saving run's (another world size): the
+    position that has consumed the same samples of the epoch's order; a CheckpointError when none does."""
+    saved, now = state.get("global_batch"), getattr(loader, "total_batch_size", None)
+    if saved is None or not isinstance(now, int) or saved == now or "position" not in state:
+        return state
+    samples = int(state["position"]) * int(saved)
+    if samples % now:
+        raise CheckpointError(f"the checkpoint's dataloader stopped after {samples} samples of its epoch "
+                              f"({state['position']} global batches of {saved}), not a whole number of this run's "
+                              f"global batches of {now} (another world size); resume on a world size whose global "
+                              f"batch divides {samples}, or save at a step where it does")
+    return dict(state, position=samples // now)
 
 
 # --- registered objects -----------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from typing import Any
 
 from impel.commands.flags import add_field_flag
 from impel.config import environment as env
+from impel.config.elastic import check_elastic_launch
 from impel.config.run_config import ConfigError, RunConfig
 from impel.config.yaml_file import LoadedConfig as LoadedConfig  # re-exported: Accelerate's accelerate.commands.config
 from impel.config.yaml_file import dump_yaml, file_document, read_config_file, write_config_file
@@ -47,7 +48,7 @@ def register(subparsers: Any) -> None:
 
 
 def _path(ns: argparse.Namespace) -> str:
-    return getattr(ns, "config_file", None) or env.default_config_path()
+    return getattr(ns, "config_file", None) or env.config_path_to_write()
 
 
 def _gpu_count() -> int:
@@ -119,6 +120,7 @@ def convert_file(ns: argparse.Namespace) -> int:
 def validate(ns: argparse.Namespace) -> int:
     explicit = read_config_file(ns.file)
     cfg = RunConfig.from_dict(explicit)
+    check_elastic_launch(cfg)
     _check_deepspeed_json(cfg)
     summary = ", ".join(f"{k}={getattr(cfg, k)}" for k in ("distributed_type", "num_processes", "num_machines",
                                                            "mixed_precision") if k in explicit)

@@ -21,6 +21,7 @@ from impel.commands.flags import add_config_flags, explicit_from_flags, explicit
 from impel.commands.preflight import check_rendezvous
 from impel.commands.rank_watch import RankWatch, describe_exit, die_with_this_process
 from impel.config import environment as env
+from impel.config.elastic import check_elastic_launch
 from impel.config.environment_settings import describe, environment_settings
 from impel.config.run_config import ConfigError, RunConfig
 from impel.config.yaml_file import read_config_file
@@ -53,6 +54,10 @@ def add_launcher_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--log_dir", default=None, metavar="DIR", help="where the agent writes the ranks' logs")
     g.add_argument("--no_python", action="store_true", help="run the script as an executable, not with python")
     g.add_argument("--rdzv_conf", default=None, metavar="K=V,...", help="extra rendezvous settings (c10d)")
+    g.add_argument("--nnodes", default=None, metavar="[MIN:]MAX", help="torchrun's spelling of the machine count: "
+                   "N is --num_machines N; MIN:MAX an elastic job (--min_machines MIN --num_machines MAX) that "
+                   "continues on the machines left when one is lost")
+    g.add_argument("--node_rank", default=None, metavar="R", help="torchrun's spelling of --machine_rank")
     g.add_argument("--stall_warning", default=None, metavar="SECONDS", help="a rank that has waited this long for "
                    "the others in a collective prints which rank it waits for (default 60, 0: off; also "
                    "$IMPEL_STALL_WARNING)")
@@ -88,7 +93,7 @@ def resolve_config(ns: argparse.Namespace) -> tuple[RunConfig, dict[str, Any], l
     from_file = read_config_file(path) if (ns.config_file or os.path.isfile(path)) else {}
     from_environment = environment_settings()  # ACCELERATE_* / IMPEL_* variables: file < environment < flags
     with_environment, notes = merge_file_and_flags(from_file, from_environment)
-    merged, flag_notes = merge_file_and_flags(with_environment, explicit_from_flags(ns))
+    merged, flag_notes = merge_file_and_flags(with_environment, with_nnodes(explicit_from_flags(ns), ns))
     notes += flag_notes
     if from_environment:
         notes.insert(0, "from the environment: " + "; ".join(describe()))
@@ -96,6 +101,30 @@ def resolve_config(ns: argparse.Namespace) -> tuple[RunConfig, dict[str, Any], l
         notes.insert(0, f"no impel config file: read Accelerate's {path}")
     config = RunConfig.from_dict(merged)
     return config, config.to_dict(explicit_only=True), notes
+
+
+def with_nnodes(flags: dict[str, Any], ns: argparse.Namespace) -> dict[str, Any]:
+    """torchrun's spellings: ``--nnodes N`` / ``--nnodes MIN:MAX`` as the keys ``num_machines`` / ``min_machines``,
+    ``--node_rank R`` as ``machine_rank``; a contradiction with Accelerate's flags raises."""
+    values: dict[str, int] = {}
+    raw = getattr(ns, "nnodes", None)
+    if raw is not None:
+        parts = raw.split(":")
+        if len(parts) > 2 or not all(p.strip().isdigit() and int(p) >= 1 for p in parts):
+            raise ConfigError(f"--nnodes {raw!r} must be N or MIN:MAX (whole numbers >= 1), e.g. --nnodes 1:2")
+        values["num_machines"] = int(parts[-1])
+        if len(parts) == 2:
+            values["min_machines"] = int(parts[0])
+    rank = getattr(ns, "node_rank", None)
+    if rank is not None:
+        if not rank.strip().isdigit():
+            raise ConfigError(f"--node_rank {rank!r} must be a whole number >= 0 (this machine's rank)")
+        values["machine_rank"] = int(rank)
+    for key, value in values.items():
+        if flags.get(key, value) != value:
+            given = f"--nnodes {raw}" if key != "machine_rank" else f"--node_rank {rank}"
+            raise ConfigError(f"{given} contradicts --{key} {flags[key]}; pass one of them")
+    return {**flags, **values}
 
 
 def _check_engines(config: RunConfig, explicit: dict[str, Any]) -> None:
@@ -150,6 +179,7 @@ def plan_launch(ns: argparse.Namespace) -> LaunchPlan:
     """Resolve and check everything; raises ConfigError before any process exists."""
     config, explicit, notes = resolve_config(ns)
     rank_env = _rank_environment(ns)
+    check_elastic_launch(config)
     if config.num_machines > 1 or (config.num_processes or 1) > 1:
         check_rendezvous(config)  # an unknown host or a taken port: one line now, not a hang or a traceback later
     command = _script_command(ns)
@@ -163,9 +193,9 @@ def plan_launch(ns: argparse.Namespace) -> LaunchPlan:
     else:
         nproc = config.num_processes // config.num_machines
     _check_mesh(config, nproc * config.num_machines)
+    rank_variables = {**_rank_variables(config, ns), **_cpu_ranks(config, nproc * config.num_machines)}
     plan = LaunchPlan(config, explicit, nproc, command, notes=notes, agent_args=_agent_arguments(ns),
-                      quiet=bool(getattr(ns, "quiet", False)), rank_variables=_rank_variables(config, ns),
-                      rank_env=rank_env)
+                      quiet=bool(getattr(ns, "quiet", False)), rank_variables=rank_variables, rank_env=rank_env)
     plan.torchrun_args = torchrun_arguments(plan)
     if rank_env and plan.config.num_machines * nproc == 1:
         raise ConfigError("--stall_warning has no effect on one process (no rank waits for another); remove it, or "
@@ -183,6 +213,20 @@ def _rank_variables(config: RunConfig, ns: argparse.Namespace) -> dict[str, str]
     if getattr(ns, "use_parallelism_config", False):
         out["ACCELERATE_USE_PARALLELISM_CONFIG"] = "true"
     return out
+
+
+def _cpu_ranks(config: RunConfig, world: int) -> dict[str, str]:
+    """Several ranks that run on CPUs get ``ACCELERATE_USE_CPU=true``, as ``accelerate launch --cpu`` sets it: code
+    that asks Accelerate's own state for the world (transformers' ``TrainingArguments`` on the hf Trainer route)
+    otherwise sees one process per rank on a machine without GPUs. A value the user exported is kept."""
+    if world < 2 or env.read_variables(["ACCELERATE_USE_CPU"]):
+        return {}
+    on_cpu = config.use_cpu or config.distributed_type == "MULTI_CPU"
+    if not on_cpu:
+        import torch
+
+        on_cpu = not torch.cuda.is_available()
+    return {"ACCELERATE_USE_CPU": "true"} if on_cpu else {}
 
 
 def _check_mesh(config: RunConfig, world: int) -> None:
@@ -266,17 +310,32 @@ def torchrun_arguments(plan: LaunchPlan) -> list[str]:
     else:
         host = cfg.main_process_ip or "127.0.0.1"
         port = cfg.main_process_port or 29500
-        if cfg.rdzv_backend == "static":  # same_network: torchrun's two spellings, as accelerate launch picks
+        if cfg.min_machines is not None:  # elastic: c10d, the rendezvous store on machine 0 (fixed, not guessed)
+            args[1] = f"{cfg.min_machines}:{cfg.num_machines}"
+            args += ["--rdzv_backend", "c10d", "--rdzv_endpoint", f"{host}:{port}", "--rdzv_id", "impel"]
+        elif cfg.rdzv_backend == "static":  # same_network: torchrun's two spellings, as accelerate launch picks
             where = ["--master_addr", host, "--master_port", str(port)] if cfg.same_network or cfg.num_machines == 1 \
                 else ["--rdzv_endpoint", f"{host}:{port}"]
             args += ["--rdzv_backend", "static", *where, "--node_rank", str(cfg.machine_rank)]
         else:
             args += ["--rdzv_backend", "c10d", "--rdzv_endpoint", f"{host}:{port}", "--rdzv_id", "impel"]
-    args += plan.agent_args
+    args += _with_host_role(plan.agent_args, cfg) if cfg.min_machines is not None else plan.agent_args
     if plan.command[0] == "-m":
         args.append("--module")
         return args + plan.command[1:]
     return args + plan.command
+
+
+def _with_host_role(agent_args: list[str], cfg: RunConfig) -> list[str]:
+    """Elastic: machine 0 hosts the rendezvous store and the others connect (``is_host`` in ``--rdzv_conf``),
+    instead of torchrun guessing from host names, which on one host (or behind NAT) picks several or none."""
+    role = f"is_host={1 if cfg.machine_rank == 0 else 0}"
+    if "--rdzv_conf" not in agent_args:
+        return [*agent_args, "--rdzv_conf", role]
+    at = agent_args.index("--rdzv_conf") + 1
+    given = agent_args[at]
+    merged = given if "is_host=" in given else f"{role},{given}"
+    return [*agent_args[:at], merged, *agent_args[at + 1:]]
 
 
 def main(ns: argparse.Namespace) -> int:
@@ -335,6 +394,7 @@ def run_torchrun(arguments: list[str], variables: dict[str, str]) -> int:
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
 
     watch = RankWatch()
     env.apply_environment({**variables, env.RANK_EXIT_DIR_VAR: watch.exit_dir})
@@ -350,4 +410,11 @@ def run_torchrun(arguments: list[str], variables: dict[str, str]) -> int:
         print(f"impel launch: stopped by {exc.sigval.name}; the ranks were told to stop (with auto_resume they save a "
               "checkpoint at their next step boundary: run the same command again to continue)", file=sys.stderr)
         return 128 + int(exc.sigval)
+    except RendezvousError as exc:  # c10d: the store on the machine of rank 0 is gone or was never reached
+        where = arguments[arguments.index("--rdzv_endpoint") + 1] if "--rdzv_endpoint" in arguments else "?"
+        print(f"impel launch: the rendezvous at {where} failed ({type(exc).__name__}: {str(exc).splitlines()[0]}); "
+              "machine 0 (--machine_rank 0) hosts it, so when that machine is gone or unreachable the job cannot "
+              "go on: start machine 0 again, then the others (with --auto_resume the job continues from its last "
+              "checkpoint)", file=sys.stderr)
+        return 1
     return 0

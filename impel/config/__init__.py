@@ -12,6 +12,7 @@
 - ``environment_settings``: Accelerate's ``ACCELERATE_*`` / ``FSDP_*`` variables (and ``IMPEL_*``) as run settings.
 - ``fsdp_values``: the FSDP plugin's values in their several spellings, normalised; ``plugin_refusals``: plugin
   arguments accepted by name and refused when set, with the reason.
+- ``elastic``: the rules of an elastic job (``--nnodes MIN:MAX``): the accumulation that keeps the global batch.
 - ``constants``: Accelerate's constants; ``unsupported``: the names impel deliberately does not provide, each with
   its reason (they import, and raise on use).
 """

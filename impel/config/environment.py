@@ -12,6 +12,8 @@ from collections.abc import Iterable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
+from impel.config.schema import ConfigError
+
 CONFIG_VAR = "IMPEL_CONFIG"
 
 
@@ -92,6 +94,27 @@ def default_config_path(environ: Mapping[str, str] | None = None) -> str:
     return os.path.join(cache, "impel", "default_config.yaml")
 
 
+def config_path_to_write(environ: Mapping[str, str] | None = None) -> str:
+    """Where ``impel config`` writes without ``--config_file``: :func:`default_config_path`, checked when
+    $IMPEL_CONFIG_FILE names it (a directory raises)."""
+    env = os.environ if environ is None else environ
+    path = default_config_path(env)
+    if env.get("IMPEL_CONFIG_FILE"):
+        check_config_variable(path, reading=False)
+    return path
+
+
+def check_config_variable(path: str, reading: bool) -> None:
+    """$IMPEL_CONFIG_FILE (resolved to ``path``) must name a file: a ConfigError naming the variable, the path
+    and the fix when it is a directory, or (``reading``: a command that reads the config) when it is missing."""
+    if os.path.isdir(path):
+        raise ConfigError(f"IMPEL_CONFIG_FILE={path} is a directory, not a file; point it at the YAML file itself "
+                          f"(e.g. {os.path.join(path, 'default_config.yaml')}) or unset it")
+    if reading and not os.path.isfile(path):
+        raise ConfigError(f"IMPEL_CONFIG_FILE={path} does not exist; write it with `impel config` (or `impel config "
+                          "default`), point the variable at an existing file, or unset it to use the defaults")
+
+
 def accelerate_config_path(environ: Mapping[str, str] | None = None) -> str:
     """Where Accelerate keeps its default config: $HF_HOME (else $XDG_CACHE_HOME/huggingface, else
     ~/.cache/huggingface) /accelerate/default_config.yaml (or .json, which Accelerate also writes)."""
@@ -111,7 +134,10 @@ def config_to_read(named: str | None = None, environ: Mapping[str, str] | None =
         return named, False
     env = os.environ if environ is None else environ
     own = default_config_path(env)
-    if env.get("IMPEL_CONFIG_FILE") or os.path.isfile(own):
+    if env.get("IMPEL_CONFIG_FILE"):
+        check_config_variable(own, reading=True)
+        return own, False
+    if os.path.isfile(own):
         return own, False
     theirs = accelerate_config_path(env)
     return (theirs, True) if os.path.isfile(theirs) else (own, False)
@@ -145,6 +171,11 @@ def launch_environment(config: Mapping[str, Any], threads: int | None, gpu_ids: 
         out["OMP_NUM_THREADS"] = "1"
     if gpu_ids not in (None, "all"):
         out["CUDA_VISIBLE_DEVICES"] = str(gpu_ids)
+    if config.get("min_machines") is not None:
+        # elastic: torch's agent otherwise keeps the worker store on the machine that was rank 0 in the first round
+        # for every later round (and the ranks' keys across restarts): losing that machine would hang the rest.
+        # Unshared, each round's rank 0 hosts a fresh store for its ranks.
+        out["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     return out
 
 

@@ -16,6 +16,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 from impel.config.dynamo import DynamoConfig
+from impel.config.elastic import check_elastic
 from impel.config.mesh_sizes import ParallelismSection, check_strategy, check_world_size, total_size
 from impel.config.schema import (  # noqa: F401 - re-exported: impel.config.run_config is where the rest of impel imports them from
     FALSE_WORDS,
@@ -292,6 +293,9 @@ class RunConfig(Freezable):
     num_processes: int | None = option(None, "int", "total number of ranks over all machines", minimum=1,
                                        question="How many processes in total")
     num_machines: int = option(1, "int", "number of machines", minimum=1, question="How many machines")
+    min_machines: int | None = option(None, "int", "elastic: the fewest machines the job trains on (torchrun "
+                                      "--nnodes MIN:num_machines, c10d); a lost machine restarts the job on the "
+                                      "others from the last checkpoint, the global batch kept", minimum=1)
     machine_rank: int = option(0, "int", "this machine's rank (0 runs the rendezvous)", minimum=0,
                                question="Rank of this machine")
     main_process_ip: str | None = option(None, "str", "address of the machine of rank 0",
@@ -349,6 +353,8 @@ class RunConfig(Freezable):
         if self.num_processes is not None and self.num_processes % self.num_machines:
             raise ConfigError(f"num_processes={self.num_processes} is not a multiple of num_machines="
                               f"{self.num_machines}; every machine runs the same number of processes")
+        if self.min_machines is not None:
+            check_elastic(self)
         if self.machine_rank >= self.num_machines:
             raise ConfigError(f"machine_rank={self.machine_rank} must be below num_machines={self.num_machines}")
         if self.num_machines > 1 and not self.main_process_ip:

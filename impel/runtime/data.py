@@ -47,8 +47,9 @@ def _unbatched(loader: DataLoader) -> bool:
     return loader.batch_size is None and loader.batch_sampler is None and not isinstance(loader.sampler, BatchSampler)
 
 
-def _agree_on_generator(sampler: Any) -> None:
-    """Give ``sampler`` rank 0's generator, so every rank draws the same order (several ranks, map-style).
+def agree_on_generator(sampler: Any) -> None:
+    """Give ``sampler`` rank 0's generator, so every rank draws the same order (several ranks, map-style; an
+    elastic job's rank alone too, so that its order is the one of several).
 
     As in Accelerate: a sampler with a ``generator`` attribute left at None gets a new generator seeded from one
     draw of torch's global RNG; an existing generator takes rank 0's state.
@@ -69,7 +70,7 @@ def _order_sampler(sampler: Any, world: int, config: DataLoaderConfiguration, sh
         seed = config.data_seed if config.data_seed is not None else torch.initial_seed()
         return SeedableRandomSampler.from_sampler(sampler, int(collectives.broadcast(int(seed), from_process=0)))
     if world > 1 and share_generator:
-        _agree_on_generator(sampler)
+        agree_on_generator(sampler)
     return sampler
 
 

@@ -146,12 +146,14 @@ class ProcessState:
 
         After an elastic restart the store can still hold the previous attempt's keys (the agent keeps its store
         across attempts); gloo then reads a dead rank's address and fails with "Connection refused". A prefix per
-        ``TORCHELASTIC_RESTART_COUNT`` makes every attempt's keys its own.
+        ``TORCHELASTIC_RESTART_COUNT`` makes every attempt's keys its own. Without the agent's store (an elastic
+        job: ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``) rank 0 hosts a new store every attempt, and the agents' restart
+        counts differ (a machine that rejoins starts at 0), so the prefix is the same for all.
         """
         host_store = not topo.agent_store and topo.rank == 0
         store = dist.TCPStore(topo.master_addr, topo.master_port, topo.world_size, is_master=host_store,
                               timeout=self.timeout, multi_tenant=True)
-        return dist.PrefixStore(f"impel/attempt_{topo.restart_count}", store)
+        return dist.PrefixStore(f"impel/attempt_{topo.restart_count}" if topo.agent_store else "impel/job", store)
 
     # --- topology -------------------------------------------------------------------------------------------
     @property

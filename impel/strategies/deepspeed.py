@@ -317,6 +317,9 @@ class DeepSpeedStrategy(Strategy):
         boundary = self._boundary()
         engine.set_gradient_accumulation_boundary(boundary)
         self._last_boundary = boundary
+        if kwargs.pop("scale_wrt_gas", False):  # False is what impel passes anyway (transformers' Trainer passes it)
+            raise ConfigError("backward(loss, scale_wrt_gas=True) under impel's DeepSpeed: impel divides the loss by "
+                              "the accumulation group's length itself; drop scale_wrt_gas")
         engine.backward(loss, scale_wrt_gas=False, **kwargs)  # impel already divided by the group's real length
 
     def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:

@@ -5,7 +5,8 @@ arguments and plugins), ``trainer`` (the loop), ``callbacks`` (hooks, early stop
 summary), ``best_model`` (best checkpoint, rotation), ``optimization`` (weight-decay groups), ``collate`` (default
 collator, column pruning), ``schedules`` (learning-rate schedules, step planning), ``evaluation`` (gathering
 predictions), ``state`` (TrainerState, TrainerControl, EvalPrediction, PredictionOutput), ``plot`` (loss PNGs);
-``hf`` is transformers' own Trainer on impel's Accelerator (``hf_fields``: which of its fields hold).
+``hf`` is transformers' own Trainer on impel's Accelerator (``hf_fields``: what impel does with its fields;
+``hf_fsdp`` / ``hf_deepspeed``: its FSDP and DeepSpeed knobs; ``hf_callbacks``: impel's additions, auto-resume).
 Names resolve lazily, so building ``TrainingArguments`` does not import torch.
 
 Example::

@@ -22,11 +22,10 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
-from impel.checkpoint import layout
+from impel.checkpoint import layout, ownership
 from impel.config.run_config import ConfigError
 
 logger = logging.getLogger("impel")
@@ -115,8 +114,7 @@ def _delete(state: Any, accelerator: Any, save_on_each_node: bool, choose: Any, 
     leader = accelerator.is_main_process or (save_on_each_node and accelerator.is_local_main_process)
     for path in doomed:
         if leader:
-            logger.info("%s: deleting %s", why, path)
-            shutil.rmtree(path, ignore_errors=True)
+            ownership.remove_checkpoint(Path(path), why)
         state.checkpoints = {s: p for s, p in state.checkpoints.items() if p != path}
     return doomed
 

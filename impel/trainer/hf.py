@@ -7,8 +7,9 @@ Every call transformers makes through Accelerate (``prepare``, ``backward``, ``n
 ``gather_for_metrics``, ``pad_across_processes``, ``unwrap_model``, ``get_state_dict``, ...) reaches impel, so the
 launch config, impel's DDP and process group, and its prepared dataloaders run transformers' loop.
 ``TrainingArguments`` is transformers' class; ``fsdp`` / ``fsdp_config`` build impel's FSDP2 plugin (transformers'
-FSDP checkpoint calls are served by :mod:`impel.trainer.hf_fsdp`); the fields impel cannot honour here yet raise
-(:data:`impel.trainer.hf_fields.UNSUPPORTED`, with the reason); the others are transformers' own behaviour.
+FSDP checkpoint calls are served by :mod:`impel.trainer.hf_fsdp`), ``deepspeed`` impel's DeepSpeed plugin
+(:mod:`impel.trainer.hf_deepspeed`), ``parallelism_config`` impel's ParallelismConfig (its data-parallel sizes;
+:data:`impel.trainer.hf_fields.NOTES`); the others are transformers' own behaviour.
 
 Example (a transformers script with the import renamed)::
 
@@ -33,6 +34,7 @@ except ImportError as exc:  # pragma: no cover - the extra is installed in the t
                       "pip install 'impel[transformers]'") from exc
 
 from impel.accelerator.facade import Accelerator
+from impel.config.parallelism import ParallelismConfig
 from impel.config.plugins import (
     DataLoaderConfiguration,
     DistributedDataParallelKwargs,
@@ -43,8 +45,7 @@ from impel.config.run_config import ConfigError
 from impel.runtime.compile import TorchDynamoPlugin
 from impel.runtime.data import skip_first_batches as impel_skip_first_batches
 from impel.runtime.prepared_loader import PreparedLoader
-from impel.trainer import hf_fsdp
-from impel.trainer.hf_fields import check_supported
+from impel.trainer import hf_callbacks, hf_deepspeed, hf_fsdp
 
 __all__ = ["Trainer", "TrainingArguments", "accelerator_arguments"]
 
@@ -61,6 +62,7 @@ def skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:
 
 transformers.trainer.skip_first_batches = skip_first_batches
 hf_fsdp.install()
+hf_deepspeed.install()
 
 _LOADER_KEYS = ("split_batches", "dispatch_batches", "even_batches", "use_seedable_sampler")
 
@@ -102,17 +104,44 @@ def _ddp_kwargs(args: Any, model: Any) -> DistributedDataParallelKwargs:
     return DistributedDataParallelKwargs(**kwargs)
 
 
+_MESH_SIZES = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size")
+
+
+def _parallelism(args: Any, model: Any) -> ParallelismConfig | None:
+    """``parallelism_config`` (Accelerate's or impel's ParallelismConfig) as impel's: the data-parallel sizes
+    (``dp_replicate_size``, ``dp_shard_size``: DDP, FSDP2, HSDP on impel's device mesh). Tensor and context
+    parallelism raise: transformers' Trainer shards such a model at load time and rescales its losses by the mesh,
+    which this route has not been checked against; train them in a custom loop on impel's Accelerator."""
+    given = args.parallelism_config
+    if getattr(model, "tp_size", None) not in (None, 1):
+        raise ConfigError(f"a model sharded at load time (tp_size={model.tp_size}, from_pretrained(tp_plan=...)) on "
+                          "impel.trainer.hf.Trainer: not served on this route; load it unsharded and pass "
+                          "ParallelismConfig(tp_size=...) to impel's Accelerator in a custom loop")
+    if given is None:
+        return None
+    for name in ("tp_size", "cp_size", "sp_size"):
+        if getattr(given, name, 1) not in (None, 1):
+            raise ConfigError(f"TrainingArguments(parallelism_config=ParallelismConfig({name}="
+                              f"{getattr(given, name)})) on impel.trainer.hf.Trainer: only the data-parallel sizes "
+                              "(dp_replicate_size, dp_shard_size) are served on this route; pass "
+                              f"ParallelismConfig({name}=...) to impel's Accelerator in a custom loop")
+    if isinstance(given, ParallelismConfig):
+        return given
+    sizes = {name: getattr(given, name) for name in _MESH_SIZES}
+    return ParallelismConfig(**sizes)
+
+
 def accelerator_arguments(args: Any, model: Any) -> dict[str, Any]:
     """impel ``Accelerator(...)`` keywords for transformers' ``TrainingArguments`` (what transformers hands
     Accelerate's, built from impel's classes)."""
-    check_supported(args)
     dynamo = None
     if args.torch_compile:
         dynamo = TorchDynamoPlugin(backend=args.torch_compile_backend, mode=args.torch_compile_mode)
     fsdp = None if args.fsdp_plugin_args is None else FullyShardedDataParallelPlugin(**args.fsdp_plugin_args)
     return {"mixed_precision": args.mixed_precision, "cpu": True if args.use_cpu else None,
             "gradient_accumulation_plugin": _accumulation_plugin(args), "dataloader_config": _loader_config(args),
-            "kwargs_handlers": [_ddp_kwargs(args, model)], "dynamo_plugin": dynamo, "fsdp_plugin": fsdp}
+            "kwargs_handlers": [_ddp_kwargs(args, model)], "dynamo_plugin": dynamo, "fsdp_plugin": fsdp,
+            "deepspeed_plugin": hf_deepspeed.plugin_for(args), "parallelism_config": _parallelism(args, model)}
 
 
 def _check_fsdp(args: Any, plugin: Any) -> None:
@@ -128,8 +157,33 @@ def _check_fsdp(args: Any, plugin: Any) -> None:
                           "FULL_STATE_DICT or save_only_model=False")
 
 
+def _check_world(args: Any, accelerator: Any) -> None:
+    """transformers sizes batches, logs and saves by Accelerate's process state (``args.world_size``,
+    ``args.process_index``); it must see the processes impel runs."""
+    if args.world_size != accelerator.num_processes:
+        raise ConfigError(f"transformers' TrainingArguments see {args.world_size} process(es) (Accelerate's process "
+                          f"state) but impel runs {accelerator.num_processes}: on a machine without GPUs set "
+                          "TrainingArguments(use_cpu=True) or ACCELERATE_USE_CPU=1 (Accelerate finds no backend "
+                          "there otherwise)")
+
+
 class Trainer(transformers.Trainer):
-    """``transformers.Trainer`` on impel's Accelerator: same constructor, members and behaviour."""
+    """``transformers.Trainer`` on impel's Accelerator: same constructor, members and behaviour, plus impel's
+    additions (:mod:`impel.trainer.hf_callbacks`): ``metrics.jsonl`` and ``loss.png`` in ``output_dir``
+    (``plot_loss``: None draws when matplotlib is installed, True requires it, False skips), checkpoints marked
+    complete, and ``train(resume_from_checkpoint="auto")``."""
+
+    def __init__(self, *args: Any, plot_loss: bool | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.add_callback(hf_callbacks.RunRecord(plot_loss))
+        self.add_callback(hf_callbacks.CompleteCheckpoints(self.accelerator))
+
+    def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
+        """transformers' ``train``; ``resume_from_checkpoint="auto"`` / True take the newest *complete*
+        checkpoint (``"auto"`` starts from scratch when there is none)."""
+        resume = hf_callbacks.resolve_resume(resume_from_checkpoint, self.args.output_dir,
+                                             self.is_world_process_zero())
+        return super().train(resume, *args, **kwargs)
 
     def create_accelerator_and_postprocess(self) -> None:
         self.accelerator = Accelerator(**accelerator_arguments(self.args, self.model))
@@ -137,12 +191,22 @@ class Trainer(transformers.Trainer):
         if "use_gather_object" in inspect.signature(gather).parameters:
             gather = functools.partial(gather, use_gather_object=self.args.eval_use_gather_object)
         self.gather_function = gather
+        _check_world(self.args, self.accelerator)
         plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
         self.is_fsdp_enabled = plugin is not None  # its checkpoints: impel.trainer.hf_fsdp
         if plugin is not None:
             _check_fsdp(self.args, plugin)
-        if str(self.accelerator.distributed_type).endswith("DEEPSPEED"):  # from the launch config
-            raise ConfigError("transformers' Trainer on impel (impel.trainer.hf) was launched with DeepSpeed; it "
-                              "is not served there yet: launch without DeepSpeed, or use impel's own Trainer "
-                              "(`from impel import Trainer, TrainingArguments`) with its deepspeed= knob")
-        self.is_deepspeed_enabled = False  # the deepspeed= field raises in check_supported (see hf_fields)
+        self.is_deepspeed_enabled = hf_deepspeed.adopt(self.args, self.accelerator)  # see hf_deepspeed
+        if self.is_deepspeed_enabled and self.args.save_only_model and self.args.load_best_model_at_end:
+            raise ConfigError("save_only_model=True with load_best_model_at_end=True under deepspeed: the best "
+                              "checkpoint needs the full state; set one of them to False")
+
+    def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> Any:
+        """Under DeepSpeed the engine computes the norm inside ``optimizer.step()``: impel's ``clip_grad_norm_``
+        returns a tensor it fills then, so it is logged as a tensor (transformers calls ``.item()`` at logging),
+        not read before the step."""
+        if not self.is_deepspeed_enabled:
+            return super()._get_grad_norm(model, grad_norm=grad_norm)
+        if grad_norm is None:
+            grad_norm = self.accelerator.clip_grad_norm_(model.parameters(), float("inf"))
+        return grad_norm

@@ -1,47 +1,32 @@
 """Which of transformers' ``TrainingArguments`` fields and ``Trainer`` members hold on impel's Accelerator.
 
-:class:`impel.trainer.hf.Trainer` is transformers' Trainer, so every field and member is transformers' own code;
-the ones that reach Accelerate's DeepSpeed / parallelism paths (which transformers drives with Accelerate's own
-``DeepSpeedPlugin`` and ``ParallelismConfig`` objects, not through the Accelerator) are not served by impel yet: set
-to anything but their default, they raise with the reason. ``fsdp`` / ``fsdp_config`` build impel's FSDP2 plugin
-(checkpoints: :mod:`impel.trainer.hf_fsdp`). ``docs/trainer.md``'s table is :func:`fields_table` (a test keeps it
-current).
+:class:`impel.trainer.hf.Trainer` is transformers' Trainer, so every field and member is transformers' own code.
+The fields that reach Accelerate's plugins are plumbed into impel's: :data:`NOTES` says how (``fsdp`` /
+``fsdp_config``: impel's FSDP2, :mod:`impel.trainer.hf_fsdp`; ``deepspeed``: impel's DeepSpeed,
+:mod:`impel.trainer.hf_deepspeed`; ``parallelism_config``: impel's device mesh, its data-parallel sizes). Every
+other field is transformers' behaviour, unchanged. ``docs/trainer.md``'s table is :func:`fields_table` (a test keeps
+it current).
 
 Example::
 
-    check_supported(TrainingArguments(output_dir="out", deepspeed="ds.json"))  # ConfigError naming the fix
+    print(fields_table())   # | `deepspeed` | impel's DeepSpeed strategy ... |
 """
 from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Any
 
-from impel.config.run_config import ConfigError
-
-_IMPEL_TRAINER = ("use impel's own Trainer (`from impel import Trainer, TrainingArguments`), which plumbs this knob "
-                  "into impel's Accelerator")
-
-# field -> why it raises when set; every other field is transformers' behaviour, unchanged
-UNSUPPORTED: dict[str, str] = {
-    "deepspeed": "transformers builds Accelerate's DeepSpeedPlugin and reads Accelerate's state; "
-                 f"{_IMPEL_TRAINER}",
-    "parallelism_config": "transformers passes an Accelerate ParallelismConfig object to the Accelerator; pass "
-                          "impel's ParallelismConfig to impel's Accelerator in a custom loop",
+# field -> what impel does with it (every other field is transformers' behaviour, unchanged)
+NOTES: dict[str, str] = {
+    "fsdp": "impel's FSDP2 plugin, built from transformers' `fsdp_plugin_args`; checkpoints in Accelerate's layout "
+            "(impel.trainer.hf_fsdp); a PEFT model's adapter-only FSDP checkpoint raises",
+    "fsdp_config": "impel's FSDP2 plugin (with `fsdp`)",
+    "deepspeed": "impel's DeepSpeed strategy (ZeRO 0-3) with the JSON transformers filled; on a machine without "
+                 "GPUs set `use_cpu=True`; `auto_find_batch_size` raises (impel.trainer.hf_deepspeed)",
+    "parallelism_config": "impel's ParallelismConfig: `dp_replicate_size` / `dp_shard_size` (DDP, FSDP2, HSDP on "
+                          "impel's device mesh); `tp_size`, `cp_size`, `sp_size` > 1 raise (not served on this "
+                          "route: a custom loop on impel's Accelerator takes them)",
 }
-
-
-def _is_set(args: Any, name: str) -> bool:
-    value = getattr(args, name)
-    return value not in (None, "", [], {}, False)
-
-
-def check_supported(args: Any) -> None:
-    """Raise a ConfigError for the first field of :data:`UNSUPPORTED` that is set."""
-    for name, reason in UNSUPPORTED.items():
-        if _is_set(args, name):
-            raise ConfigError(f"TrainingArguments({name}={getattr(args, name)!r}) on impel.trainer.hf.Trainer "
-                              f"(transformers' Trainer on impel's Accelerator): {reason}")
 
 
 def field_names() -> list[str]:
@@ -59,11 +44,11 @@ def member_names() -> list[str]:
 
 
 def fields_table() -> str:
-    """The Markdown table of every field: transformers' behaviour, or the reason it raises."""
+    """The Markdown table of every field: transformers' behaviour, or what impel does with it."""
     rows = ["| TrainingArguments field | on impel.trainer.hf.Trainer |", "|---|---|"]
     for name in field_names():
-        reason = UNSUPPORTED.get(name)
-        rows.append(f"| `{name}` | " + (f"raises when set: {reason}" if reason else "transformers' behaviour") + " |")
+        note = NOTES.get(name, "transformers' behaviour")
+        rows.append(f"| `{name}` | {note} |")
     return "\n".join(rows)
 
 

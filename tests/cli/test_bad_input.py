@@ -55,7 +55,9 @@ def test_bad_deepspeed_json(tmp_path):
 
 def test_deepspeed_requested_but_not_installed(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(launch, "deepspeed_available", lambda: False)
-    monkeypatch.setenv("IMPEL_CONFIG_FILE", str(tmp_path / "none.yaml"))
+    monkeypatch.delenv("IMPEL_CONFIG_FILE", raising=False)  # no user config: empty cache homes
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "cache" / "huggingface"))
     marker = tmp_path / "started"
     code = main(["launch", "--use_deepspeed", REPORT, "--touch", str(marker)])
     err = capsys.readouterr().err

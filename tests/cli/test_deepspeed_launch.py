@@ -1,6 +1,6 @@
 """One training script, three launches that differ only in flags: DDP, ``--use_deepspeed --zero_stage 2`` and
 ``--use_fsdp``, each on 2 CPU ranks through ``impel launch`` (a real subprocess bounded by a timeout that kills its
-process group; ``IMPEL_CONFIG_FILE`` points at a missing file so no user config is read).
+process group; the cache homes are empty folders, so no user config is read).
 
 The loss curves (rank-averaged, every step) must agree within 1e-5 absolute + 1e-5 relative: all three average the
 same float32 gradients over the same global batches; only the order of the reductions differs.

@@ -36,3 +36,23 @@ def test_genre_example_runs_on_two_ranks_and_reports(tmp_path):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "loss" in r] == [1, 2]
     assert [r["step"] for r in rows if "eval_accuracy" in r] == [2]
+
+
+def test_genre_example_on_the_transformers_route_with_the_deepspeed_knob(tmp_path):
+    """``--trainer hf --deepspeed zero2.json``: transformers' Trainer on impel's Accelerator, ZeRO-2 on 2 CPU
+    ranks; impel's callbacks write metrics.jsonl (what ``impel compare`` reads)."""
+    pytest.importorskip("deepspeed")
+    out = tmp_path / "run"
+    # no MULTI_CPU config file: the knob chooses the strategy (a config file naming another one raises)
+    res = impel(["launch", "--cpu", "--num_processes", "2", str(EXAMPLE),
+                 "--max_steps", "2", "--train_per_class", "16", "--test_per_class", "6", "--batch_size", "4",
+                 "--max_length", "24", "--eval_steps", "2", "--logging_steps", "1", "--output_dir", str(out),
+                 "--disable_tqdm", "--trainer", "hf", "--cpu", "--deepspeed",
+                 str(ROOT / "examples" / "configs" / "zero2.json")], tmp_path, timeout=300)
+    assert res.returncode == 0, res.output[-4000:]
+    assert "Traceback" not in res.output
+    accuracy = re.findall(r"^eval accuracy: ([0-9.]+) on 12 passages", res.stdout, flags=re.MULTILINE)
+    assert len(accuracy) == 1 and 0.0 <= float(accuracy[0]) <= 1.0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2]
+    assert [r["step"] for r in rows if "eval_accuracy" in r] == [2]

@@ -70,3 +70,18 @@ def test_the_fsdp_knob_trains_like_one_process_and_resumes_exactly(tmp_path, sta
     assert full["loss"] == pytest.approx(one["loss"], abs=1e-6)
     assert files <= {name.split("/")[1] for name in full["files"] if name.startswith("checkpoint-3/")}
     assert _max_diff(resumed["weights"], full["weights"]) == 0.0
+
+
+def test_parallelism_config_dp_shard_runs_fsdp_on_impels_mesh_like_one_process(tmp_path):
+    """TrainingArguments(parallelism_config=ParallelismConfig(dp_shard_size=2), fsdp=...) on 2 ranks: impel's
+    FSDP2 over the mesh's dp_shard dim trains like one process with the same global batch."""
+    from accelerate import ParallelismConfig
+
+    knobs = {"gradient_checkpointing": False, "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2}
+    one = run_script("impel.trainer.hf", str(tmp_path / "one"), **dict(knobs, per_device_train_batch_size=8))
+    mesh = dict(knobs, fsdp="full_shard", parallelism_config=ParallelismConfig(dp_shard_size=2),
+                fsdp_config={"transformer_layer_cls_to_wrap": ["GPT2Block"]})
+    ranks = run_on_ranks(_run, 2, args=("impel.trainer.hf", str(tmp_path / "mesh"), mesh), timeout=150)[0]
+    assert ranks["world"] == 2 and ranks["distributed_type"] == "FSDP" and ranks["mesh"] == (1, 2)
+    assert _max_diff(ranks["weights"], one["weights"]) <= 1e-5
+    assert ranks["loss"] == pytest.approx(one["loss"], abs=1e-6)

@@ -7,6 +7,9 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+from impel import ConfigError
 from impel.config import environment as env
 
 ACCELERATE_DEFAULT = {"compute_environment": "LOCAL_MACHINE", "distributed_type": "NO", "mixed_precision": "no",
@@ -43,10 +46,22 @@ def test_accelerate_json_default_and_hf_home_fallback(tmp_path):
     assert env.config_to_read(environ=environ) == (theirs, True)
 
 
-def test_impel_config_file_variable_wins_even_when_absent(tmp_path):
+def test_impel_config_file_variable_wins_and_must_name_a_file(tmp_path):
+    """$IMPEL_CONFIG_FILE comes before Accelerate's file; naming a missing file or a directory is one clear error
+    (it was silently ignored), except for ``impel config``, which writes a missing file there."""
     environ = dict(_homes(tmp_path), IMPEL_CONFIG_FILE=str(tmp_path / "mine.yaml"))
     _write(os.path.join(environ["HF_HOME"], "accelerate", "default_config.yaml"), json.dumps(ACCELERATE_DEFAULT))
+    with pytest.raises(ConfigError, match=f"IMPEL_CONFIG_FILE={tmp_path / 'mine.yaml'} does not exist; write it "
+                                          "with `impel config`"):
+        env.config_to_read(environ=environ)
+    assert env.config_path_to_write(environ) == str(tmp_path / "mine.yaml")
+    _write(str(tmp_path / "mine.yaml"), "mixed_precision: bf16\n")
     assert env.config_to_read(environ=environ) == (str(tmp_path / "mine.yaml"), False)
+    environ["IMPEL_CONFIG_FILE"] = str(tmp_path)
+    for call in (lambda: env.config_to_read(environ=environ), lambda: env.config_path_to_write(environ)):
+        with pytest.raises(ConfigError, match=f"IMPEL_CONFIG_FILE={tmp_path} is a directory, not a file; point it "
+                                              "at the YAML file itself"):
+            call()
 
 
 def test_config_show_names_accelerates_file(tmp_path):

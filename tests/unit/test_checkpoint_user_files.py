@@ -164,3 +164,41 @@ def test_save_model_and_nested_save_state_refuse_a_path_inside_a_checkpoint(tmp_
                                               "checkpoint"):
         acc.save_state(ck / "inner")
     assert _tree(ck) == before
+
+
+def test_rotation_deletes_only_what_the_checkpoint_owns(tmp_path, caplog):
+    """``total_limit`` rotation: the oldest checkpoint's own files go, the user's files stay in its directory (one
+    log line names them); a rotated checkpoint without user files goes as a whole."""
+    from impel import ProjectConfiguration
+
+    config = ProjectConfiguration(str(tmp_path), automatic_checkpoint_naming=True, total_limit=1)
+    acc = Accelerator(cpu=True, project_config=config)
+    model = make_mlp()
+    model, _ = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    first = acc.save_state()
+    _add_user_files(tmp_path / "checkpoints" / "checkpoint_0")
+    with caplog.at_level("INFO", logger="impel"):
+        acc.save_state()
+        acc.save_state()
+    root = tmp_path / "checkpoints"
+    assert _tree(root / "checkpoint_0") == {rel: text.encode() for rel, text in USER_FILES.items()}
+    assert not (root / "checkpoint_1").exists()  # nothing of the user's in it: gone as a whole
+    assert layout.is_complete(root / "checkpoint_2")
+    kept = [r.getMessage() for r in caplog.records if "kept the directory" in r.getMessage()]
+    assert kept == [f"total_limit=1: deleted the checkpoint files of {first} but kept the directory, which holds "
+                    "what the checkpoint does not own: eval, notes.txt"]
+    assert acc.load_state().endswith("checkpoint_2")
+    assert acc.save_state().endswith("checkpoint_3")
+
+
+def test_a_rotated_directory_is_skipped_quietly_but_a_half_copy_warns(tmp_path, caplog):
+    """Listing checkpoints: what rotation left (the user's files only) is skipped at INFO; a directory that still
+    holds impel's metadata without the marker (an interrupted copy) is skipped with a WARNING."""
+    root = tmp_path / "checkpoints"
+    _add_user_files(root / "checkpoint_0")
+    (root / "checkpoint_1").mkdir(parents=True)
+    (root / "checkpoint_1" / layout.METADATA_FILE).write_text("{}")
+    with caplog.at_level("INFO", logger="impel"):
+        assert layout.list_complete(root) == []
+    levels = {r.getMessage().split(":")[0]: r.levelname for r in caplog.records if "marker" in r.getMessage()}
+    assert levels == {f"ignoring {root / 'checkpoint_0'}": "INFO", f"ignoring {root / 'checkpoint_1'}": "WARNING"}

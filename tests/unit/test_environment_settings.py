@@ -95,6 +95,25 @@ def test_impel_launch_puts_the_environment_between_file_and_flags(tmp_path, monk
     assert any("ACCELERATE_MIXED_PRECISION=bf16 -> mixed_precision" in note for note in plan.notes)
 
 
+def test_cpu_ranks_get_accelerates_use_cpu_as_accelerate_launch_cpu_sets_it(tmp_path, monkeypatch):
+    """transformers' TrainingArguments asks Accelerate's own state for the world: without the variable, each CPU
+    rank would see a world of one. One process needs nothing; a value the user exported is left alone."""
+    monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
+    assert _plan(tmp_path, "--num_processes", "2").rank_variables["ACCELERATE_USE_CPU"] == "true"
+    assert "ACCELERATE_USE_CPU" not in _plan(tmp_path).rank_variables
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)  # no --cpu, GPUs: the ranks run on them
+    (tmp_path / "g.yaml").write_text("distributed_type: MULTI_GPU\nnum_processes: 2\n")
+    from impel.commands.flags import bool_values_joined
+    from impel.commands.launch import plan_launch
+    from impel.commands.main import build_parser
+
+    gpu = plan_launch(build_parser().parse_args(bool_values_joined(
+        ["launch", "--config_file", str(tmp_path / "g.yaml"), str(tmp_path / "train.py")])))
+    assert "ACCELERATE_USE_CPU" not in gpu.rank_variables
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "false")
+    assert "ACCELERATE_USE_CPU" not in _plan(tmp_path, "--num_processes", "2").rank_variables
+
+
 def test_impel_env_names_the_variables(monkeypatch, capsys, tmp_path):
     from impel.commands import env as env_command
 

@@ -51,20 +51,67 @@ def test_token_level_loss_is_exact_under_accumulation(tmp_path):
     assert acc["loss"] == pytest.approx(one["loss"], abs=1e-6)
 
 
-@pytest.mark.parametrize("field, value, words", [
-    ("deepspeed", {"zero_optimization": {"stage": 1}, "train_micro_batch_size_per_gpu": "auto"}, "DeepSpeedPlugin"),
-])
-def test_a_field_impel_cannot_honour_yet_raises_with_the_reason(tmp_path, field, value, words):
+def test_the_deepspeed_knob_becomes_impels_plugin_with_transformers_filled_json(tmp_path):
+    """transformers fills the JSON's "auto" values from the arguments; impel's engine gets them with
+    accumulation 1 (transformers accumulates and marks each boundary) and its own train_batch_size."""
+    from transformers import TrainingArguments
+
+    from impel.config.plugins import DeepSpeedPlugin
+    from impel.trainer.hf import accelerator_arguments
+
+    ds = {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
+          "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+          "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}}}
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], deepspeed=ds,
+                             per_device_train_batch_size=4, gradient_accumulation_steps=3, learning_rate=0.25,
+                             weight_decay=0.5, max_grad_norm=0.75)
+    plugin = accelerator_arguments(args, tiny_gpt2())["deepspeed_plugin"]
+    assert isinstance(plugin, DeepSpeedPlugin)
+    json = plugin.hf_ds_config
+    assert (json["train_micro_batch_size_per_gpu"], json["gradient_accumulation_steps"]) == (4, 1)
+    assert "train_batch_size" not in json and json["gradient_clipping"] == 0.75
+    assert json["optimizer"]["params"] == {"lr": 0.25, "weight_decay": 0.5}
+    assert args.hf_deepspeed_config.config["gradient_accumulation_steps"] == 3  # transformers' copy untouched
+    assert accelerator_arguments(TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[]),
+                                 tiny_gpt2())["deepspeed_plugin"] is None
+
+
+def test_a_deepspeed_launch_without_the_knob_raises_naming_it(tmp_path, monkeypatch):
+    """ACCELERATE_USE_DEEPSPEED (a DeepSpeed launch) makes transformers build Accelerate's plugin from the
+    environment; impel takes DeepSpeed from the deepspeed= knob only."""
     from transformers import TrainingArguments
 
     from impel.trainer.hf import Trainer
 
-    try:
-        args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], **{field: value})
-    except Exception as exc:  # transformers itself refuses this value on this machine
-        pytest.skip(f"transformers rejects {field}={value!r} here: {exc}")
-    with pytest.raises(ConfigError, match=rf"TrainingArguments\({field}=.*{words}.*from impel import Trainer"):
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    assert args.deepspeed_plugin is not None and not args.deepspeed
+    with pytest.raises(ConfigError, match=r"launched with DeepSpeed.*TrainingArguments\(deepspeed='ds.json'"):
         Trainer(model=tiny_gpt2(), args=args, train_dataset=padded_lm_data(8))
+
+
+@pytest.mark.parametrize("sizes, words", [({"tp_size": 2}, "tp_size=2"), ({"cp_size": 2}, "cp_size=2")])
+def test_parallelism_config_sizes_this_route_does_not_serve_raise(tmp_path, sizes, words):
+    from impel import ParallelismConfig
+    from impel.trainer.hf import Trainer, TrainingArguments
+
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    args.parallelism_config = ParallelismConfig(**sizes)
+    with pytest.raises(ConfigError, match=rf"parallelism_config=ParallelismConfig\({words}\).*custom loop"):
+        Trainer(model=tiny_gpt2(), args=args, train_dataset=padded_lm_data(8))
+
+
+def test_parallelism_config_data_parallel_sizes_reach_impels_accelerator(tmp_path):
+    from accelerate import ParallelismConfig as AccelerateParallelismConfig
+
+    from impel import ParallelismConfig
+    from impel.trainer.hf import TrainingArguments, accelerator_arguments
+
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[],
+                             parallelism_config=AccelerateParallelismConfig(dp_replicate_size=2, dp_shard_size=3))
+    ours = accelerator_arguments(args, tiny_gpt2())["parallelism_config"]
+    assert isinstance(ours, ParallelismConfig)
+    assert (ours.dp_replicate_size, ours.dp_shard_size, ours.tp_size, ours.cp_size) == (2, 3, 1, 1)
 
 
 def test_public_members_work_on_impel(tmp_path):
@@ -96,9 +143,9 @@ def test_public_members_work_on_impel(tmp_path):
 
 
 def test_docs_table_is_generated_from_the_code():
-    from impel.trainer.hf_fields import UNSUPPORTED, field_names, fields_table, members_line
+    from impel.trainer.hf_fields import NOTES, field_names, fields_table, members_line
 
-    assert set(UNSUPPORTED) <= set(field_names()) and len(field_names()) >= 100
+    assert set(NOTES) <= set(field_names()) and len(field_names()) >= 100
     block = f"{START}\n{fields_table()}\n\nEvery public `Trainer` member is transformers' own: {members_line()}.\n{END}"
     path = DOCS / "trainer.md"
     text = path.read_text(encoding="utf-8")
