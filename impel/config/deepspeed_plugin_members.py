@@ -54,6 +54,19 @@ class DeepSpeedPluginMembers:
             return self._settled
         return _read_only(self._alone().ds)
 
+    @deepspeed_config.setter
+    def deepspeed_config(self, value: Mapping[str, Any]) -> None:
+        """Accelerate's plugin lets code replace its JSON (transformers' ``propagate_args_to_deepspeed`` does).
+        Before an Accelerator settles the plugin, the dict becomes the plugin's JSON (``hf_ds_config``); after, it
+        is read back at the next ``prepare`` as an edit of the settled JSON (open values taken, settled ones
+        refused)."""
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"DeepSpeedPlugin.deepspeed_config = {value!r}: give the DeepSpeed JSON as a dict")
+        if self._settled is None:
+            setattr(self, "hf_ds_config", dict(value))  # noqa: B010 (a field of the dataclass this mixes into)
+        else:
+            self._settled = value if isinstance(value, dict) else dict(value)
+
     def _alone(self) -> Resolved:
         """The JSON settled from this plugin alone (no launch config, no Accelerator arguments)."""
         code = self.code_arguments(None)  # type: ignore[attr-defined]

@@ -62,6 +62,14 @@ def test_an_accelerator_settles_the_plugin_and_fills_its_unset_fields():
     config["zero_optimization"]["stage"] = 2
     with pytest.raises(ConfigError, match="'zero_optimization.stage'.*settled it to 3"):
         acc.strategy.configs.base_for()
+    # replaced whole, as transformers' propagate_args_to_deepspeed does: read back the same way
+    plugin.deepspeed_config = {**config, "zero_optimization": {**config["zero_optimization"], "stage": 3},
+                               "train_micro_batch_size_per_gpu": 2}
+    assert acc.strategy.configs.base_for().ds["train_micro_batch_size_per_gpu"] == 2
+    before = DeepSpeedPlugin()
+    before.deepspeed_config = {"zero_optimization": {"stage": 1}}  # before an Accelerator: the plugin's JSON
+    assert before.hf_ds_config == {"zero_optimization": {"stage": 1}}
+    assert before.get_value("zero_optimization.stage") == 1
 
 
 def test_several_named_plugins_each_settled_the_first_active_select_switches():
