@@ -7,7 +7,9 @@ unprepared: the student's parameters are equal (torch.equal: the same engine, th
 reference model's outputs equal the unprepared model's (ZeRO-3 gathers the same fp32 weights: torch.equal), each
 engine keeps its plugin's stage, ``plugin.deepspeed_config`` shows each engine's concrete JSON, ``selected`` and
 ``accelerator.deepspeed_plugin`` follow the selection as in Accelerate 1.15, and ``save_state`` / ``load_state``
-restore the trained engine (parameters equal after training on past the save).
+restore the trained engine (parameters equal after training on past the save). A value the reference plugin's JSON
+leaves open, written into ``ref_plugin.deepspeed_config`` before its ``prepare`` (as Accelerate's own
+test_ds_multiple_model does), reaches its engine.
 """
 from __future__ import annotations
 
@@ -79,10 +81,14 @@ def _several(tmp):
     AcceleratorState().select_deepspeed_plugin("ref")
     out["ref_active"] = (acc.deepspeed_plugin is ref_plugin and ref_plugin.selected and not student_plugin.selected
                          and AcceleratorState().deepspeed_plugin is ref_plugin)
+    # an open value written before prepare, as Accelerate's own test_ds_multiple_model does
+    ref_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = student_plugin.deepspeed_config[
+        "train_micro_batch_size_per_gpu"]
     ref = acc.prepare(ref)
     ref.eval()
     out["stages"] = (student.zero_optimization_stage(), ref.zero_optimization_stage(),
                      ref_plugin.deepspeed_config["zero_optimization"]["stage"])
+    out["ref_micro"] = (ref.train_micro_batch_size_per_gpu(), ref_plugin.deepspeed_config["train_batch_size"])
     x = torch.randn(16, 6)
     with torch.no_grad():
         out["ref_equal"] = torch.equal(ref(x), plain_ref(x))
@@ -106,6 +112,7 @@ def test_a_trained_model_and_a_frozen_reference_model_under_two_deepspeed_plugin
         assert out["first_active"] and out["ref_active"]
         assert out["student_json"] == (4, 8)  # 4 per rank x 1 step x 2 ranks, filled at prepare as Accelerate does
         assert out["stages"] == (2, 3, 3)
+        assert out["ref_micro"] == (4, 8)
         assert out["ref_equal"], "the ZeRO-3 reference model's outputs differ from the unprepared model's"
         assert out["equal"], "the student trained differently from the single-plugin run"
         assert out["restored"]
