@@ -149,7 +149,8 @@ def _check_same_precision(ds: Mapping[str, Any], source: str, mode: str, name: s
                 f"deepspeed_plugins[{name!r}]: {section}.enabled={str(enabled).lower()} in {source}, but the run's "
                 f"mixed precision is {mode!r} (settled with the first plugin, {first!r}); impel runs every engine of "
                 f"an Accelerator at one precision (one autocast in the prepared forward): write \"auto\" for "
-                f"{section}.enabled, or cast the model (model.to(torch.bfloat16)) before prepare")
+                f"{section}.enabled (it then runs at the run's precision), or build that engine yourself with "
+                f"deepspeed.initialize(model=..., config=...)")
 
 
 def _accumulation(plugin: GradientAccumulationPlugin | None, steps: int,
