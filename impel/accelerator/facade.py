@@ -88,13 +88,13 @@ class Accelerator(ProcessUtilities, RunSettings, NotProvidedMembers):
                  megatron_lm_plugin: Any = None,
                  deepspeed_plugins: DeepSpeedPlugin | dict[str, DeepSpeedPlugin] | None = None) -> None:
         # resolve: every value settled (launch config, these arguments, plugins, DeepSpeed JSON) before any object
-        ds_plugin, ds_name, parallelism_config = accelerate_plugins(deepspeed_plugin, deepspeed_plugins,
-                                                                    torch_tp_plugin, megatron_lm_plugin,
-                                                                    parallelism_config)
+        ds_plugin, ds_name, ds_others, parallelism_config = accelerate_plugins(
+            deepspeed_plugin, deepspeed_plugins, torch_tp_plugin, megatron_lm_plugin, parallelism_config)
         args = RunArguments(mixed_precision=mixed_precision, cpu=cpu,
                             gradient_accumulation_steps=gradient_accumulation_steps,
                             gradient_accumulation_plugin=gradient_accumulation_plugin, nonfinite_loss=nonfinite_loss,
                             fsdp_plugin=fsdp_plugin, deepspeed_plugin=ds_plugin, deepspeed_plugin_name=ds_name,
+                            more_deepspeed_plugins=ds_others,
                             dynamo_backend=dynamo_backend, dynamo_plugin=dynamo_plugin,
                             kwargs_handlers=kwargs_handlers, parallelism_config=parallelism_config)
         self.record = resolve(launched_settings(), args, current_topology())
