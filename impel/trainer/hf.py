@@ -153,11 +153,30 @@ def accelerator_arguments(args: Any, model: Any) -> dict[str, Any]:
     dynamo = None
     if args.torch_compile:
         dynamo = TorchDynamoPlugin(backend=args.torch_compile_backend, mode=args.torch_compile_mode)
+    _check_fsdp_config(args)
     fsdp = None if args.fsdp_plugin_args is None else FullyShardedDataParallelPlugin(**args.fsdp_plugin_args)
     return {"mixed_precision": args.mixed_precision, "cpu": True if args.use_cpu else None,
             "gradient_accumulation_plugin": _accumulation_plugin(args), "dataloader_config": _loader_config(args),
             "kwargs_handlers": [_ddp_kwargs(args, model)], "dynamo_plugin": dynamo, "fsdp_plugin": fsdp,
             "deepspeed_plugin": hf_deepspeed.plugin_for(args), "parallelism_config": _parallelism(args, model)}
+
+
+# the fsdp_config keys transformers turns into plugin arguments (or reads itself) for FSDP2 (``version: 2``, the
+# default): TrainingArguments._process_fsdp_args. Any other key (FSDP1's forward_prefetch, backward_prefetch,
+# use_orig_params, sync_module_states, limit_all_gathers, a typo) would be dropped without a word.
+_FSDP2_CONFIG_KEYS = frozenset({
+    "version", "min_num_params", "transformer_layer_cls_to_wrap", "auto_wrap_policy", "cpu_offload",
+    "cpu_ram_efficient_loading", "state_dict_type", "activation_checkpointing", "reshard_after_forward",
+    "xla", "xla_fsdp_v2", "xla_fsdp_grad_ckpt", "xla_fsdp_settings"})
+
+
+def _check_fsdp_config(args: Any) -> None:
+    """Every ``fsdp_config`` key takes effect or raises: transformers passes only some of them to the plugin."""
+    ignored = sorted(set(args.fsdp_config or {}) - _FSDP2_CONFIG_KEYS)
+    if args.fsdp_plugin_args is not None and ignored:
+        raise ConfigError(f"fsdp_config keys {ignored} have no effect under FSDP2 (transformers passes only "
+                          f"{sorted(_FSDP2_CONFIG_KEYS - {'xla', 'xla_fsdp_v2', 'xla_fsdp_grad_ckpt'})} to the "
+                          "plugin, and impel runs FSDP2 only); remove them")
 
 
 def _check_fsdp(args: Any, plugin: Any) -> None:

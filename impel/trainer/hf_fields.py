@@ -20,7 +20,8 @@ import inspect
 NOTES: dict[str, str] = {
     "fsdp": "impel's FSDP2 plugin, built from transformers' `fsdp_plugin_args`; checkpoints in Accelerate's layout "
             "(impel.trainer.hf_fsdp); a PEFT model's adapter-only FSDP checkpoint raises",
-    "fsdp_config": "impel's FSDP2 plugin (with `fsdp`)",
+    "fsdp_config": "impel's FSDP2 plugin (with `fsdp`); a key transformers drops under FSDP2 (FSDP1's "
+                   "`forward_prefetch`, `use_orig_params`, ..., a typo) raises, naming it",
     "deepspeed": "impel's DeepSpeed strategy (ZeRO 0-3) with the JSON transformers filled; on a machine without "
                  "GPUs set `use_cpu=True`; `auto_find_batch_size` raises (impel.trainer.hf_deepspeed)",
     "parallelism_config": "impel's ParallelismConfig: `dp_replicate_size` / `dp_shard_size` (DDP, FSDP2, HSDP on "

@@ -275,3 +275,21 @@ def test_the_launch_configs_auto_resume_names_the_trainers_switch(tmp_path, monk
     args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
     with pytest.raises(ConfigError, match=r"auto_resume=true in the launch config.*resume_from_checkpoint=\"auto\""):
         Trainer(model=tiny_gpt2(), args=args, train_dataset=padded_lm_data(8))
+
+
+def test_an_fsdp_config_key_transformers_drops_under_fsdp2_raises(tmp_path):
+    """transformers builds FSDP2's plugin from some fsdp_config keys and drops the rest without a word (FSDP1's
+    forward_prefetch, a typo): on impel each one takes effect or raises, naming the key."""
+    from transformers import TrainingArguments
+
+    from impel.trainer.hf import accelerator_arguments
+
+    good = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], fsdp=True,
+                             fsdp_config={"fsdp_state_dict_type": "SHARDED_STATE_DICT", "reshard_after_forward": False})
+    plugin = accelerator_arguments(good, tiny_gpt2())["fsdp_plugin"]
+    assert "SHARDED_STATE_DICT" in str(plugin.state_dict_type) and plugin.reshard_after_forward is False
+    dropped = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], fsdp=True,
+                                fsdp_config={"forward_prefetch": True, "fsdp_sync_module_state": True})
+    with pytest.raises(ConfigError, match=r"fsdp_config keys \['forward_prefetch', 'sync_module_state'\] have no "
+                                          r"effect under FSDP2 .* remove them"):
+        accelerator_arguments(dropped, tiny_gpt2())
