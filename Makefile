@@ -1,6 +1,6 @@
 # make venv: build .venv (CPU torch pinned for the dev env); make test: venv + lint + docs + the test suite;
 # make lint: ruff over the repository and mypy over impel/; make docs: the mkdocs site, warnings as errors;
-# make demo: venv + the seed exercise (Trainer, genre classifier, 2 CPU ranks);
+# make demo: venv + the seed exercise (impel's Trainer = transformers' on impel, genre classifier, 2 CPU ranks);
 # make bench: venv + benchmarks (not part of make test).
 PYTHON ?= python3
 VENV   := .venv

@@ -57,14 +57,17 @@ LIMITS = {
     "arg:torch_tp_plugin": "Accelerate's deprecated spelling of parallelism_config=ParallelismConfig(tp_size=...): "
                            "mapped onto it with Accelerate's FutureWarning; with parallelism_config too it raises",
     "arg:megatron_lm_plugin": "accepted; a plugin given raises NotProvidedError (impel does not drive Megatron-LM)",
-    "arg:deepspeed_plugins": "Accelerate's alias of deepspeed_plugin: one plugin (or {name: plugin}) runs as that "
-                             "plugin; several raise NotProvidedError (one DeepSpeed config per Accelerator)",
-    "arg:deepspeed_plugin": "a plugin or a one-entry {name: plugin} dict (see deepspeed_plugins)",
+    "arg:deepspeed_plugins": "Accelerate's alias of deepspeed_plugin: a plugin or {name: plugin, ...}; with several, "
+                             "each JSON is settled at Accelerator(...), the first is active and prepare builds each "
+                             "engine with the active plugin's JSON (stage, clipping, checkpoint); every plugin runs at "
+                             "the run's mixed precision (another raises NotProvidedError). See docs/deepspeed.md",
+    "arg:deepspeed_plugin": "a plugin or a {name: plugin, ...} dict (see deepspeed_plugins)",
     "has_fp8_handler": "always False: impel has no fp8 mode",
     "has_lomo_optimizer": "always False: impel does not drive LOMO optimizers",
     "state:deepspeed_plugins": "{name: plugin} when given by name, else the plugin (None without DeepSpeed)",
     "state:get_deepspeed_plugin": "the plugin given as deepspeed_plugins={name: plugin}",
-    "state:select_deepspeed_plugin": "a no-op for the one plugin's name (several plugins raise at Accelerator(...))",
+    "state:select_deepspeed_plugin": "makes the named plugin active (its selected flag, accelerator.deepspeed_plugin): "
+                                     "the next prepare, init_context() and transformers' ZeRO-3 detection use it",
     "DistributedType": "all members exist; selecting XLA, MULTI_NPU/MLU/SDAA/MUSA/XPU/HPU/NEURON or MEGATRON_LM as "
                        "distributed_type raises naming what impel runs (NO, MULTI_CPU, MULTI_GPU, FSDP, DEEPSPEED)",
     "DistributedDataParallelKwargs": "comm_hook (fp16, bf16, power_sgd, batched_power_sgd), comm_wrapper (fp16 / bf16 "
@@ -175,8 +178,11 @@ LIMITS = {
     "trackers": "the trackers running on this process (the main process's; on every process those with "
                 "main_process_only=False)",
     "state": "an AcceleratorState (PartialState plus distributed_type, mixed_precision, deepspeed_plugin, fsdp_plugin)",
-    "deepspeed_plugin": "the plugin passed in code, else one built from the launched config; "
-                        "DeepSpeedPlugin.deepspeed_config (the resolved JSON) is not exposed",
+    "deepspeed_plugin": "the active plugin (passed in code, else one built from the launched config); its "
+                        "deepspeed_config is the settled JSON, filled with each engine's concrete values at prepare "
+                        "(as Accelerate's), and get_value, is_auto, fill_match, deepspeed_config_process, selected, "
+                        "is_zero3_init_enabled work as Accelerate's; zero3_init_context_manager raises "
+                        "NotProvidedError",
     "ParallelismConfig": "Accelerate's fields, properties and mesh (dims dp_replicate, dp_shard, cp, tp; flattened dp, "
                          "dp_shard_cp, dp_cp); the sizes are checked against the world size when the Accelerator is "
                          "built (and by impel launch). Differences: tensor parallelism is applied at prepare from the "

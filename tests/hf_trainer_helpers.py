@@ -1,11 +1,12 @@
 """A transformers-example-style Trainer script on a tiny causal LM with variable-length, padded sequences.
 
-``run_script(source, ...)`` imports ``Trainer`` / ``TrainingArguments`` from ``source`` ("transformers" or
+``run_script(source, ...)`` imports ``Trainer`` / ``TrainingArguments`` from ``source`` ("transformers", or "impel" /
 "impel.trainer.hf": the import renamed, nothing else) and returns what the comparison tests read.
 """
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Any
 
 import torch
@@ -48,8 +49,6 @@ EXAMPLE = {"do_train": True, "do_eval": True, "optim": "adamw_torch", "learning_
 
 def _files(output_dir: str) -> list[str]:
     """``checkpoint-N/name`` for every entry (file or folder) of every checkpoint."""
-    import os
-
     return [f"{ckpt}/{name}" for ckpt in os.listdir(output_dir) if ckpt.startswith("checkpoint-")
             for name in os.listdir(os.path.join(output_dir, ckpt))]
 
@@ -80,6 +79,7 @@ def run_script(source: str, output_dir: str, **overrides: Any) -> dict[str, Any]
     if args.do_train:
         trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)  # as transformers examples do
     final = trainer.evaluate() if args.do_eval else {}
+    predicted = trainer.predict(padded_lm_data(12, seed=1)) if args.do_predict else None
     history = trainer.state.log_history
     weights = _weights(trainer.accelerator.unwrap_model(trainer.model))
     return {"weights": {k: v.detach().clone() for k, v in weights.items()},
@@ -89,6 +89,10 @@ def run_script(source: str, output_dir: str, **overrides: Any) -> dict[str, Any]
             "learning_rate": [row["learning_rate"] for row in history if "learning_rate" in row],
             "grad_norm": [row["grad_norm"] for row in history if "grad_norm" in row],
             "tokens_seen": trainer.state.num_input_tokens_seen,
+            "best": (trainer.state.best_metric, trainer.state.best_global_step,
+                     os.path.basename(trainer.state.best_model_checkpoint or "")),
+            "predictions": None if predicted is None else torch.as_tensor(predicted.predictions),
+            "test_loss": None if predicted is None else predicted.metrics["test_loss"],
             "accelerator": type(trainer.accelerator).__module__,
             "distributed_type": str(trainer.accelerator.distributed_type).split(".")[-1],
             "mesh": _mesh(trainer.accelerator)}
@@ -140,20 +144,3 @@ def custom_loop(source: str, mode: str, batch: int, accumulation: int, steps: in
     weights = accelerator.unwrap_model(model).state_dict()
     return {"weights": {k: v.detach().clone() for k, v in weights.items()}, "losses": losses,
             "processes": accelerator.num_processes}
-
-
-def own_trainer(output_dir: str, batch: int, accumulation: int, steps: int = 3) -> dict[str, Any]:
-    """impel's own Trainer (``from impel import Trainer``) with SGD on the tiny causal LM; its final weights."""
-    from impel import Trainer, TrainingArguments
-
-    args = TrainingArguments(output_dir=output_dir, per_device_train_batch_size=batch, max_steps=steps,
-                             gradient_accumulation_steps=accumulation, use_cpu=True, disable_tqdm=True,
-                             plot_loss=False, save_strategy="no", logging_steps=1, seed=3, data_seed=3)
-    model = tiny_gpt2()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    trainer = Trainer(model, args, train_dataset=padded_lm_data(), optimizers=(optimizer, scheduler))
-    trainer.train()
-    weights = trainer.accelerator.get_state_dict(trainer.model)
-    return {"weights": {k: v.detach().clone() for k, v in weights.items()},
-            "processes": trainer.accelerator.num_processes}

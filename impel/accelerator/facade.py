@@ -88,13 +88,13 @@ class Accelerator(ProcessUtilities, RunSettings, NotProvidedMembers):
                  megatron_lm_plugin: Any = None,
                  deepspeed_plugins: DeepSpeedPlugin | dict[str, DeepSpeedPlugin] | None = None) -> None:
         # resolve: every value settled (launch config, these arguments, plugins, DeepSpeed JSON) before any object
-        ds_plugin, ds_name, parallelism_config = accelerate_plugins(deepspeed_plugin, deepspeed_plugins,
-                                                                    torch_tp_plugin, megatron_lm_plugin,
-                                                                    parallelism_config)
+        ds_plugin, ds_name, ds_others, parallelism_config = accelerate_plugins(
+            deepspeed_plugin, deepspeed_plugins, torch_tp_plugin, megatron_lm_plugin, parallelism_config)
         args = RunArguments(mixed_precision=mixed_precision, cpu=cpu,
                             gradient_accumulation_steps=gradient_accumulation_steps,
                             gradient_accumulation_plugin=gradient_accumulation_plugin, nonfinite_loss=nonfinite_loss,
                             fsdp_plugin=fsdp_plugin, deepspeed_plugin=ds_plugin, deepspeed_plugin_name=ds_name,
+                            more_deepspeed_plugins=ds_others,
                             dynamo_backend=dynamo_backend, dynamo_plugin=dynamo_plugin,
                             kwargs_handlers=kwargs_handlers, parallelism_config=parallelism_config)
         self.record = resolve(launched_settings(), args, current_topology())
@@ -121,7 +121,7 @@ class Accelerator(ProcessUtilities, RunSettings, NotProvidedMembers):
         self.strategy: Strategy = load_strategy(self.record, self.state, self.gradient_state)
         self._compiler = Compiler(self.record.dynamo_plugin, self.distributed_type)
         self._compiler.configure_backends(self.config.mixed_precision, self.device)
-        self.prepared = Prepared()  # handed to the checkpointer, the resilience logic and the Trainer
+        self.prepared = Prepared()  # handed to the checkpointer and the resilience logic
         run = TrainingRun(self.prepared, self.strategy, self.gradient_state, self.state, self.distributed_type,
                           self.config.mixed_precision)
         self._checkpointer = Checkpointer(self.project_configuration, run, async_save=self.config.async_save)
@@ -446,8 +446,8 @@ class Accelerator(ProcessUtilities, RunSettings, NotProvidedMembers):
 
     def resume_from_auto_checkpoint(self) -> str | None:
         """impel: with ``auto_resume``, load the newest complete checkpoint now rather than when the first prepared
-        dataloader starts (the Trainer calls this before it plans its loop). Returns its path; None without
-        ``auto_resume``, without a checkpoint, or when the resume already happened."""
+        dataloader starts (a loop that plans its steps from the restored state calls this first). Returns its path;
+        None without ``auto_resume``, without a checkpoint, or when the resume already happened."""
         return self._resilience.resume_now() if self._resilience is not None else None
 
     def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:

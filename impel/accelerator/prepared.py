@@ -1,7 +1,7 @@
 """The record of what an Accelerator prepared and registered, in preparation order.
 
 The Accelerator owns one :class:`Prepared` and appends to it in ``prepare`` / ``register_for_checkpointing``; the
-checkpointer, the resilience logic and the Trainer receive the same record (never the Accelerator) and read it.
+checkpointer and the resilience logic receive the same record (never the Accelerator) and read it.
 ``accelerator._models`` / ``_optimizers`` / ``_schedulers`` / ``_dataloaders`` (names some libraries read on
 Accelerate's Accelerator) are views of these lists.
 """

@@ -112,7 +112,7 @@ class Resilience:
         self.resume_now()
 
     def resume_now(self) -> str | None:
-        """Do the pending auto-resume now (the Trainer calls this before it plans its loop); the checkpoint path,
+        """Do the pending auto-resume now (``Accelerator.resume_from_auto_checkpoint``); the checkpoint path,
         or None when there was nothing to resume from (or it already happened)."""
         if not self.resume_pending:
             return None

@@ -21,7 +21,7 @@ import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from impel.config.deepspeed_json import settle_deepspeed
+from impel.config.deepspeed_json import get, json_source, load_json, resolve_static, settle_deepspeed
 from impel.config.elastic import scaled_accumulation
 from impel.config.parallelism import ParallelismConfig, TorchTensorParallelPlugin, requested, settle
 from impel.config.plugins import DeepSpeedPlugin, GradientAccumulationPlugin, Handlers
@@ -34,6 +34,7 @@ from impel.runtime.run_record import RunArguments, RunRecord, cpu_only_config, p
 if TYPE_CHECKING:
     import torch
 
+    from impel.config.deepspeed_json import Resolved
     from impel.config.environment import Topology
 
 
@@ -47,10 +48,12 @@ def resolve(launched: Mapping[str, Any] | None, args: RunArguments, topology: To
     device = live_device(cpu_only) or pick_device(topology.local_rank, cpu_only)
     _check_topology(config, launched, topology)
     distributed_type = _distributed_type(config.distributed_type, topology.world_size, device)
-    deepspeed = None
+    deepspeed: Resolved | None = None
+    named: tuple[tuple[str, DeepSpeedPlugin, Resolved], ...] = ()
     if distributed_type == DistributedType.DEEPSPEED:
         deepspeed, decided = settle_deepspeed(config, args.deepspeed_plugin)
         config = config.with_values(**decided)  # what the JSON decides (accumulation steps, precision)
+        named = _settle_named(launched, args, asked, config, deepspeed)
     elastic = config.min_machines is not None
     if elastic:  # keep micro x accumulation x world: the accumulation asked for the planned world, scaled
         steps = scaled_accumulation(config.gradient_accumulation_steps, planned_world(config, topology),
@@ -63,16 +66,17 @@ def resolve(launched: Mapping[str, Any] | None, args: RunArguments, topology: To
     config.freeze()
     plugins = plugins_in_effect(config, str(distributed_type), args.deepspeed_plugin)
     return RunRecord(config, handlers, topology, device, distributed_type, accumulation, dynamo, deepspeed,
-                     args.deepspeed_plugin, args.fsdp_plugin, parallelism, plugins, args.deepspeed_plugin_name)
+                     args.deepspeed_plugin, args.fsdp_plugin, parallelism, plugins, args.deepspeed_plugin_name, named)
 
 
 def accelerate_plugins(deepspeed_plugin: Any, deepspeed_plugins: Any, torch_tp_plugin: Any, megatron_lm_plugin: Any,
                        parallelism_config: ParallelismConfig | None
-                       ) -> tuple[DeepSpeedPlugin | None, str | None, ParallelismConfig | None]:
+                       ) -> tuple[DeepSpeedPlugin | None, str | None, tuple[tuple[str, DeepSpeedPlugin], ...],
+                                  ParallelismConfig | None]:
     """Accelerate's plugin arguments that impel maps onto its own: the DeepSpeed plugin (``deepspeed_plugin`` or
-    ``deepspeed_plugins``, a plugin or a one-entry ``{name: plugin}`` dict) and its name, and the
-    ``ParallelismConfig`` (``torch_tp_plugin``, Accelerate's deprecated spelling of ``tp_size``). What impel cannot
-    honour raises: several DeepSpeed plugins, Megatron-LM."""
+    ``deepspeed_plugins``, a plugin or a ``{name: plugin}`` dict), the first one's name and the other named plugins,
+    and the ``ParallelismConfig`` (``torch_tp_plugin``, Accelerate's deprecated spelling of ``tp_size``). What impel
+    cannot honour raises: Megatron-LM."""
     if megatron_lm_plugin is not None:
         raise NotProvidedError(f"Accelerator(megatron_lm_plugin={type(megatron_lm_plugin).__name__}(...)): impel "
                                "does not drive Megatron-LM; use FSDP (fsdp_plugin=...), DeepSpeed (deepspeed_plugin="
@@ -80,7 +84,7 @@ def accelerate_plugins(deepspeed_plugin: Any, deepspeed_plugins: Any, torch_tp_p
     if deepspeed_plugin is not None and deepspeed_plugins is not None:
         raise ValueError("pass either deepspeed_plugin or deepspeed_plugins, not both (deepspeed_plugins is "
                          "Accelerate's alias)")
-    plugin, name = _one_deepspeed_plugin(deepspeed_plugins if deepspeed_plugins is not None else deepspeed_plugin)
+    plugin, name, others = _deepspeed_plugins(deepspeed_plugins if deepspeed_plugins is not None else deepspeed_plugin)
     if torch_tp_plugin is not None:
         if parallelism_config is not None:
             raise ConfigError("pass either torch_tp_plugin or parallelism_config, not both (torch_tp_plugin is "
@@ -91,26 +95,62 @@ def accelerate_plugins(deepspeed_plugin: Any, deepspeed_plugins: Any, torch_tp_p
         warnings.warn("TorchTensorParallelPlugin is deprecated (as in Accelerate); pass parallelism_config="
                       f"ParallelismConfig(tp_size={torch_tp_plugin.tp_size}) instead", FutureWarning, stacklevel=3)
         parallelism_config = torch_tp_plugin.parallelism_config()
-    return plugin, name, parallelism_config
+    return plugin, name, others, parallelism_config
 
 
-def _one_deepspeed_plugin(given: Any) -> tuple[DeepSpeedPlugin | None, str | None]:
+NamedPlugins = tuple[tuple[str, DeepSpeedPlugin], ...]
+
+
+def _deepspeed_plugins(given: Any) -> tuple[DeepSpeedPlugin | None, str | None, NamedPlugins]:
+    """The first (active) DeepSpeed plugin, its name (None when given without one) and the other named plugins."""
     if not isinstance(given, dict):
         if given is not None and not isinstance(given, DeepSpeedPlugin):
             raise TypeError(f"deepspeed_plugin must be a DeepSpeedPlugin, got {type(given).__name__}")
-        return given, None
+        return given, None, ()
     bad = [key for key, value in given.items() if not isinstance(value, DeepSpeedPlugin)]
     if bad:
         raise TypeError(f"deepspeed_plugins={{...}}: the value of {bad[0]!r} is not a DeepSpeedPlugin")
-    if len(given) != 1:
-        raise NotProvidedError(
-            f"Accelerator(deepspeed_plugins=) with {len(given)} plugins ({', '.join(map(repr, given))}): impel runs "
-            "one DeepSpeed config per Accelerator (one settled JSON drives every engine, its checkpoints and "
-            "precision), so select_deepspeed_plugin cannot switch to another; pass one plugin, and prepare a frozen "
-            "reference model under it too (accelerator.prepare(ref_model) builds an engine without optimizer), or "
-            "build it with deepspeed.initialize(model=ref_model, config=...)")
-    ((name, plugin),) = given.items()
-    return plugin, str(name)
+    if not given:
+        raise ValueError("deepspeed_plugins={}: give at least one {name: DeepSpeedPlugin(...)}")
+    if len({id(plugin) for plugin in given.values()}) != len(given):
+        raise ValueError("deepspeed_plugins={...} holds the same DeepSpeedPlugin object under two names; build one "
+                         "plugin per name")
+    (name, plugin), *others = given.items()
+    return plugin, str(name), tuple((str(key), value) for key, value in others)
+
+
+def _settle_named(launched: Mapping[str, Any] | None, args: RunArguments, asked: Any, run: RunConfig,
+                  first: Resolved) -> tuple[tuple[str, DeepSpeedPlugin, Resolved], ...]:
+    """Every named DeepSpeed plugin with its settled JSON (Accelerate's several plugins: the first is active). The
+    others settle as the first would (launch config < Accelerator arguments < the plugin < its JSON), at the run's
+    mixed precision and, where their JSON leaves it open, its accumulation steps."""
+    if args.deepspeed_plugin_name is None or args.deepspeed_plugin is None:
+        return ()
+    named = [(args.deepspeed_plugin_name, args.deepspeed_plugin, first)]
+    for name, plugin in args.more_deepspeed_plugins:
+        code = {**_code_arguments(dataclasses.replace(args, deepspeed_plugin=plugin)),
+                **(asked.code_arguments() if asked is not None else {})}
+        config = merge_code_arguments(launched, code).with_values(
+            mixed_precision=run.mixed_precision, gradient_accumulation_steps=run.gradient_accumulation_steps)
+        config.explicit["mixed_precision"] = run.mixed_precision
+        given = json_source(config, plugin)
+        ds, source = load_json(given)
+        _check_same_precision(ds, source, run.mixed_precision, name, args.deepspeed_plugin_name)
+        resolved, _ = resolve_static(ds, source, config, json_given=given is not None)
+        named.append((name, plugin, resolved))
+    return tuple(named)
+
+
+def _check_same_precision(ds: Mapping[str, Any], source: str, mode: str, name: str, first: str) -> None:
+    for section in ("bf16", "fp16"):
+        enabled = get(ds, f"{section}.enabled")
+        if isinstance(enabled, bool) and enabled != (mode == section):
+            raise NotProvidedError(
+                f"deepspeed_plugins[{name!r}]: {section}.enabled={str(enabled).lower()} in {source}, but the run's "
+                f"mixed precision is {mode!r} (settled with the first plugin, {first!r}); impel runs every engine of "
+                f"an Accelerator at one precision (one autocast in the prepared forward): write \"auto\" for "
+                f"{section}.enabled (it then runs at the run's precision), or build that engine yourself with "
+                f"deepspeed.initialize(model=..., config=...)")
 
 
 def _accumulation(plugin: GradientAccumulationPlugin | None, steps: int,

@@ -183,7 +183,11 @@ class RunSettings:
     @property
     def deepspeed_plugin(self) -> DeepSpeedPlugin | None:
         """The DeepSpeed settings in effect (the plugin passed in code, else one built from the resolved config when
-        the run was resolved); None when DeepSpeed is not used."""
+        the run was resolved); with several named plugins, the active one (``selected``: the first, until
+        ``accelerator.state.select_deepspeed_plugin(name)``); None when DeepSpeed is not used."""
+        named = self.record.deepspeed_named
+        if named:
+            return next((plugin for _, plugin, _ in named if plugin.selected), named[0][1])
         return self.record.plugins.deepspeed
 
     @property

@@ -7,7 +7,8 @@
 - ``plugins``, ``kwargs_handler``, ``ddp_hooks``, ``profiling``, ``dynamo``: the objects users build in code
   (Accelerate's plugins and kwargs handlers).
 - ``mesh_sizes``: the ``parallelism_config`` section; ``parallelism``: ``ParallelismConfig`` and its device mesh.
-- ``deepspeed_json``: the DeepSpeed JSON, reconciled with impel's settings.
+- ``deepspeed_json``: the DeepSpeed JSON, reconciled with impel's settings; ``deepspeed_plugin_members``: Accelerate's
+  ``DeepSpeedPlugin`` members (``deepspeed_config``, ``selected``, ...) on impel's plugin.
 - ``environment_settings``: Accelerate's ``ACCELERATE_*`` / ``FSDP_*`` variables (and ``IMPEL_*``) as run settings.
 - ``fsdp_values``: the FSDP plugin's values in their several spellings, normalised; ``plugin_refusals``: plugin
   arguments accepted by name and refused when set, with the reason.

@@ -249,11 +249,6 @@ def mlflow_overrides() -> dict[str, str]:
     return {arg: os.environ[var] for arg, var in names.items() if var in os.environ}
 
 
-def wandb_project(default: str) -> str:
-    """The W&B project the Trainer's ``report_to="wandb"`` logs to: ``$WANDB_PROJECT``, else ``default``."""
-    return os.environ.get("WANDB_PROJECT", default)
-
-
 def cxx_compiler() -> str | None:
     """``$CXX``, the C++ compiler the user chose (torch's inductor compiles with it), or None when unset."""
     return os.environ.get("CXX")

@@ -12,6 +12,7 @@ from dataclasses import MISSING, Field, dataclass, field, fields
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+from impel.config.deepspeed_plugin_members import DeepSpeedPluginMembers
 from impel.config.fsdp_values import class_names, enum_name, mixed_precision_mode, offload_flag
 from impel.config.kwargs_handler import KwargsHandler
 from impel.config.plugin_refusals import DEEPSPEED_REFUSED, FSDP_REFUSED, refuse_set
@@ -383,13 +384,14 @@ class FullyShardedDataParallelPlugin:
 
 
 @config_backed(DeepSpeedConfig)
-class DeepSpeedPlugin:
+class DeepSpeedPlugin(DeepSpeedPluginMembers):
     """DeepSpeed ZeRO settings in code, with Accelerate's field names; a field left at None is not set here (the
     launched config, the DeepSpeed JSON or the default decides, and a contradiction with the JSON raises).
 
     ``hf_ds_config`` is the DeepSpeed JSON for every other setting: a path, or a dict (kept in the process, never
     written to the environment). ``is_train_batch_min``: with several prepared dataloaders, the smallest batch
-    size is DeepSpeed's ``train_micro_batch_size_per_gpu`` (False: the largest).
+    size is DeepSpeed's ``train_micro_batch_size_per_gpu`` (False: the largest). Accelerate's members
+    (``deepspeed_config``, ``selected``, ``get_value``, ...) are :mod:`impel.config.deepspeed_plugin_members`'.
 
     Example::
 

@@ -371,20 +371,21 @@ class AcceleratorState(PartialState):
 
     @property
     def deepspeed_plugins(self) -> Any:
-        """Accelerate's: ``{name: plugin}`` when the plugin was given as ``deepspeed_plugins={name: plugin}``, else
-        the plugin in effect; None without DeepSpeed."""
+        """Accelerate's: ``{name: plugin}`` when the plugins were given as ``deepspeed_plugins={name: plugin, ...}``,
+        else the plugin in effect; None without DeepSpeed."""
         accelerator = self._accelerator("deepspeed_plugins")
-        plugin, name = accelerator.deepspeed_plugin, accelerator.record.deepspeed_plugin_name
-        return {name: plugin} if plugin is not None and name is not None else plugin
+        named = accelerator.record.deepspeed_named
+        return {name: plugin for name, plugin, _ in named} if named else accelerator.deepspeed_plugin
 
     def get_deepspeed_plugin(self, name: str) -> Any:
-        """The DeepSpeed plugin given as ``deepspeed_plugins={name: plugin}``."""
+        """The DeepSpeed plugin given as ``deepspeed_plugins={name: plugin, ...}``."""
         return self._named_deepspeed_plugin(name, "get_deepspeed_plugin")
 
     def select_deepspeed_plugin(self, name: str | None = None) -> None:
-        """Make ``name`` the active DeepSpeed plugin: impel runs one (Accelerate's multiple plugins raise at
-        ``Accelerator(...)``), so this checks ``name`` is it."""
-        self._named_deepspeed_plugin(name, "select_deepspeed_plugin")
+        """Make ``name`` the active DeepSpeed plugin, as Accelerate's: ``prepare`` builds the next engines with its
+        settled JSON (stage, clipping, checkpointing), ``init_context()`` and transformers' ZeRO-3 detection follow
+        it; the engines already built keep theirs."""
+        self._named_deepspeed_plugin(name, "select_deepspeed_plugin").select(_from_accelerator_state=True)
 
     def _named_deepspeed_plugin(self, name: str | None, what: str) -> Any:
         plugins = self.deepspeed_plugins

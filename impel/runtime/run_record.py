@@ -43,6 +43,7 @@ class RunArguments:
     kwargs_handlers: Sequence[Any] | None = None
     parallelism_config: ParallelismConfig | None = None
     deepspeed_plugin_name: str | None = None  # its key in Accelerator(deepspeed_plugins={name: plugin})
+    more_deepspeed_plugins: tuple[tuple[str, DeepSpeedPlugin], ...] = ()  # the other named plugins, in order
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,8 @@ class RunRecord:
     parallelism: ParallelismConfig | None = None  # the mesh sizes, settled against the world size
     plugins: PluginsInEffect = PluginsInEffect()
     deepspeed_plugin_name: str | None = None  # Accelerate's deepspeed_plugins={name: plugin}: the plugin's key
+    # every named plugin (the first is deepspeed_plugin) with its settled JSON; () when given without a name
+    deepspeed_named: tuple[tuple[str, DeepSpeedPlugin, Resolved], ...] = ()
 
     @property
     def cpu_only(self) -> bool:

@@ -43,8 +43,10 @@ from impel.strategies.deepspeed_checkpoint import (
     safe_loading,
     save_engines,
 )
+from impel.strategies.deepspeed_plugins import PluginConfigs
 
 if TYPE_CHECKING:
+    from impel.config.deepspeed_json import Resolved
     from impel.runtime.accumulation import GradientState
     from impel.runtime.precision_report import PrecisionReport
     from impel.runtime.process import ProcessState
@@ -101,10 +103,7 @@ class DeepSpeedStrategy(Strategy):
 
     def __init__(self, state: ProcessState, record: RunRecord, gradient_state: GradientState) -> None:
         self.deepspeed = import_deepspeed(state.device, state.local_process_index)
-        if record.deepspeed is None:
-            raise ConfigError("the DeepSpeed strategy needs the DeepSpeed config settled by resolve()")
-        self.resolved = record.deepspeed
-        plugin = record.deepspeed_plugin
+        self.configs = PluginConfigs(record, self._on_select)  # one settled JSON per plugin; the first is active
         super().__init__(state, record, gradient_state)
         handlers = self.handlers
         if self.resolved.dtype != torch.float32:
@@ -115,12 +114,12 @@ class DeepSpeedStrategy(Strategy):
         if handlers.scaler is not None:
             logger.warning("GradScalerKwargs has no effect under DeepSpeed, whose engine scales fp16 losses itself; "
                            "set fp16.loss_scale / fp16.initial_scale_power in the DeepSpeed JSON instead")
-        self.batch_min = plugin.is_train_batch_min if plugin is not None else True
         self._check_nvme()
         self.state.ensure_process_group()  # DeepSpeed needs one even for one process
         self.engines: list[Any] = []
         self.train_engine: Any = None
         self._by_optimizer: dict[int, Any] = {}  # id(given or returned optimizer) -> engine
+        self._engine_configs: dict[int, Resolved] = {}  # id(engine) -> the plugin's JSON it was built with
         self._dataloaders: list[Any] = []
         self._call_schedulers: list[Any] = []
         self._load_dtypes: dict[int, Any] = {}
@@ -131,11 +130,27 @@ class DeepSpeedStrategy(Strategy):
         self._hf_config = self._register_with_transformers()
 
     # --- construction helpers -------------------------------------------------------------------------------
+    @property
+    def resolved(self) -> Resolved:
+        """The active plugin's settled JSON: what the next engine is built with."""
+        return self.configs.resolved
+
+    def resolved_for(self, engine: Any) -> Resolved:
+        """The settled JSON ``engine`` was built with (the active plugin's for anything else)."""
+        return self._engine_configs.get(id(engine), self.resolved)
+
+    def _on_select(self) -> None:
+        """Another plugin is active: transformers' ZeRO-3 detection follows it."""
+        if not hasattr(self, "_hf_config"):
+            return  # during construction
+        self._unregister_from_transformers()
+        self._hf_config = self._register_with_transformers()
+
     def _check_nvme(self) -> None:
         from deepspeed.accelerator import get_accelerator
 
         for what in ("optimizer", "param"):
-            if self.resolved.offload(what) != "nvme":
+            if all(resolved.offload(what) != "nvme" for resolved in self.configs.all_resolved()):
                 continue
             builder = get_accelerator().create_op_builder("AsyncIOBuilder")
             if builder is None or not builder.is_compatible(verbose=False):
@@ -211,10 +226,11 @@ class DeepSpeedStrategy(Strategy):
         self._match_precision(model)
         scheduler = next((s for s in self._call_schedulers if getattr(s, "optimizer", None) is optimizer
                           and optimizer is not None), None)
-        cfg = fill_runtime(self.resolved, micro_batch=self._micro_batch(), world=self.state.num_processes,
+        cfg = fill_runtime(self.configs.base_for(), micro_batch=self._micro_batch(), world=self.state.num_processes,
                            optimizer=optimizer, scheduler=scheduler, has_optimizer=optimizer is not None,
                            model=model)
-        self._check_accumulation(cfg)
+        if optimizer is not None:  # an engine without optimizer (a frozen reference model) never accumulates
+            self._check_accumulation(cfg)
         kwargs: dict[str, Any] = {"model": model, "config": cfg}
         if isinstance(optimizer, DummyOptim):
             kwargs["model_parameters"] = optimizer.params
@@ -223,6 +239,8 @@ class DeepSpeedStrategy(Strategy):
         if isinstance(scheduler, DummyScheduler) and scheduler.lr_scheduler_callable is not None:
             kwargs["lr_scheduler"] = scheduler.lr_scheduler_callable
         engine, *_ = self.deepspeed.initialize(**kwargs)
+        self.configs.publish(cfg)  # plugin.deepspeed_config: the concrete JSON, as Accelerate fills it at prepare
+        self._engine_configs[id(engine)] = self.resolved
         self._load_dtypes[id(engine)] = self._load_dtypes.pop(id(model))
         self.engines.append(engine)
         if optimizer is not None:
@@ -244,7 +262,8 @@ class DeepSpeedStrategy(Strategy):
         sizes = [dl.batch_size for dl in self._dataloaders if getattr(dl, "batch_size", None)]
         if not sizes:
             return None
-        return min(sizes) if self.batch_min else max(sizes)
+        plugin = self.configs.plugin
+        return min(sizes) if plugin is None or plugin.is_train_batch_min else max(sizes)
 
     def _check_accumulation(self, cfg: Mapping[str, Any]) -> None:
         gs = self.gradient_state
@@ -319,10 +338,10 @@ class DeepSpeedStrategy(Strategy):
         if float(norm_type) != 2.0:
             raise ConfigError(f"clip_grad_norm_(norm_type={norm_type}) is not available under DeepSpeed, which clips "
                               "by the 2-norm; use norm_type=2")
-        configured = self.resolved.clipping
+        configured = self.resolved_for(engine).clipping
         if configured > 0 and not math.isclose(configured, float(max_norm)):
             raise ConfigError(f"clip_grad_norm_(max_norm={max_norm}) contradicts gradient_clipping={configured} in "
-                              f"{self.resolved.source}, which the engine applies every step; pass max_norm="
+                              f"{self.resolved_for(engine).source}, which the engine applies every step; pass max_norm="
                               f"{configured} or set gradient_clipping to {max_norm} (or to \"auto\"/0)")
         if self._plain_gradients(engine):
             params = [p for p in engine.module.parameters() if p.grad is not None]
@@ -382,7 +401,7 @@ class DeepSpeedStrategy(Strategy):
         if not isinstance(model, self.deepspeed.DeepSpeedEngine):
             return super().model_state_dict(model)
         if model.zero_optimization_partition_weights():
-            if not self.resolved.save_16bit:
+            if not self.resolved_for(model).save_16bit:
                 raise ConfigError("under ZeRO-3 the weights are partitioned; set zero3_save_16bit_model=True to "
                                   "gather them for save_model/get_state_dict, or save_state() and export full "
                                   "float32 weights with impel.merge_weights")
@@ -394,13 +413,15 @@ class DeepSpeedStrategy(Strategy):
                         directory: Path, *, writer: bool, safe_serialization: bool,
                         skip_models: AbstractSet[int] = frozenset(), options: Any = None) -> dict[str, Any]:
         """Each engine's own checkpoint (its ZeRO partitions, written by every rank); see deepspeed_checkpoint."""
-        return save_engines(models, directory, stage=self.resolved.stage, world=self.state.num_processes,
+        trained = {i for i, m in enumerate(models) if any(m is e for e in self._by_optimizer.values())}
+        return save_engines(models, directory, stages=[self.resolved_for(m).stage for m in models], trained=trained,
+                            world=self.state.num_processes,
                             dtype=self.resolved.dtype, engine_kwargs=getattr(options, "engine_kwargs", {}))
 
     def load_checkpoint(self, models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
                         directory: Path, metadata: Mapping[str, Any], *,
                         skip_models: AbstractSet[int] = frozenset(), options: Any = None) -> None:
-        load_engines(models, directory, metadata, skip_models, stage=self.resolved.stage,
+        load_engines(models, directory, metadata, skip_models, stages=[self.resolved_for(m).stage for m in models],
                      world=self.state.num_processes, engine_kwargs=getattr(options, "engine_kwargs", {}))
 
     def precision_report(self, models: Sequence[nn.Module],
@@ -410,6 +431,9 @@ class DeepSpeedStrategy(Strategy):
         return engine_report(self, models, optimizers)
 
     def teardown(self) -> None:
+        self._unregister_from_transformers()
+
+    def _unregister_from_transformers(self) -> None:
         if self._hf_config is not None and importlib.util.find_spec("transformers") is not None:
             from transformers.integrations import deepspeed as hf_deepspeed
 

@@ -45,29 +45,44 @@ def folder_name(index: int) -> str:
     return "deepspeed" if index == 0 else f"deepspeed_{index}"
 
 
-def save_engines(engines: Sequence[Any], directory: Path, *, stage: int, world: int,
-                 dtype: torch.dtype, engine_kwargs: Mapping[str, Any] = {}) -> dict[str, Any]:  # noqa: B006
+def save_engines(engines: Sequence[Any], directory: Path, *, stages: Sequence[int], trained: AbstractSet[int],
+                 world: int, dtype: torch.dtype, engine_kwargs: Mapping[str, Any] = {}) -> dict[str, Any]:  # noqa: B006
     """Every rank writes its part; returns the ``strategy`` section of the checkpoint metadata. ``engines``:
-    DeepSpeedEngine modules (typed Any: deepspeed has no type information).
+    DeepSpeedEngine modules (typed Any: deepspeed has no type information); ``stages``: each engine's ZeRO stage
+    (engines built under several DeepSpeed plugins differ); ``trained``: the indices of engines with an optimizer.
 
     An engine saves module and optimizer together, so a save pre-hook that takes over a model does not keep its
-    weights out of the engine checkpoint."""
+    weights out of the engine checkpoint. A ZeRO-3 engine without optimizer (a frozen reference model, prepared
+    alone) is not written: DeepSpeed 0.19's ``save_checkpoint`` does not complete for it on 2 ranks, and nothing in it
+    changes while training; it is listed under ``frozen`` and keeps its weights at load."""
     names = [folder_name(i) for i in range(len(engines))]
-    for name, engine in zip(names, engines):
+    frozen = [i for i, stage in enumerate(stages) if stage == 3 and i not in trained]
+    for index, (name, engine) in enumerate(zip(names, engines)):
+        if index in frozen:
+            continue
         engine.save_checkpoint(str(directory / name), tag=TAG, client_state={}, save_latest=False,
                                **engine_kwargs)  # save_state(**kwargs), e.g. exclude_frozen_parameters
-    return {"format": FORMAT, "models": names, "tag": TAG, "zero_stage": stage, "world_size": world,
+    return {"format": FORMAT, "models": names, "tag": TAG, "zero_stage": max(stages, default=0),
+            "zero_stages": list(stages), "frozen": frozen, "world_size": world,
             "dtype": str(dtype).replace("torch.", "")}
 
 
 def load_engines(engines: Sequence[Any], directory: Path, metadata: Mapping[str, Any],
-                 skip: AbstractSet[int], *, stage: int, world: int,
+                 skip: AbstractSet[int], *, stages: Sequence[int], world: int,
                  engine_kwargs: Mapping[str, Any] = {}) -> None:  # noqa: B006
     """Restore module, float32 masters and optimizer states of each engine (schedulers are impel's)."""
     from impel.checkpoint.layout import CheckpointError
 
-    _check_loadable(directory, metadata, skip, stage=stage, world=world)
-    for name, engine in zip(metadata["models"], engines):
+    _check_loadable(directory, metadata, skip, stage=max(stages, default=0), world=world)
+    saved = metadata.get("zero_stages")
+    if saved is not None and list(saved) != list(stages):
+        raise CheckpointError(f"{directory} holds engines of ZeRO stages {list(saved)} but this run prepared stages "
+                              f"{list(stages)}; prepare the same models under the same DeepSpeed plugins, in the same "
+                              "order, as the run that saved it")
+    frozen = set(metadata.get("frozen", ()))
+    for index, (name, engine) in enumerate(zip(metadata["models"], engines)):
+        if index in frozen:
+            continue  # a frozen ZeRO-3 engine: not written, its weights are the ones it was prepared with
         with safe_loading():
             kwargs = {"load_optimizer_states": engine.optimizer is not None, **engine_kwargs}
             path, _ = engine.load_checkpoint(str(directory / name), tag=metadata["tag"],
@@ -106,10 +121,17 @@ def merge_zero_checkpoint(directory: Path, metadata: Mapping[str, Any], model_in
         )
     except ImportError as exc:
         raise ImportError(f"merging a DeepSpeed checkpoint needs DeepSpeed ({exc}); run {INSTALL_HINT}") from exc
+    if model_index in metadata.get("frozen", ()):
+        from impel.checkpoint.layout import CheckpointError
+
+        raise CheckpointError(f"model {model_index} of {directory} is a frozen ZeRO-3 engine (prepared without "
+                              "optimizer), whose weights the checkpoint does not hold; save them with "
+                              "accelerator.save_model(model, ...) instead")
     folder = directory / metadata["models"][model_index]
     tag = metadata.get("tag", TAG)
     with safe_loading():
-        if metadata.get("zero_stage", 1) == 0:
+        stages = metadata.get("zero_stages") or [metadata.get("zero_stage", 1)] * len(metadata["models"])
+        if stages[model_index] == 0:
             state = torch.load(folder / tag / "mp_rank_00_model_states.pt", map_location="cpu")["module"]
         else:
             state = get_fp32_state_dict_from_zero_checkpoint(str(folder), tag=tag)

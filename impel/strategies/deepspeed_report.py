@@ -32,7 +32,8 @@ class ReportedStrategy(Protocol):
 
     deepspeed: Any  # the deepspeed package
     train_engine: Any
-    resolved: Resolved
+
+    def resolved_for(self, engine: Any) -> Resolved: ...
     state: ProcessState
     precision: Precision
     _load_dtypes: dict[int, Any]
@@ -53,15 +54,16 @@ def engine_report(strategy: ReportedStrategy, models: Sequence[nn.Module],
     engine = strategy.train_engine or (engines[0] if engines else None)
     masters = dtype_of(_master_tensors(engine, optimizers)) or working
     states = optimizer_state_dtype(optimizers) or predicted_state_dtype(optimizers) or masters
-    compute = strategy.resolved.dtype
+    resolved = strategy.resolved_for(engine)  # the trained engine's plugin (several plugins may differ in stage)
+    compute = resolved.dtype
     gradients = engine.get_data_types()[1] if engine is not None else None
     reduction = engine.communication_data_type if engine is not None and strategy.state.use_distributed else None
     loaded = sorted({str(d) for e in engines for d in _as_tuple(strategy._load_dtypes.get(id(e)))})
-    note = (f"ZeRO stage {strategy.resolved.stage}; module working copy {_show(working)}, master weights "
+    note = (f"ZeRO stage {resolved.stage}; module working copy {_show(working)}, master weights "
             f"{_show(masters)} updated by the optimizer step")
     if loaded:
         note += f"; loaded as {_show(tuple(loaded))}" + (", upcast to float32 at prepare" if strategy._upcast else "")
-    return PrecisionReport(strategy=f"DEEPSPEED ZeRO-{strategy.resolved.stage}",
+    return PrecisionReport(strategy=f"DEEPSPEED ZeRO-{resolved.stage}",
                            mixed_precision=strategy.precision.mode, stored_params=masters, compute=compute,
                            gradients=gradients, reduction=reduction, optimizer_states=states, note=note)
 

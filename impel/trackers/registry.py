@@ -8,8 +8,6 @@ builds each named tracker with ``init_kwargs[name]``, starts them all and stores
 every process those whose ``main_process_only`` is False. A name that is not installed raises a ConfigError naming
 the ``pip install`` when the Accelerator is built, on every rank (so no rank waits for one that failed).
 
-The Trainer builds its trackers with ``make_trackers`` (transformers' ``report_to`` layout).
-
 Example::
 
     accelerator = Accelerator(log_with=["tensorboard", "wandb"], project_dir="runs")
@@ -20,12 +18,10 @@ Example::
 from __future__ import annotations
 
 import importlib.util
-import os
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from impel.config import environment as env
 from impel.config.run_config import ConfigError
 from impel.trackers.base import GeneralTracker, LoggerType, on_main_process
 from impel.trackers.builtin import JSONLTracker, MLflowTracker, TensorBoardTracker, TrackioTracker, WandBTracker
@@ -37,13 +33,13 @@ __all__ = ["GeneralTracker", "LoggerType", "on_main_process", "get_available_tra
 # tracker name -> (module to import, pip package)
 PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"),
             "mlflow": ("mlflow", "mlflow"), "trackio": ("trackio", "trackio")}
-TRAINER_TRACKERS = ("tensorboard", "wandb", "mlflow")  # the Trainer's report_to names
+TRAINER_TRACKERS = ("tensorboard", "wandb", "mlflow")  # the default candidates of installed_trackers
 
 LOGGER_TYPE_TO_CLASS: dict[str, type[GeneralTracker]] = {
     "tensorboard": TensorBoardTracker, "wandb": WandBTracker, "mlflow": MLflowTracker, "trackio": TrackioTracker,
     "jsonl": JSONLTracker}
 
-Tracker = GeneralTracker  # the name impel's Trainer uses
+Tracker = GeneralTracker  # a short alias
 
 
 def installed_trackers(candidates: Iterable[str] = TRAINER_TRACKERS) -> list[str]:
@@ -83,32 +79,6 @@ def check_installed(names: Iterable[str], what: str = "report_to", extra: Sequen
         if importlib.util.find_spec(module) is None:
             raise ConfigError(f"{what}={name!r} needs the {package!r} package, which is not installed: "
                               f"pip install {package}  (or drop {name!r} from {what})")
-
-
-def make_trackers(names: Sequence[str], logging_dir: str, run_name: str | None, config: Mapping[str, Any],
-                  main_process: bool, jsonl_path: str | os.PathLike[str] | None = None,
-                  history: Sequence[Mapping[str, Any]] = ()) -> list[GeneralTracker]:
-    """The Trainer's trackers, started, with ``config`` stored: the JSONL one (when ``jsonl_path`` is given) and
-    ``names``, on the main process only (installation is checked on every rank first). As transformers' Trainer:
-    TensorBoard in ``logging_dir/tensorboard/run_name``, the W&B project ``$WANDB_PROJECT`` (else "impel") with the
-    run named ``run_name``, MLflow's ``$MLFLOW_EXPERIMENT_NAME`` (else its default experiment)."""
-    check_installed(names)
-    if not main_process:
-        return []
-    trackers: list[GeneralTracker] = []
-    if jsonl_path is not None:
-        trackers.append(JSONLTracker(run_name or "", logging_dir, path=jsonl_path, history=history))
-    for name in names:
-        if name == "tensorboard":
-            trackers.append(TensorBoardTracker(run_name or "", os.path.join(logging_dir, "tensorboard")))
-        elif name == "wandb":
-            trackers.append(WandBTracker(env.wandb_project("impel"), name=run_name, dir=logging_dir))
-        else:
-            trackers.append(MLflowTracker(run_name=run_name))
-    for tracker in trackers:
-        tracker.start()
-        tracker.store_init_configuration(dict(config))
-    return trackers
 
 
 class AcceleratorTrackers:

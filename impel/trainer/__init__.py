@@ -1,19 +1,18 @@
-"""The Trainer entry: ``TrainingArguments`` knobs (``fsdp``, ``deepspeed``, ...) plumbed into one Accelerator.
+"""The Trainer entry: transformers' ``Trainer`` running on impel's Accelerator.
 
-Modules by job: ``arguments`` (TrainingArguments and its checks), ``distributed`` (arguments -> Accelerator
-arguments and plugins), ``trainer`` (the loop), ``callbacks`` (hooks, early stopping), ``progress`` (progress bar,
-summary), ``best_model`` (best checkpoint, rotation), ``optimization`` (weight-decay groups), ``collate`` (default
-collator, column pruning), ``schedules`` (learning-rate schedules, step planning), ``evaluation`` (gathering
-predictions), ``state`` (TrainerState, TrainerControl, EvalPrediction, PredictionOutput), ``plot`` (loss PNGs);
-``hf`` is transformers' own Trainer on impel's Accelerator (``hf_fields``: what impel does with its fields;
-``hf_fsdp`` / ``hf_deepspeed``: its FSDP and DeepSpeed knobs; ``hf_callbacks``: impel's additions, auto-resume).
-Names resolve lazily, so building ``TrainingArguments`` does not import torch.
+Modules by job: ``hf`` (``Trainer``: transformers' Trainer with impel's Accelerator; transformers'
+``TrainingArguments``, callbacks and state classes re-exported), ``hf_fields`` (what impel does with each
+``TrainingArguments`` field, the generated docs table), ``hf_fsdp`` / ``hf_deepspeed`` (the ``fsdp`` and
+``deepspeed`` knobs on impel's strategies), ``hf_callbacks`` (impel's additions: metrics.jsonl, loss.png, complete
+checkpoints, auto-resume), ``plot`` (loss PNGs and ``metrics.jsonl`` reading, shared with ``impel compare``). Names
+resolve lazily, so ``import impel.trainer`` does not import transformers; using one without it raises
+``ImportError`` naming ``pip install 'impel[transformers]'``.
 
 Example::
 
-    from impel import Trainer, TrainingArguments
+    from impel import Trainer, TrainingArguments      # was: from transformers import Trainer, TrainingArguments
 
-    trainer = Trainer(model, TrainingArguments(output_dir="out", max_steps=100), train_dataset=train)
+    trainer = Trainer(model=model, args=TrainingArguments(output_dir="out", max_steps=100), train_dataset=train)
     trainer.train()
 """
 from __future__ import annotations
@@ -22,15 +21,12 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "TrainingArguments": "arguments", "Trainer": "trainer", "TrainerCallback": "callbacks",
-    "EarlyStoppingCallback": "callbacks", "ProgressCallback": "progress", "default_data_collator": "collate",
-    "get_scheduler": "schedules", "EvalPrediction": "state", "PredictionOutput": "state", "TrainerControl": "state",
-    "TrainerState": "state", "TrainOutput": "state",
+    "Trainer": "hf", "TrainingArguments": "hf", "TrainerCallback": "hf", "EarlyStoppingCallback": "hf",
+    "ProgressCallback": "hf", "default_data_collator": "hf", "get_scheduler": "hf", "EvalPrediction": "hf",
+    "PredictionOutput": "hf", "TrainerControl": "hf", "TrainerState": "hf", "TrainOutput": "hf",
 }
 
-__all__ = ["EarlyStoppingCallback", "EvalPrediction", "PredictionOutput", "ProgressCallback", "TrainOutput", "Trainer",
-           "TrainerCallback", "TrainerControl", "TrainerState", "TrainingArguments", "default_data_collator",
-           "get_scheduler"]
+__all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:

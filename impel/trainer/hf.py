@@ -13,7 +13,7 @@ FSDP checkpoint calls are served by :mod:`impel.trainer.hf_fsdp`), ``deepspeed``
 
 Example (a transformers script with the import renamed)::
 
-    from impel.trainer.hf import Trainer, TrainingArguments
+    from impel import Trainer, TrainingArguments   # = impel.trainer.hf's; was: from transformers import ...
 
     args = TrainingArguments(output_dir="out", do_train=True, per_device_train_batch_size=4,
                              gradient_accumulation_steps=2, average_tokens_across_devices=True)
@@ -28,12 +28,25 @@ from typing import Any
 try:
     import transformers
     import transformers.trainer
-    from transformers import TrainingArguments
-except ImportError as exc:  # pragma: no cover - the extra is installed in the test environment
-    raise ImportError("impel.trainer.hf is transformers' Trainer on impel and needs transformers 5.24 or newer: "
+    from transformers import (
+        EarlyStoppingCallback,
+        EvalPrediction,
+        ProgressCallback,
+        TrainerCallback,
+        TrainerControl,
+        TrainerState,
+        TrainingArguments,
+        default_data_collator,
+        get_scheduler,
+    )
+    from transformers.trainer_utils import PredictionOutput, TrainOutput
+except ImportError as exc:
+    raise ImportError("impel's Trainer (impel.Trainer, impel.TrainingArguments, impel.trainer.hf) is transformers' "
+                      "Trainer on impel's Accelerator and needs transformers 5.24 or newer: "
                       "pip install 'impel[transformers]'") from exc
 
 from impel.accelerator.facade import Accelerator
+from impel.config.environment_settings import launched_settings
 from impel.config.parallelism import ParallelismConfig
 from impel.config.plugins import (
     DataLoaderConfiguration,
@@ -47,7 +60,10 @@ from impel.runtime.data import skip_first_batches as impel_skip_first_batches
 from impel.runtime.prepared_loader import PreparedLoader
 from impel.trainer import hf_callbacks, hf_deepspeed, hf_fsdp
 
-__all__ = ["Trainer", "TrainingArguments", "accelerator_arguments"]
+# transformers' own classes, re-exported so that `from impel import TrainerCallback, ...` names them
+__all__ = ["EarlyStoppingCallback", "EvalPrediction", "PredictionOutput", "ProgressCallback", "TrainOutput", "Trainer",
+           "TrainerCallback", "TrainerControl", "TrainerState", "TrainingArguments", "accelerator_arguments",
+           "default_data_collator", "get_scheduler"]
 
 _ACCELERATE_SKIP_FIRST_BATCHES = transformers.trainer.skip_first_batches
 
@@ -137,11 +153,30 @@ def accelerator_arguments(args: Any, model: Any) -> dict[str, Any]:
     dynamo = None
     if args.torch_compile:
         dynamo = TorchDynamoPlugin(backend=args.torch_compile_backend, mode=args.torch_compile_mode)
+    _check_fsdp_config(args)
     fsdp = None if args.fsdp_plugin_args is None else FullyShardedDataParallelPlugin(**args.fsdp_plugin_args)
     return {"mixed_precision": args.mixed_precision, "cpu": True if args.use_cpu else None,
             "gradient_accumulation_plugin": _accumulation_plugin(args), "dataloader_config": _loader_config(args),
             "kwargs_handlers": [_ddp_kwargs(args, model)], "dynamo_plugin": dynamo, "fsdp_plugin": fsdp,
             "deepspeed_plugin": hf_deepspeed.plugin_for(args), "parallelism_config": _parallelism(args, model)}
+
+
+# the fsdp_config keys transformers turns into plugin arguments (or reads itself) for FSDP2 (``version: 2``, the
+# default): TrainingArguments._process_fsdp_args. Any other key (FSDP1's forward_prefetch, backward_prefetch,
+# use_orig_params, sync_module_states, limit_all_gathers, a typo) would be dropped without a word.
+_FSDP2_CONFIG_KEYS = frozenset({
+    "version", "min_num_params", "transformer_layer_cls_to_wrap", "auto_wrap_policy", "cpu_offload",
+    "cpu_ram_efficient_loading", "state_dict_type", "activation_checkpointing", "reshard_after_forward",
+    "xla", "xla_fsdp_v2", "xla_fsdp_grad_ckpt", "xla_fsdp_settings"})
+
+
+def _check_fsdp_config(args: Any) -> None:
+    """Every ``fsdp_config`` key takes effect or raises: transformers passes only some of them to the plugin."""
+    ignored = sorted(set(args.fsdp_config or {}) - _FSDP2_CONFIG_KEYS)
+    if args.fsdp_plugin_args is not None and ignored:
+        raise ConfigError(f"fsdp_config keys {ignored} have no effect under FSDP2 (transformers passes only "
+                          f"{sorted(_FSDP2_CONFIG_KEYS - {'xla', 'xla_fsdp_v2', 'xla_fsdp_grad_ckpt'})} to the "
+                          "plugin, and impel runs FSDP2 only); remove them")
 
 
 def _check_fsdp(args: Any, plugin: Any) -> None:
@@ -167,6 +202,16 @@ def _check_world(args: Any, accelerator: Any) -> None:
                           "there otherwise)")
 
 
+def _check_auto_resume() -> None:
+    """The launch config's ``auto_resume`` resumes (and, on SIGTERM, writes) the Accelerator's ``save_state``
+    checkpoints; the Trainer writes transformers' ``checkpoint-N``, so its switch is ``resume_from_checkpoint``."""
+    if (launched_settings() or {}).get("auto_resume"):
+        raise ConfigError("auto_resume=true in the launch config (impel launch --auto_resume) resumes the "
+                          "Accelerator's save_state checkpoints, which the Trainer does not write: drop it and call "
+                          "trainer.train(resume_from_checkpoint=\"auto\") (the newest complete checkpoint-N in "
+                          "output_dir; from scratch when there is none)")
+
+
 class Trainer(transformers.Trainer):
     """``transformers.Trainer`` on impel's Accelerator: same constructor, members and behaviour, plus impel's
     additions (:mod:`impel.trainer.hf_callbacks`): ``metrics.jsonl`` and ``loss.png`` in ``output_dir``
@@ -186,6 +231,7 @@ class Trainer(transformers.Trainer):
         return super().train(resume, *args, **kwargs)
 
     def create_accelerator_and_postprocess(self) -> None:
+        _check_auto_resume()
         self.accelerator = Accelerator(**accelerator_arguments(self.args, self.model))
         gather = self.accelerator.gather_for_metrics
         if "use_gather_object" in inspect.signature(gather).parameters:

@@ -20,12 +20,19 @@ import inspect
 NOTES: dict[str, str] = {
     "fsdp": "impel's FSDP2 plugin, built from transformers' `fsdp_plugin_args`; checkpoints in Accelerate's layout "
             "(impel.trainer.hf_fsdp); a PEFT model's adapter-only FSDP checkpoint raises",
-    "fsdp_config": "impel's FSDP2 plugin (with `fsdp`)",
+    "fsdp_config": "impel's FSDP2 plugin (with `fsdp`); a key transformers drops under FSDP2 (FSDP1's "
+                   "`forward_prefetch`, `use_orig_params`, ..., a typo) raises, naming it",
     "deepspeed": "impel's DeepSpeed strategy (ZeRO 0-3) with the JSON transformers filled; on a machine without "
                  "GPUs set `use_cpu=True`; `auto_find_batch_size` raises (impel.trainer.hf_deepspeed)",
     "parallelism_config": "impel's ParallelismConfig: `dp_replicate_size` / `dp_shard_size` (DDP, FSDP2, HSDP on "
                           "impel's device mesh); `tp_size`, `cp_size`, `sp_size` > 1 raise (not served on this "
                           "route: a custom loop on impel's Accelerator takes them)",
+    "resume_from_checkpoint": "transformers' behaviour, plus `\"auto\"` (impel: the newest complete checkpoint in "
+                              "`output_dir`, from scratch when there is none); `True` takes the newest *complete* "
+                              "one (impel.trainer.hf_callbacks)",
+    "use_cpu": "transformers' behaviour; several CPU ranks outside `impel launch` (which sets ACCELERATE_USE_CPU) "
+               "need it (transformers counts processes through Accelerate's process state): a run where that count "
+               "differs from impel's raises naming it",
 }
 
 
@@ -45,7 +52,7 @@ def member_names() -> list[str]:
 
 def fields_table() -> str:
     """The Markdown table of every field: transformers' behaviour, or what impel does with it."""
-    rows = ["| TrainingArguments field | on impel.trainer.hf.Trainer |", "|---|---|"]
+    rows = ["| TrainingArguments field | on impel's Trainer (`impel.Trainer`) |", "|---|---|"]
     for name in field_names():
         note = NOTES.get(name, "transformers' behaviour")
         rows.append(f"| `{name}` | {note} |")

@@ -65,7 +65,7 @@ def _refuse_adapters(model: Any, adapter_only: bool) -> None:
     """transformers passes ``adapter_only=True`` always; it means "the adapters alone" for a PEFT model only."""
     if adapter_only and getattr(model, "peft_config", None) is not None:
         raise ConfigError("a PEFT model's adapter-only FSDP checkpoint is not served on impel's FSDP yet: train it "
-                          "without fsdp, or use impel's own Trainer (`from impel import Trainer`)")
+                          "without fsdp, or in a custom loop on impel's Accelerator (accelerator.save_state)")
 
 
 def _save(accelerator: Any, state: dict[str, Any], path: str, key: str, full: bool) -> None:

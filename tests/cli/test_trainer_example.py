@@ -1,4 +1,5 @@
-"""The seed exercise (examples/train_genre_classifier.py) runs under ``impel launch`` on 2 CPU ranks, shortened.
+"""The seed exercise (examples/train_genre_classifier.py: impel's Trainer, i.e. transformers' Trainer on impel's
+Accelerator) runs under ``impel launch`` on 2 CPU ranks, shortened.
 
 A few steps cannot show the accuracy (docs/trainer.md has the full run's number); this checks that the run finishes, the
 main process alone prints the accuracy and the plot path, and the files land where they are announced.
@@ -28,7 +29,7 @@ def test_genre_example_runs_on_two_ranks_and_reports(tmp_path):
     assert "Traceback" not in res.output
     accuracy = re.findall(r"^eval accuracy: ([0-9.]+) on 12 passages", res.stdout, flags=re.MULTILINE)
     assert len(accuracy) == 1 and 0.0 <= float(accuracy[0]) <= 1.0  # printed once, by the main process
-    assert "2 process(es) (MULTI_CPU)" in res.stdout
+    assert "impel Trainer on 2 process(es) (MULTI_CPU), global batch 8" in res.stdout
     assert "split (by play)" in res.stdout and "test tragedy: macbeth, othello" in res.stdout
     plot = re.findall(r"^loss plot: (.+)$", res.stdout, flags=re.MULTILINE)
     if plot != ["not written (pip install matplotlib)"]:
@@ -38,16 +39,16 @@ def test_genre_example_runs_on_two_ranks_and_reports(tmp_path):
     assert [r["step"] for r in rows if "eval_accuracy" in r] == [2]
 
 
-def test_genre_example_on_the_transformers_route_with_the_deepspeed_knob(tmp_path):
-    """``--trainer hf --deepspeed zero2.json``: transformers' Trainer on impel's Accelerator, ZeRO-2 on 2 CPU
-    ranks; impel's callbacks write metrics.jsonl (what ``impel compare`` reads)."""
+def test_genre_example_with_the_deepspeed_knob(tmp_path):
+    """``--deepspeed zero2.json``: ZeRO-2 on 2 CPU ranks under transformers' loop; impel's callbacks write
+    metrics.jsonl (what ``impel compare`` reads)."""
     pytest.importorskip("deepspeed")
     out = tmp_path / "run"
     # no MULTI_CPU config file: the knob chooses the strategy (a config file naming another one raises)
     res = impel(["launch", "--cpu", "--num_processes", "2", str(EXAMPLE),
                  "--max_steps", "2", "--train_per_class", "16", "--test_per_class", "6", "--batch_size", "4",
                  "--max_length", "24", "--eval_steps", "2", "--logging_steps", "1", "--output_dir", str(out),
-                 "--disable_tqdm", "--trainer", "hf", "--cpu", "--deepspeed",
+                 "--disable_tqdm", "--cpu", "--deepspeed",
                  str(ROOT / "examples" / "configs" / "zero2.json")], tmp_path, timeout=300)
     assert res.returncode == 0, res.output[-4000:]
     assert "Traceback" not in res.output

@@ -144,7 +144,7 @@ def _lr_trace(accumulation: int, steps: int, split: bool, per_process: bool = Tr
 @pytest.mark.parametrize("accumulation", [1, 3])
 @pytest.mark.parametrize("world", [1, 2])
 def test_scheduler_steps_once_per_optimizer_step_when_asked(world, accumulation):
-    """``step_scheduler_per_process=False`` (impel's Trainer uses it): one scheduler step per optimizer step on any
+    """``step_scheduler_per_process=False`` : one scheduler step per optimizer step on any
     world size, none mid-group."""
     steps = 6
     lrs = run_on_ranks(_lr_trace, world, args=(accumulation, steps, False, False))[0]

@@ -318,7 +318,7 @@ def test_direct_loss_backward_still_ends_micro_steps_and_warns(caplog):
 
 
 def test_a_plugin_without_num_steps_takes_the_launched_steps(monkeypatch):
-    """The Trainer's plugin (short_group_divisor="actual") leaves the steps to the launch or the environment."""
+    """A plugin without num_steps (short_group_divisor="actual") leaves the steps to the launch or the environment."""
     monkeypatch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "3")
     acc = Accelerator(gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=None,
                                                                               short_group_divisor="actual"))

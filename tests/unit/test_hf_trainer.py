@@ -1,5 +1,5 @@
-"""transformers' Trainer on impel's Accelerator (``impel.trainer.hf``): the same numbers as on Accelerate's, its
-fields and members, and the generated table in docs/trainer.md."""
+"""impel's Trainer (``from impel import Trainer``: transformers' Trainer on impel's Accelerator, ``impel.trainer.hf``):
+the same numbers as on Accelerate's, its fields and members, and the generated table in docs/trainer.md."""
 from __future__ import annotations
 
 import os
@@ -28,12 +28,16 @@ MORE_FIELDS = {"label_smoothing_factor": 0.1, "auto_find_batch_size": True, "lr_
 
 @pytest.mark.parametrize("knobs", [{}, MORE_FIELDS], ids=["example", "more-fields"])
 def test_an_example_style_script_gives_transformers_numbers_with_the_import_renamed(tmp_path, knobs):
-    reference = run_script("transformers", str(tmp_path / "hf"), **knobs)
-    ours = run_script("impel.trainer.hf", str(tmp_path / "impel"), **knobs)
+    """``from transformers import Trainer, TrainingArguments`` -> ``from impel import ...``, nothing else changed."""
+    reference = run_script("transformers", str(tmp_path / "hf"), do_predict=True, **knobs)
+    ours = run_script("impel", str(tmp_path / "impel"), do_predict=True, **knobs)
     assert (reference["accelerator"], ours["accelerator"]) == ("accelerate.accelerator", "impel.accelerator.facade")
     assert _max_diff(ours["weights"], reference["weights"]) <= 1e-5
     for key in ("eval_loss", "loss", "learning_rate"):
         assert ours[key] == pytest.approx(reference[key], abs=1e-6), key
+    assert ours["predictions"].shape == reference["predictions"].shape == (12, 16, 64)  # predict(): every sample
+    assert (ours["predictions"] - reference["predictions"]).abs().max().item() <= 1e-5
+    assert ours["test_loss"] == pytest.approx(reference["test_loss"], abs=1e-6)
     # steps 2, 4, 6, evaluate()'s row, its result (and step 0 with eval_on_start)
     assert len(ours["eval_loss"]) == 5 + bool(knobs) and len(ours["learning_rate"]) == 6
     if knobs:  # lr_scheduler_kwargs took effect: the cosine ends at min_lr, not 0
@@ -146,7 +150,9 @@ def test_docs_table_is_generated_from_the_code():
     from impel.trainer.hf_fields import NOTES, field_names, fields_table, members_line
 
     assert set(NOTES) <= set(field_names()) and len(field_names()) >= 100
-    block = f"{START}\n{fields_table()}\n\nEvery public `Trainer` member is transformers' own: {members_line()}.\n{END}"
+    block = (f"{START}\n{fields_table()}\n\nEvery public `Trainer` member is transformers' own code (impel's replaces "
+             "`create_accelerator_and_postprocess`, and wraps `train` for `resume_from_checkpoint=\"auto\"`): "
+             f"{members_line()}.\n{END}")
     path = DOCS / "trainer.md"
     text = path.read_text(encoding="utf-8")
     if os.environ.get("IMPEL_UPDATE_DOCS") == "1":
@@ -204,3 +210,86 @@ def test_the_accelerator_arguments_carry_the_fields(tmp_path):
     assert (seeded.use_seedable_sampler, seeded.data_seed) == (True, 11)
     assert accelerator_arguments(default, gpt2)["kwargs_handlers"][0].find_unused_parameters is False
     assert accelerator_arguments(default, torch.nn.Linear(2, 2))["kwargs_handlers"][0].find_unused_parameters
+
+
+def test_the_best_checkpoint_and_rotation_equal_transformers(tmp_path):
+    """load_best_model_at_end with save_total_limit=1: the same best step and metric, the same checkpoints kept
+    (the newest and the best), the best weights loaded at the end; every kept checkpoint is marked complete."""
+    knobs = {"learning_rate": 0.3, "max_steps": 8, "eval_steps": 2, "save_strategy": "steps", "save_steps": 2,
+             "save_total_limit": 1, "load_best_model_at_end": True, "metric_for_best_model": "eval_loss",
+             "do_eval": False}
+    reference = run_script("transformers", str(tmp_path / "hf"), **knobs)
+    ours = run_script("impel", str(tmp_path / "impel"), **knobs)
+    best_metric, best_step, best_dir = ours["best"]
+    assert best_dir == f"checkpoint-{best_step}" and best_metric == min(ours["eval_loss"][:4])
+    assert best_step < 8  # lr 0.3 overshoots: the best is not the newest, so the rotation has a choice
+    assert ours["best"][1:] == reference["best"][1:] and best_metric == pytest.approx(reference["best"][0], abs=1e-6)
+    kept = {name.split("/")[0] for name in reference["files"]}
+    assert {name.split("/")[0] for name in ours["files"]} == kept and f"checkpoint-{best_step}" in kept
+    assert {f"{ckpt}/impel_complete.json" for ckpt in kept} <= set(ours["files"])
+    assert _max_diff(ours["weights"], reference["weights"]) <= 1e-5
+
+
+def test_import_impel_does_not_import_transformers_and_names_the_extra_without_it():
+    """``impel.Trainer`` is resolved on first use; without transformers it raises naming the extra."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "import impel\n"
+            "assert 'transformers' not in sys.modules, 'import impel imported transformers'\n"
+            "sys.modules['transformers'] = None  # as if not installed\n"
+            "try:\n"
+            "    impel.Trainer\n"
+            "except ImportError as exc:\n"
+            "    print(exc)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert "pip install 'impel[transformers]'" in out.stdout and "impel.Trainer" in out.stdout, out.stderr
+    import impel
+    import impel.trainer.hf as hf
+
+    assert impel.Trainer is hf.Trainer and issubclass(impel.Trainer, __import__("transformers").Trainer)
+    from transformers import TrainerCallback, TrainerState, TrainingArguments
+
+    assert (impel.TrainingArguments, impel.TrainerCallback, impel.TrainerState) == \
+        (TrainingArguments, TrainerCallback, TrainerState)
+
+
+def test_accumulation_set_twice_raises_naming_both(tmp_path):
+    from impel import Trainer, TrainingArguments
+
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], gradient_accumulation_steps=2,
+                             accelerator_config={"gradient_accumulation_kwargs": {"num_steps": 4}})
+    with pytest.raises(ConfigError, match=r"num_steps=4 and gradient_accumulation_steps=2: set one of them"):
+        Trainer(model=tiny_gpt2(), args=args, train_dataset=padded_lm_data(8))
+
+
+def test_the_launch_configs_auto_resume_names_the_trainers_switch(tmp_path, monkeypatch):
+    """impel launch --auto_resume is the Accelerator's (save_state checkpoints); the Trainer's is "auto"."""
+    import json
+
+    from impel import Trainer, TrainingArguments
+    from impel.config import environment as env
+
+    monkeypatch.setenv(env.CONFIG_VAR, json.dumps({"auto_resume": True}))
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    with pytest.raises(ConfigError, match=r"auto_resume=true in the launch config.*resume_from_checkpoint=\"auto\""):
+        Trainer(model=tiny_gpt2(), args=args, train_dataset=padded_lm_data(8))
+
+
+def test_an_fsdp_config_key_transformers_drops_under_fsdp2_raises(tmp_path):
+    """transformers builds FSDP2's plugin from some fsdp_config keys and drops the rest without a word (FSDP1's
+    forward_prefetch, a typo): on impel each one takes effect or raises, naming the key."""
+    from transformers import TrainingArguments
+
+    from impel.trainer.hf import accelerator_arguments
+
+    good = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], fsdp=True,
+                             fsdp_config={"fsdp_state_dict_type": "SHARDED_STATE_DICT", "reshard_after_forward": False})
+    plugin = accelerator_arguments(good, tiny_gpt2())["fsdp_plugin"]
+    assert "SHARDED_STATE_DICT" in str(plugin.state_dict_type) and plugin.reshard_after_forward is False
+    dropped = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], fsdp=True,
+                                fsdp_config={"forward_prefetch": True, "fsdp_sync_module_state": True})
+    with pytest.raises(ConfigError, match=r"fsdp_config keys \['forward_prefetch', 'sync_module_state'\] have no "
+                                          r"effect under FSDP2 .* remove them"):
+        accelerator_arguments(dropped, tiny_gpt2())

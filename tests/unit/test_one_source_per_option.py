@@ -33,7 +33,6 @@ from impel.config.run_config import (
     merge_code_arguments,
     plugin_keyword,
 )
-from impel.trainer import distributed as trainer_distributed
 
 SECTIONS = {FSDPConfig: ("fsdp_config", "FSDP", "--use_fsdp"),
             DeepSpeedConfig: ("deepspeed_config", "DEEPSPEED", "--use_deepspeed")}
@@ -109,14 +108,6 @@ def test_every_fsdp_option_arrives_the_same_through_every_spelling(f):
         for raw in (value, *given):
             plugin = FullyShardedDataParallelPlugin(**{keyword: raw})
             assert via_plugin(plugin, FSDPConfig, f.name) == want, keyword
-    keys = {trainer_key for trainer_key, (keyword, _) in trainer_distributed._FSDP_KEYS.items()
-            if keyword in (plugin_keyword(f), *f.metadata["also"])}
-    assert f.name.removeprefix(FSDPConfig.PREFIX) in keys
-    for key in keys:
-        for spelled in (key, FSDPConfig.PREFIX + key):  # transformers takes both
-            for raw in (value, as_text(value), *given):
-                plugin = trainer_distributed.fsdp_plugin(_training_arguments(True, {spelled: raw}))
-                assert via_plugin(plugin, FSDPConfig, f.name) == want, (spelled, raw)
 
 
 @pytest.mark.parametrize("f", _params(DeepSpeedConfig))
@@ -133,12 +124,6 @@ def test_every_deepspeed_option_arrives_the_same_through_every_spelling(f):
 def test_the_deepspeed_json_path_is_the_plugins_hand_written_hf_ds_config(tmp_path):
     path = str(tmp_path / "ds.json")
     assert via_plugin(DeepSpeedPlugin(hf_ds_config=path), DeepSpeedConfig, "deepspeed_config_file") == path
-
-
-def _training_arguments(fsdp: Any, fsdp_config: Any) -> Any:
-    from impel.trainer.arguments import TrainingArguments
-
-    return TrainingArguments(output_dir="unused", fsdp=fsdp, fsdp_config=fsdp_config)
 
 
 # --- the tables are computed from the fields ----------------------------------------------------------------------
@@ -199,18 +184,6 @@ def test_accelerate_fields_are_the_installed_accelerates():
         assert tuple(f.name for f in fields(getattr(accelerate.utils, name))) == expected
 
 
-def test_the_trainers_fsdp_config_keys_are_computed_from_the_config_fields():
-    derived: dict[str, str] = {}
-    for f in fields(FSDPConfig):
-        keyword = plugin_keyword(f)
-        for name in (f.name, keyword, *f.metadata["also"]):
-            derived[name.removeprefix(FSDPConfig.PREFIX)] = name if name in (keyword, *f.metadata["also"]) else keyword
-    table = trainer_distributed._FSDP_KEYS
-    assert {key: keyword for key, (keyword, _) in table.items()} == derived
-    plugin_fields = _plugin_fields(FullyShardedDataParallelPlugin)
-    assert all(keyword in plugin_fields for keyword, _ in table.values())
-
-
 def test_flags_and_yaml_keys_cover_every_field():
     for cls, (section, _, _) in SECTIONS.items():
         derived = {cls.PREFIX + f.name for f in fields(cls)}
@@ -251,12 +224,10 @@ def test_every_fsdp_key_is_translated_to_deepspeed_or_noted(f):
 
 # --- one table of words for a bool --------------------------------------------------------------------------------
 @pytest.mark.parametrize("word", TRUE_WORDS + FALSE_WORDS + tuple(w.upper() for w in TRUE_WORDS + FALSE_WORDS))
-def test_flags_prompts_and_the_trainer_take_the_same_bool_words(word):
+def test_flags_and_prompts_take_the_same_bool_words(word):
     meta = next(f.metadata for f in fields(FSDPConfig) if f.name == "forward_prefetch")
     expected = word.lower() in TRUE_WORDS
     assert coerce("--fsdp_forward_prefetch", word, meta, from_text=True) is expected
-    plugin = trainer_distributed.fsdp_plugin(_training_arguments(True, {"forward_prefetch": word}))
-    assert plugin.forward_prefetch is expected
     explicit = explicit_from_flags_list(["--use_fsdp", "--fsdp_forward_prefetch", word])
     assert explicit["fsdp_config"]["fsdp_forward_prefetch"] is expected
 

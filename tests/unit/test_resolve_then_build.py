@@ -1,5 +1,5 @@
 """Resolve, then build: every value is settled in one read-only record before any object exists, and the prepared
-objects live in one record that the checkpointer, the resilience logic and the Trainer share."""
+objects live in one record that the checkpointer and the resilience logic share."""
 from __future__ import annotations
 
 import pytest
