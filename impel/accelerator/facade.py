@@ -124,7 +124,8 @@ class Accelerator(ProcessUtilities, RunSettings, NotProvidedMembers):
         self.prepared = Prepared()  # handed to the checkpointer and the resilience logic
         run = TrainingRun(self.prepared, self.strategy, self.gradient_state, self.state, self.distributed_type,
                           self.config.mixed_precision)
-        self._checkpointer = Checkpointer(self.project_configuration, run, async_save=self.config.async_save)
+        self._checkpointer = Checkpointer(self.project_configuration, run, async_save=self.config.async_save,
+                                          elastic=self.config.min_machines is not None)
         # None unless auto_resume or nonfinite_loss is on
         self._resilience = Resilience.create(self.config, self.project_configuration, run, self._checkpointer)
 

@@ -53,7 +53,6 @@ class Resilience:
                  elastic: tuple[int, int] | None = None) -> None:
         self.run = run
         self.elastic = elastic  # (planned world, accumulation asked for it) of an elastic job, else None
-        checkpointer.elastic = elastic is not None
         self.checkpointer = checkpointer
         self.resume_pending = auto_resume
         self.handle_preemption = auto_resume

@@ -94,7 +94,8 @@ class Checkpointer:
     Accelerator) under
     its project configuration; holds the state hooks."""
 
-    def __init__(self, config: ProjectConfiguration, run: TrainingRun, async_save: bool = False) -> None:
+    def __init__(self, config: ProjectConfiguration, run: TrainingRun, async_save: bool = False,
+                 elastic: bool = False) -> None:
         self.config = config
         self.run = run
         self.async_configured = async_save  # the run config's async_save key
@@ -102,7 +103,7 @@ class Checkpointer:
         self._stager: Any = None  # stager.Stager, created by the first asynchronous save
         self.save_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
         self.load_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
-        self.elastic = False  # an elastic job: a load on another world size is expected (resilience reports it)
+        self.elastic = elastic  # an elastic job: a load on another world size is expected (resilience reports it)
 
     # --- registration -----------------------------------------------------------------------------------------
     def register(self, *objects: Any) -> None:
