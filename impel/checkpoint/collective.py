@@ -63,24 +63,33 @@ def agree(value: str, what: str) -> None:
         raise CheckpointError(f"ranks disagree on {what} ({listed}); pass the same value on every rank")
 
 
+def _attempt(fn: Callable[[], Any]) -> tuple[Any, BaseException | None, str | None]:
+    """``fn()``'s result, or its exception and that exception as one line for the other ranks."""
+    try:
+        return fn(), None, None
+    except Exception as exc:  # noqa: BLE001 - re-raised by the caller on this rank, reported on the others
+        return None, exc, f"{type(exc).__name__}: {exc}"
+
+
+def _raise_others(messages: list[str | None], what: str) -> None:
+    """A CheckpointError naming every rank whose step failed (its message), when any did."""
+    failed = {r: m for r, m in enumerate(messages) if m is not None}
+    if failed:
+        listed = "; ".join(f"rank {r}: {m}" for r, m in failed.items())
+        raise CheckpointError(f"{what} failed on another rank ({listed})")
+
+
 def run_shared(fn: Callable[[], T], what: str, group: Any = None) -> T:
     """Run ``fn`` on every rank; if it raises anywhere, raise on every rank (the original error where it happened).
     ``group``: the process group to agree on (an asynchronous save's background group; default: the default one).
 
     One all-reduce of a failure flag when nothing failed; the messages are gathered only after a failure."""
-    error: BaseException | None = None
-    result: Any = None
-    try:
-        result = fn()
-    except Exception as exc:  # noqa: BLE001 - re-raised below on this rank, reported on the others
-        error = exc
+    result, error, message = _attempt(fn)
     if is_distributed() and _any_failed(error is not None, group):
         messages: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(messages, None if error is None else f"{type(error).__name__}: {error}", group=group)
-        failed = {r: m for r, m in enumerate(messages) if m is not None}
+        dist.all_gather_object(messages, message, group=group)
         if error is None:
-            listed = "; ".join(f"rank {r}: {m}" for r, m in failed.items())
-            raise CheckpointError(f"{what} failed on another rank ({listed})")
+            _raise_others(messages, what)
     if error is not None:
         raise error
     return result
@@ -88,25 +97,16 @@ def run_shared(fn: Callable[[], T], what: str, group: Any = None) -> T:
 
 def gather_shared(fn: Callable[[], T], what: str, group: Any = None) -> list[T]:
     """:func:`run_shared` that also returns every rank's result (in rank order), in one all-gather."""
-    error: BaseException | None = None
-    result: Any = None
-    try:
-        result = fn()
-    except Exception as exc:  # noqa: BLE001 - re-raised below on this rank, reported on the others
-        error = exc
+    result, error, message = _attempt(fn)
     if not is_distributed():
         if error is not None:
             raise error
         return [result]
     gathered: list[Any] = [None] * dist.get_world_size(group)
-    message = None if error is None else f"{type(error).__name__}: {error}"
-    dist.all_gather_object(gathered, (message, None if error is not None else result), group=group)
+    dist.all_gather_object(gathered, (message, result), group=group)
     if error is not None:
         raise error
-    failed = {r: m for r, (m, _) in enumerate(gathered) if m is not None}
-    if failed:
-        listed = "; ".join(f"rank {r}: {m}" for r, m in failed.items())
-        raise CheckpointError(f"{what} failed on another rank ({listed})")
+    _raise_others([m for m, _ in gathered], what)
     return [value for _, value in gathered]
 
 
@@ -124,28 +124,20 @@ def prepare_agreed(value: str, what_value: str, fn: Callable[[], T], what: str, 
     """One collective for three steps: every rank passed the same ``value`` (else a CheckpointError naming each
     rank's, as :func:`agree`), ``fn`` ran on the leader(s) (a failure raised on every rank, as :func:`run_shared`),
     and every rank returns rank 0's result (as :func:`on_leader`)."""
-    result: Any = None
-    error: BaseException | None = None
-    if leader:
-        try:
-            result = fn()
-        except Exception as exc:  # noqa: BLE001 - re-raised below on this rank, reported on the others
-            error = exc
+    result: Any
+    result, error, message = _attempt(fn) if leader else (None, None, None)
     if not is_distributed():
         if error is not None:
             raise error
         return result
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (value, result, None if error is None else f"{type(error).__name__}: {error}"))
+    dist.all_gather_object(gathered, (value, result, message))
     if len({g[0] for g in gathered}) > 1:
         listed = ", ".join(f"rank {r}: {g[0]!r}" for r, g in enumerate(gathered))
         raise CheckpointError(f"ranks disagree on {what_value} ({listed}); pass the same value on every rank")
     if error is not None:
         raise error
-    failed = {r: g[2] for r, g in enumerate(gathered) if g[2] is not None}
-    if failed:
-        listed = "; ".join(f"rank {r}: {m}" for r, m in failed.items())
-        raise CheckpointError(f"{what} failed on another rank ({listed})")
+    _raise_others([g[2] for g in gathered], what)
     return gathered[0][1]
 
 
