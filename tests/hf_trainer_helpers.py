@@ -98,6 +98,21 @@ def run_script(source: str, output_dir: str, **overrides: Any) -> dict[str, Any]
             "mesh": _mesh(trainer.accelerator)}
 
 
+def run_script_on_rank(source: str, output_dir: str, overrides: dict[str, Any]) -> dict[str, Any]:
+    """:func:`run_script` as a ``run_on_ranks`` target: its result also names the world size it ran on."""
+    result = run_script(source, output_dir, **overrides)
+    import torch.distributed as dist
+
+    result["world"] = dist.get_world_size() if dist.is_initialized() else 1
+    return result
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """The largest absolute difference between two state dicts with the same keys."""
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
 def custom_loop(source: str, mode: str, batch: int, accumulation: int, steps: int = 3) -> dict[str, Any]:
     """A custom loop on ``source``'s Accelerator ("impel" or "accelerate"): SGD on the tiny causal LM, ``steps``
     optimizer steps. ``mode``: "plain" (accumulate() and mean losses), "windows" (impel's item_windows) or "recipe"

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 
-from hf_trainer_helpers import run_script
+from hf_trainer_helpers import max_diff, run_script_on_rank
 from impel.testing import run_on_ranks
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(900)]
@@ -33,21 +33,8 @@ def _json(stage: int) -> dict:
             "gradient_accumulation_steps": "auto", "gradient_clipping": "auto"}
 
 
-def _max_diff(a, b):
-    assert a.keys() == b.keys()
-    return max((a[k] - b[k]).abs().max().item() for k in a)
-
-
-def _run(source, output_dir, overrides):
-    result = run_script(source, output_dir, **overrides)
-    import torch.distributed as dist
-
-    result["world"] = dist.get_world_size() if dist.is_initialized() else 1
-    return result
-
-
 def _on(world, source, output_dir, **overrides):
-    return run_on_ranks(_run, world, args=(source, output_dir, dict(KNOBS, **overrides)), timeout=300)[0]
+    return run_on_ranks(run_script_on_rank, world, args=(source, output_dir, dict(KNOBS, **overrides)), timeout=300)[0]
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -61,10 +48,10 @@ def test_zero_gives_transformers_numbers_on_one_process_and_on_two_ranks(tmp_pat
     assert reference["distributed_type"] == one["distributed_type"] == ranks["distributed_type"] == "DEEPSPEED"
     assert (reference["accelerator"], ranks["accelerator"]) == ("accelerate.accelerator", "impel.accelerator.facade")
     assert ranks["world"] == 2
-    assert _max_diff(one["weights"], reference["weights"]) <= 1e-6
+    assert max_diff(one["weights"], reference["weights"]) <= 1e-6
     for key in ("eval_loss", "loss", "learning_rate", "grad_norm"):
         assert one[key] == pytest.approx(reference[key], abs=1e-6), key
-    assert _max_diff(ranks["weights"], reference["weights"]) <= 1e-5
+    assert max_diff(ranks["weights"], reference["weights"]) <= 1e-5
     assert ranks["loss"] == pytest.approx(reference["loss"], abs=1e-6)
     assert ranks["grad_norm"] == pytest.approx(reference["grad_norm"], abs=1e-5)
     assert ranks["learning_rate"] == reference["learning_rate"] and len(ranks["learning_rate"]) == 6
@@ -83,7 +70,7 @@ def test_a_zero_run_resumed_from_its_checkpoint_ends_with_the_uninterrupted_weig
             "checkpoint-3/impel_complete.json"} <= \
         set(full["files"])
     assert full["global_step"] == resumed["global_step"] == 6
-    assert _max_diff(resumed["weights"], full["weights"]) == 0.0
+    assert max_diff(resumed["weights"], full["weights"]) == 0.0
     assert resumed["loss"] == full["loss"]
 
 
