@@ -58,6 +58,7 @@ def main() -> None:
         return f"{checkpoint_dir}-{name}"
 
     def save(target: str, asynchronous: bool) -> tuple[float, float]:
+        _common.pause()  # as the disk measurement: from an idle machine (see _common.PAUSE_S)
         acc.wait_for_everyone()
         t0 = time.perf_counter()
         acc.save_state(target, async_save=asynchronous)

@@ -21,7 +21,7 @@ import torch
 
 from impel import Accelerator
 
-REPEATS = 3
+REPEATS = 5  # saves timed per format: the disk swings between measurements on a VM; a median of 5 pairs
 
 
 def tensor_bytes() -> int:
@@ -64,7 +64,8 @@ def timed(acc: Accelerator, fn: Any) -> float:
 def measure_checkpoints(acc: Accelerator, checkpoint_dir: str, out: dict[str, Any], model: Any,
                         optimizer: Any) -> None:
     """A first save (it pays one-time imports), then REPEATS saves, each right after rank 0 measured the disk's
-    fsynced write bandwidth for a file of the checkpoint's size (disks drift; a ratio pairs neighbours), then a
+    fsynced write bandwidth for a file of the checkpoint's size (disks drift; a ratio pairs neighbours) and a
+    pause (``_common.PAUSE_S``: the disk measurements and the saves all start from an idle machine), then a
     load of the last one (from the page cache), a cold load of it (its pages dropped first: every check reads
     from disk) and a cold ``torch.load`` of the same state."""
     first = checkpoint_dir + "-first"
@@ -78,6 +79,7 @@ def measure_checkpoints(acc: Accelerator, checkpoint_dir: str, out: dict[str, An
             out["disk_Bps"].append(_common.disk_write_bandwidth(os.path.dirname(checkpoint_dir),
                                                                 out["checkpoint_bytes"]))
         previous = f"{checkpoint_dir}-{rep}"
+        _common.pause()  # every rank: a save inside training comes after steps, not after another large write
         out["save_s"].append(timed(acc, lambda target=previous: acc.save_state(target)))
     out["load_s"] = timed(acc, lambda: acc.load_state(previous))
     if acc.is_main_process:

@@ -85,7 +85,7 @@ def _failed_save(acc: Any, target: Path, patch: Any, asynchronous: bool = False)
 
 
 def checkpoint_rows(work: Path) -> list[Row]:
-    from impel.checkpoint import digests, storage
+    from impel.checkpoint import direct_io, storage
 
     acc, model = _model_run()
     root = work / "storage"
@@ -101,7 +101,7 @@ def checkpoint_rows(work: Path) -> list[Row]:
              _failed_save(acc, target, full)),
             ("checkpoint", "the same with `async_save=True`", _failed_save(acc, target, full, asynchronous=True)),
             ("checkpoint", "`save_state(ckpt)` on a filesystem that turned read-only (the write raises EROFS)",
-             _failed_save(acc, target, mock.patch.object(digests, "open", read_only, create=True)))]
+             _failed_save(acc, target, mock.patch.object(direct_io, "open_direct", read_only)))]
     weights = target / "model.safetensors"
     rows.append(("checkpoint", "`load_state(\".../ckpt/model.safetensors\")` (a file, not the directory)",
                  _raises(lambda: acc.load_state(str(weights)))))

@@ -10,8 +10,8 @@ the call, written and committed on a background thread), ``restricted`` (Acceler
 an allowlist), ``options`` (save_state / load_state keyword arguments), ``digests`` / ``hashing`` (the manifest's
 checksums), ``cooperative`` (FULL_STATE_DICT written by every rank), ``full_slices`` (FULL_STATE_DICT read back
 by every rank, its own shards only), ``dcp_raw`` (DCP shard files of raw bytes, planned per rank), ``save_object``
-(Accelerate's ``save``), ``ownership`` (which files are the checkpoint's and which the user's) and ``storage`` (a
-full disk or read-only target as one line).
+(Accelerate's ``save``), ``ownership`` (which files are the checkpoint's and which the user's), ``direct_io`` (files
+written around the page cache on I/O threads) and ``storage`` (a full disk or read-only target as one line).
 The sequence that runs them for ``save_state`` / ``load_state`` is the Accelerator's (``impel.accelerator.save_load``).
 """
 from __future__ import annotations

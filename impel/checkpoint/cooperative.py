@@ -14,8 +14,9 @@ state is tensors keyed by parameter name plus JSON-able hyper-parameters (AdamW,
 here); anything else falls back to the gathered path. The ranks must write into the same directory (one shared
 file system): with ``save_on_each_node`` impel gathers as before.
 
-The manifest's digests of these files are computed after the write, their 64 MiB blocks dealt to every rank
-(``digests.share_digests``), so hashing is spread over the ranks too.
+Each rank writes the whole pages of its runs around the page cache (``direct_io``) and hashes every run from memory
+as it writes it; the manifest lists one block per run (format version 4: ``block_ends``), so the file is never
+read back to be hashed (``digests.record_ranges``, merged by ``digests.share_digests``).
 """
 from __future__ import annotations
 
@@ -23,7 +24,6 @@ import itertools
 import json
 import math
 import os
-import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +31,9 @@ from typing import Any
 
 import torch
 
+from impel.checkpoint import hashing
+from impel.checkpoint.digests import record_ranges
+from impel.checkpoint.direct_io import DirectFile
 from impel.checkpoint.layout import CheckpointError
 
 ALIASES_KEY = "impel_aliases"
@@ -130,12 +133,13 @@ def write(tensors: Mapping[str, torch.Tensor], path: Path, metadata: Mapping[str
         meta[ALIASES_KEY] = json.dumps(aliases, sort_keys=True)
     header, starts = _header(parts, meta)
     total = len(header) + sum(p.nbytes for p in parts)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
-    flusher = _Flusher(fd)
+    file = DirectFile(path, shared=True)
+    ranges = _Ranges()
     try:
-        os.ftruncate(fd, total)  # every rank: the same length, so no order between ranks is needed
+        os.ftruncate(file.fileno(), total)  # every rank: the same length, so no order between ranks is needed
         if rank == 0:
-            os.pwrite(fd, header, 0)
+            file.write_at(0, header)
+            ranges.add(0, memoryview(header))
         for part in parts:
             if part.local is None:
                 continue
@@ -144,51 +148,40 @@ def write(tensors: Mapping[str, torch.Tensor], path: Path, metadata: Mapping[str
             size = part.dtype.itemsize
             base = len(header) + starts[part.name]
             for at, local_at, count in runs(part.shape, part.offsets, tuple(part.local.shape)):
-                _pwrite_all(fd, view[local_at * size:(local_at + count) * size], base + at * size)
-                flusher.wrote(count * size)
-        flusher.join()
-        os.fsync(fd)
-    finally:
-        if flusher.thread is not None:
-            flusher.thread.join()  # never close the descriptor under a running fdatasync
-        os.close(fd)
+                piece = view[local_at * size:(local_at + count) * size]
+                file.write_at(base + at * size, piece)
+                ranges.add(base + at * size, piece)
+    except BaseException:
+        file.abort()
+        raise
+    file.finish()
+    record_ranges(path, total, ranges.finish())
 
 
-class _Flusher:
-    """``fdatasync`` on a thread of its own after every 64 MiB this rank wrote (one at a time), so the disk writes
-    back while later bytes are still copied into the page cache (otherwise the final fsync starts all of it)."""
+class _Ranges:
+    """The byte ranges this rank wrote, each hashed from memory as it is written (runs that continue the previous
+    one extend it): the manifest's blocks of a file several ranks wrote (``digests.record_ranges``)."""
 
-    def __init__(self, fd: int, every: int = 64 << 20) -> None:
-        self.fd, self.every, self.pending = fd, every, 0
-        self.thread: threading.Thread | None = None
-        self.error: OSError | None = None  # a write-back error is sticky to the first fsync that sees it: kept here
+    def __init__(self) -> None:
+        self.done: list[tuple[int, int, str]] = []
+        self._start = self._end = -1
+        self._hash: Any = None
 
-    def wrote(self, nbytes: int) -> None:
-        self.pending += nbytes
-        if self.pending >= self.every and (self.thread is None or not self.thread.is_alive()):
-            self.pending = 0
-            self.thread = threading.Thread(target=self._sync, name="impel-fdatasync")
-            self.thread.start()
+    def add(self, offset: int, data: memoryview) -> None:
+        if offset != self._end or self._hash is None:
+            self._close()
+            self._start, self._end, self._hash = offset, offset, hashing.BlockHasher(1 << 62)
+        self._hash.update(data)
+        self._end += data.nbytes
 
-    def _sync(self) -> None:
-        try:
-            os.fdatasync(self.fd)
-        except OSError as exc:
-            self.error = exc
+    def _close(self) -> None:
+        if self._hash is not None:
+            self.done.append((self._start, self._end, self._hash.finish()[0]))
+            self._hash = None
 
-    def join(self) -> None:
-        """Wait for the running fdatasync; raise what it raised."""
-        if self.thread is not None:
-            self.thread.join()
-        if self.error is not None:
-            error, self.error = self.error, None
-            raise error
-
-
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    while data.nbytes:
-        written = os.pwrite(fd, data, offset)
-        data, offset = data[written:], offset + written
+    def finish(self) -> list[tuple[int, int, str]]:
+        self._close()
+        return self.done
 
 
 # --- optimizers ------------------------------------------------------------------------------------------------

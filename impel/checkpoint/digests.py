@@ -2,18 +2,19 @@
 
 * :class:`Sealer` and :func:`appending`: files written front to back (``torch.save``'s, DCP's shards, impel's
   safetensors files) go through an append-only file object that hashes the bytes as they pass (XXH3 runs at
-  memory speed: no pass of its own) while the finished blocks are flushed to disk with ``fdatasync`` on an I/O
-  thread and later blocks are still being serialized.
-* :func:`share_digests`: files nobody hashed yet (DCP's metadata, DeepSpeed's engine files, the cooperative full
-  files written at scattered offsets by every rank, files of a ``register_save_state_pre_hook``) have their blocks
-  dealt round-robin to the ranks.
+  memory speed: no pass of its own) and writes them around the page cache on an I/O thread while later bytes are
+  still being serialized (``direct_io``).
+* :func:`record_ranges`: a file several ranks write at once (``cooperative``: the full files of FSDP
+  FULL_STATE_DICT) gets one block per byte range a rank wrote, hashed by that rank from memory; :func:`join_ranges`
+  puts the ranks' ranges together.
+* :func:`share_digests`: files nobody hashed yet (DCP's metadata, DeepSpeed's engine files, files of a
+  ``register_save_state_pre_hook``) have their blocks dealt round-robin to the ranks.
 
 The committing rank receives every digest and only hashes what is still unknown (see ``layout.build_manifest``).
 """
 from __future__ import annotations
 
 import contextvars
-import os
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -23,6 +24,7 @@ from typing import Any
 import torch.distributed as dist
 
 from impel.checkpoint import hashing
+from impel.checkpoint.direct_io import DirectFile
 from impel.checkpoint.layout import (
     MARKER_FILE,
     METADATA_FILE,
@@ -33,6 +35,7 @@ from impel.checkpoint.layout import (
 from impel.runtime.collectives import is_distributed
 
 Entry = dict[str, Any]  # layout.manifest_entry: {"size": int, "xxh3_128_blocks": [str, ...]}
+RANGES_KEY = "ranges"  # a rank's part of an entry (record_ranges): [[start, end, digest], ...]
 _current: contextvars.ContextVar[Sealer | None] = contextvars.ContextVar("impel_sealer", default=None)
 
 
@@ -46,6 +49,7 @@ class Sealer:
         self._sync_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="impel-fsync")
         self._pending: dict[str, tuple[int, Callable[[], list[str]], Future[Any]]] = {}
         self.parts: dict[str, Any] = {}  # files the committer writes from every rank's part (``contribute``)
+        self.ranges: dict[str, Entry] = {}  # files several ranks wrote, this rank's byte ranges (``record_ranges``)
 
     def relative(self, path: Path) -> str | None:
         try:
@@ -56,12 +60,17 @@ class Sealer:
     def add(self, rel: str, size: int, blocks: Callable[[], list[str]], synced: Future[Any]) -> None:
         self._pending[rel] = (size, blocks, synced)
 
+    def wait(self, rel: str) -> None:
+        """Until the file ``rel`` (if queued) is written and fsynced; raises what its write raised."""
+        if rel in self._pending:
+            self._pending[rel][2].result()
+
     def sync(self, fn: Any, *args: Any) -> Future[Any]:
         return self._sync_pool.submit(fn, *args)
 
     def entries(self) -> dict[str, Entry]:
         """Every queued file's manifest entry (relative posix path -> entry); raises what hashing or fsync raised."""
-        out = {}
+        out = dict(self.ranges)
         for rel, (size, blocks, synced) in self._pending.items():
             synced.result()
             out[rel] = manifest_entry(size, blocks())
@@ -69,6 +78,48 @@ class Sealer:
 
     def close(self) -> None:
         self._sync_pool.shutdown(wait=True)
+
+
+def record_ranges(path: Path, size: int, ranges: list[tuple[int, int, str]]) -> None:
+    """Under an active :class:`Sealer`: the byte ranges of the ``size``-byte file ``path`` this rank wrote (start,
+    end, digest), hashed as written; :func:`share_digests` joins every rank's into the file's entry. Without one
+    (or outside its directory) nothing is recorded and the file is hashed when the manifest is built."""
+    sealer = _current.get()
+    rel = sealer.relative(path) if sealer is not None else None
+    if sealer is not None and rel is not None:
+        sealer.ranges[rel] = {"size": size, RANGES_KEY: [list(r) for r in ranges]}
+
+
+def join_ranges(known: list[dict[str, Entry]]) -> dict[str, Entry]:
+    """Every rank's entries in one dict; the ranges ranks recorded of one file (:func:`record_ranges`) become its
+    entry with one block per range when together they cover the file exactly (else the file is left out: hashed
+    from disk later)."""
+    merged: dict[str, Entry] = {}
+    pieces: dict[str, list[Any]] = {}
+    sizes: dict[str, int] = {}
+    for entries in known:
+        for rel, entry in entries.items():
+            if RANGES_KEY in entry:
+                pieces.setdefault(rel, []).extend(entry[RANGES_KEY])
+                sizes[rel] = entry["size"]
+            else:
+                merged[rel] = entry
+    for rel, ranges in pieces.items():
+        ranges.sort()
+        ends = [end for _, end, _ in ranges]
+        starts = [start for start, _, _ in ranges]
+        if starts == [0, *ends[:-1]] and ends[-1] == sizes[rel]:
+            merged[rel] = manifest_entry(sizes[rel], [digest for _, _, digest in ranges], ends)
+    return merged
+
+
+def settle(path: Path) -> None:
+    """Under an active :class:`Sealer`: wait until ``path``, if this save wrote it, is wholly on disk (a file is
+    finished in the background after its writer returns; a read-back of it waits here)."""
+    sealer = _current.get()
+    rel = sealer.relative(path) if sealer is not None else None
+    if sealer is not None and rel is not None:
+        sealer.wait(rel)
 
 
 def contribute(path: Path, part: Any) -> bool:
@@ -95,30 +146,23 @@ def sealing(root: Path) -> Iterator[Sealer]:
 
 
 class _AppendingWriter:
-    """What ``torch.save`` and DCP write into under an active :class:`Sealer`: it only appends, and hashes the
-    bytes as they pass; whenever another 64 MiB block is done the file is flushed to disk in the background while
-    later blocks are still being serialized."""
+    """What ``torch.save`` and DCP write into under an active :class:`Sealer`: it only appends, hashes the bytes
+    as they pass and hands them to a :class:`~impel.checkpoint.direct_io.DirectFile` (written around the page
+    cache on an I/O thread while later bytes are still being serialized)."""
 
     def __init__(self, sealer: Sealer, path: Path, rel: str) -> None:
         self.sealer, self.path, self.rel = sealer, path, rel
-        self.file = open(path, "wb")  # noqa: SIM115 - closed in close()
-        self.offset = 0
+        self.file = DirectFile(path)
         self.hasher = hashing.BlockHasher()
-        self.flushing: Future[Any] | None = None
         self.closed = False
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
-        self.file.write(view)
         self.hasher.update(view)
-        before, self.offset = self.offset, self.offset + view.nbytes
-        if self.offset // hashing.BLOCK > before // hashing.BLOCK and (self.flushing is None or self.flushing.done()):
-            self.file.flush()
-            self.flushing = self.sealer.sync(os.fdatasync, self.file.fileno())
-        return view.nbytes
+        return self.file.write(view)
 
     def tell(self) -> int:
-        return self.offset
+        return self.file.tell()
 
     def fileno(self) -> int:
         return self.file.fileno()
@@ -127,29 +171,19 @@ class _AppendingWriter:
         self.file.flush()
 
     def close(self) -> None:
-        """Record the digests and queue the final fsync; the file is closed after it. Idempotent."""
+        """Record the digests and queue the rest of the write, its fsync and the close. Idempotent."""
         if self.closed:
             return
         self.closed = True
-        self.file.flush()
         digests = self.hasher.finish()
-        self.sealer.add(self.rel, self.offset, lambda: digests, self.sealer.sync(_sync_and_close, self.file))
+        self.sealer.add(self.rel, self.file.tell(), lambda: digests, self.sealer.sync(self.file.finish))
 
     def abort(self) -> None:
-        """The writer failed: wait for a running fdatasync, then close (unless close() already handed it over)."""
+        """The writer failed: wait for the write in flight, then close (unless close() already handed it over)."""
         if self.closed:
             return
         self.closed = True
-        if self.flushing is not None:
-            self.flushing.result()
-        self.file.close()
-
-
-def _sync_and_close(file: Any) -> None:
-    try:
-        os.fsync(file.fileno())
-    finally:
-        file.close()
+        self.file.abort()
 
 
 @contextmanager
@@ -159,9 +193,13 @@ def appending(path: Path) -> Iterator[Any]:
     sealer = _current.get()
     rel = sealer.relative(path) if sealer is not None else None
     if sealer is None or rel is None:
-        with open(path, "wb") as f:
-            yield f
-        fsync_file(path)
+        file = DirectFile(Path(path))
+        try:
+            yield file
+        except BaseException:
+            file.abort()
+            raise
+        file.finish()
         return
     writer = _AppendingWriter(sealer, Path(path).absolute(), rel)
     try:
@@ -183,12 +221,10 @@ def share_digests(root: Path, known: list[dict[str, Entry]], shared_dir: bool, g
     differently, a file left out here is hashed by the committer (``layout.build_manifest``).
     """
     if not (is_distributed() and shared_dir):
-        return dict(known[dist.get_rank(group) if is_distributed() else 0])
+        return join_ranges([known[dist.get_rank(group) if is_distributed() else 0]])
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     everyone: list[Any] = [None] * world
-    merged: dict[str, Entry] = {}
-    for entries in known:
-        merged.update(entries)
+    merged = join_ranges(known)
     sizes = {p: p.stat().st_size for p in sorted(root.rglob("*")) if p.is_file()
              and p.relative_to(root).as_posix() not in merged and p.name not in (METADATA_FILE, MARKER_FILE)}
     units = [(path, i) for path, size in sizes.items() for i in range(hashing.block_count(size))]

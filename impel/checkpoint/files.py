@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from impel.checkpoint import safetensors_stream, staging
-from impel.checkpoint.digests import appending
+from impel.checkpoint.digests import appending, settle
 from impel.checkpoint.layout import CheckpointError
 from impel.checkpoint.verified import open_checked
 
@@ -124,6 +124,7 @@ def read_torch(path: Path, what: str) -> Any:
     if not path.is_file():
         raise CheckpointError(f"checkpoint file {path} ({what}) is missing; load a checkpoint saved with the same "
                               "models, optimizers, schedulers, dataloaders and registered objects")
+    settle(path)  # a file this save is still finishing (a registered object's state read back) is waited for
     try:
         with open_checked(path) as f:  # checked against the manifest as it is read (verified.checking)
             return torch.load(f, map_location="cpu", weights_only=True)

@@ -28,43 +28,67 @@ WRITTEN_KEY = "xxh3_128_blocks"
 
 
 class BlockHasher:
-    """Digests of consecutive ``block``-byte blocks of a stream fed in pieces of any size."""
+    """Digests of consecutive blocks of a stream fed in pieces of any size: blocks of ``block`` bytes, or blocks
+    ending at the given offsets (``ends``, ascending; a file written by several ranks has one block per run a rank
+    wrote, hashed by that rank from memory: ``cooperative``)."""
 
-    def __init__(self, block: int | None = None, key: str = WRITTEN_KEY) -> None:
+    def __init__(self, block: int | None = None, key: str = WRITTEN_KEY, ends: list[int] | None = None) -> None:
         self.block = block or BLOCK
+        self.ends = ends
         self._new = KEYS[key]
         self._current = self._new()
         self._filled = 0
+        self._start = 0  # stream offset of the current block's first byte
         self.digests: list[str] = []
+
+    def _length(self) -> int:
+        """Bytes of the current block (the last of ``ends`` extends to the end of the stream)."""
+        if self.ends is None:
+            return self.block
+        index = len(self.digests)
+        return self.ends[index] - self._start if index < len(self.ends) else 1 << 62
 
     def update(self, data: Any) -> None:
         view = memoryview(data).cast("B")
         while view.nbytes:
-            take = min(view.nbytes, self.block - self._filled)
+            length = self._length()
+            take = min(view.nbytes, length - self._filled)
             self._current.update(view[:take])
             self._filled += take
             view = view[take:]
-            if self._filled == self.block:
-                self.digests.append(self._current.hexdigest())
-                self._current, self._filled = self._new(), 0
+            if self._filled == length:
+                self._close_block()
+
+    def _close_block(self) -> None:
+        self.digests.append(self._current.hexdigest())
+        self._start += self._filled
+        self._current, self._filled = self._new(), 0
 
     def finish(self) -> list[str]:
         """All digests; the last (partial) block's too, and one digest of no bytes for an empty stream."""
         if self._filled or not self.digests:
-            self.digests.append(self._current.hexdigest())
-            self._current, self._filled = self._new(), 0
+            self._close_block()
         return self.digests
 
 
-def block_digest(path: Path, index: int, block: int | None = None, key: str = WRITTEN_KEY) -> str:
-    """The digest of block ``index`` of a file, read back (files not hashed while written: see ``digests``)."""
+def block_range(index: int, size: int, block: int | None = None, ends: list[int] | None = None) -> tuple[int, int]:
+    """The byte range [start, end) of block ``index`` of a ``size``-byte file."""
+    if ends is not None:
+        return (ends[index - 1] if index else 0), min(ends[index], size)
     block = block or BLOCK
-    hasher = BlockHasher(block, key)
-    buffer = bytearray(min(_READ, block))
+    return index * block, min((index + 1) * block, size)
+
+
+def block_digest(path: Path, index: int, block: int | None = None, key: str = WRITTEN_KEY,
+                 ends: list[int] | None = None) -> str:
+    """The digest of block ``index`` of a file, read back (files not hashed while written: see ``digests``)."""
+    start, stop = block_range(index, 1 << 62, block, ends)
+    hasher = BlockHasher(1 << 62, key)  # one block: the range
+    buffer = bytearray(min(_READ, max(1, stop - start)))
     view = memoryview(buffer)
     with open(path, "rb", buffering=0) as f:
-        f.seek(index * block)
-        left = block
+        f.seek(start)
+        left = stop - start
         while left:
             n = f.readinto(view[:min(len(buffer), left)])
             if not n:
@@ -74,8 +98,10 @@ def block_digest(path: Path, index: int, block: int | None = None, key: str = WR
     return hasher.finish()[0]
 
 
-def block_count(size: int, block: int | None = None) -> int:
+def block_count(size: int, block: int | None = None, ends: list[int] | None = None) -> int:
     """Blocks of a ``size``-byte file; an empty file has one (the digest of no bytes)."""
+    if ends is not None:
+        return len(ends)
     return max(1, -(-size // (block or BLOCK)))
 
 
@@ -88,18 +114,27 @@ def whole_file_digest(path: Path) -> str:
     return block_digest(path, 0, block=max(1, path.stat().st_size), key="sha256_blocks")
 
 
-def digest_blocks(units: list[tuple[Path, int]], block: int | None = None, key: str = WRITTEN_KEY) -> list[str]:
-    """The digests of ``(file, block index)`` units, in order, on a thread per core (the hashes release the GIL)."""
+def digest_blocks(units: list[tuple[Path, int]], block: int | None = None, key: str = WRITTEN_KEY,
+                  ends: dict[Path, list[int]] | None = None) -> list[str]:
+    """The digests of ``(file, block index)`` units, in order, on a thread per core (the hashes release the GIL).
+    ``ends``: files whose blocks end at the given offsets (the others have blocks of ``block`` bytes)."""
+    ends = ends or {}
+
+    def one(unit: tuple[Path, int]) -> str:
+        return block_digest(unit[0], unit[1], block, key, ends.get(unit[0]))
+
     if len(units) < 2:
-        return [block_digest(path, i, block, key) for path, i in units]
+        return [one(unit) for unit in units]
     with ThreadPoolExecutor(max_workers=min(len(units), workers()), thread_name_prefix="impel-hash") as pool:
-        return list(pool.map(lambda unit: block_digest(unit[0], unit[1], block, key), units))
+        return list(pool.map(one, units))
 
 
-def file_digests(paths: list[Path], block: int | None = None, key: str = WRITTEN_KEY) -> list[list[str]]:
+def file_digests(paths: list[Path], block: int | None = None, key: str = WRITTEN_KEY,
+                 ends: dict[Path, list[int]] | None = None) -> list[list[str]]:
     """The block digests of each file (in order), every block of every file on its own thread."""
-    counts = [block_count(path.stat().st_size, block) for path in paths]
-    results = digest_blocks([(path, i) for path, n in zip(paths, counts) for i in range(n)], block, key)
+    ends = ends or {}
+    counts = [block_count(path.stat().st_size, block, ends.get(path)) for path in paths]
+    results = digest_blocks([(path, i) for path, n in zip(paths, counts) for i in range(n)], block, key, ends)
     out: list[list[str]] = []
     at = 0
     for n in counts:

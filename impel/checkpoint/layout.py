@@ -29,7 +29,10 @@ METADATA_FILE = "impel_checkpoint.json"
 MARKER_FILE = "COMPLETE"
 TMP_PREFIX = ".impel-tmp-"
 OLD_PREFIX = ".impel-old-"
-FORMAT_VERSION = 3  # 3: XXH3-128 per 64 MiB block (hashing.py); 2: sha256 per block; 1: sha256 per file (all load)
+# 4: a file may list where its blocks end (ENDS_KEY: one block per run of a file several ranks wrote); 3: XXH3-128
+# per 64 MiB block (hashing.py); 2: sha256 per block; 1: sha256 per file (all load)
+FORMAT_VERSION = 4
+ENDS_KEY = "block_ends"
 _NAME = re.compile(r"^checkpoint_(\d+)$")
 _WARNED: set[str] = set()
 
@@ -181,8 +184,19 @@ def fsync_dir(path: Path) -> None:
 
 
 # --- manifest ----------------------------------------------------------------------------------------------------
-def manifest_entry(size: int, blocks: list[str]) -> dict[str, Any]:
-    return {"size": size, hashing.WRITTEN_KEY: blocks}
+def manifest_entry(size: int, blocks: list[str], ends: list[int] | None = None) -> dict[str, Any]:
+    """A file's manifest entry; ``ends``: where its blocks end when they are not of the manifest's block size (a
+    file several ranks wrote, one block per run: format version 4)."""
+    entry: dict[str, Any] = {"size": size, hashing.WRITTEN_KEY: blocks}
+    if ends is not None:
+        entry[ENDS_KEY] = ends
+    return entry
+
+
+def entry_ends(entry: dict[str, Any]) -> list[int] | None:
+    """Where a manifest entry's blocks end, when it lists that (else blocks of the manifest's block size)."""
+    ends = entry.get(ENDS_KEY)
+    return [int(e) for e in ends] if ends is not None else None
 
 
 def entry_blocks(entry: dict[str, Any]) -> tuple[str, list[str]] | None:
@@ -199,7 +213,7 @@ def corrupted(path: Path, entry: dict[str, Any], bad: int, block: int) -> Checkp
     found = entry_blocks(entry)
     assert found is not None
     key, blocks = found
-    lo, hi = bad * block, min((bad + 1) * block, entry["size"])
+    lo, hi = hashing.block_range(bad, entry["size"], block, entry_ends(entry))
     want = blocks[bad][:12] if bad < len(blocks) else "(none)"
     return CheckpointError(f"checkpoint file {path} is corrupted (bytes {lo}-{hi} differ from the manifest's "
                            f"{key.removesuffix('_blocks')} {want}...); load an earlier checkpoint or save again")
@@ -231,7 +245,7 @@ def build_manifest(directory: Path, known: dict[str, dict[str, Any]] | None = No
         rel, size = path.relative_to(directory).as_posix(), path.stat().st_size
         entry = known.get(rel)
         if entry is not None and entry["size"] == size:
-            entries[rel] = manifest_entry(size, entry[hashing.WRITTEN_KEY])
+            entries[rel] = manifest_entry(size, entry[hashing.WRITTEN_KEY], entry_ends(entry))
         else:
             missing.append(path)
     for path, blocks in zip(missing, hashing.file_digests(missing)):
@@ -320,7 +334,8 @@ def verify(directory: Path, checksums: bool = True, skip: Callable[[str], bool] 
     checked = [rel for rel in files if skip is None or not skip(rel)]
     for key in hashing.KEYS:
         blocked = [rel for rel in checked if key in files[rel]]
-        for rel, got in zip(blocked, hashing.file_digests([directory / rel for rel in blocked], block, key)):
+        ends = {directory / rel: e for rel in blocked if (e := entry_ends(files[rel])) is not None}
+        for rel, got in zip(blocked, hashing.file_digests([directory / rel for rel in blocked], block, key, ends)):
             bad = hashing.first_bad_block(files[rel][key], got)
             if bad is not None:
                 raise corrupted(directory / rel, files[rel], bad, block)

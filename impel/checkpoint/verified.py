@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from impel.checkpoint import hashing
-from impel.checkpoint.layout import CheckpointError, corrupted, entry_blocks, missing_file
+from impel.checkpoint.layout import CheckpointError, corrupted, entry_blocks, entry_ends, missing_file
 
 T = TypeVar("T")
 
@@ -91,7 +91,8 @@ class VerifyingReader(io.RawIOBase):
         self.path, self.entry = path, entry
         found = entry_blocks(entry)
         self.block = block if found is not None else max(1, int(entry["size"]))
-        self.hasher = hashing.BlockHasher(self.block, found[0] if found is not None else "sha256_blocks")
+        self.hasher = hashing.BlockHasher(self.block, found[0] if found is not None else "sha256_blocks",
+                                          entry_ends(entry))
         self.raw = open(path, "rb", buffering=0)  # noqa: SIM115 - closed in close()
         self.size = os.fstat(self.raw.fileno()).st_size
         self.position = 0

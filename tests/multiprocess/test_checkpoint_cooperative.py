@@ -163,3 +163,68 @@ def _fsdp_x_tp_job(root: str) -> dict | None:
 def test_fsdp_x_tp_shards_land_where_the_full_tensors_have_them(tmp_path):
     main = run_on_ranks(_fsdp_x_tp_job, 4, args=(str(tmp_path / "ckpt"),), timeout=120)[0]
     assert main["count"] > 10 and main["model_diff"] == [] and main["opt_diff"] == []
+
+
+def _large_job(root: str) -> dict:
+    """Tensors of several pages per rank, so each rank writes whole pages around the page cache and the unaligned
+    ends through it; the manifest lists one block per range a rank wrote."""
+    from safetensors.torch import load_file
+
+    from impel import Accelerator
+
+    acc = Accelerator()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(300, 1001), torch.nn.Linear(1001, 7))  # rows split 501 / 500
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = acc.prepare(model, opt)
+    acc.backward(model(torch.randn(4, 300)).pow(2).mean())
+    opt.step()
+    acc.save_state(root)
+    full = {k: v.clone() for k, v in acc.get_state_dict(model).items()}
+    out: dict = {}
+    if acc.is_main_process:
+        saved = load_file(os.path.join(root, "model.safetensors"))
+        out["model_diff"] = [k for k in full if not torch.equal(saved[k], full[k])]
+        with open(os.path.join(root, "impel_checkpoint.json")) as f:
+            out["entries"] = {k: v for k, v in json.load(f)["files"].items() if k.endswith(".safetensors")}
+    acc.end_training()
+    return out
+
+
+def _load_job(root: str) -> str:
+    from impel import Accelerator
+
+    acc = Accelerator()
+    model = torch.nn.Sequential(torch.nn.Linear(300, 1001), torch.nn.Linear(1001, 7))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = acc.prepare(model, opt)
+    try:
+        acc.load_state(root)
+        return "loaded"
+    except Exception as exc:  # noqa: BLE001 - the message is the result
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        acc.end_training()
+
+
+def test_each_rank_hashes_its_ranges_and_a_flipped_byte_in_them_is_named(tmp_path):
+    from impel.checkpoint import layout
+
+    env = {"IMPEL_CONFIG": json.dumps(FULL)}
+    root = tmp_path / "ckpt"
+    main = run_on_ranks(_large_job, 2, args=(str(root),), timeout=120, env=env)[0]
+    assert main["model_diff"] == []
+    entry = main["entries"]["model.safetensors"]
+    ends = entry[layout.ENDS_KEY]
+    assert ends[-1] == entry["size"] == (root / "model.safetensors").stat().st_size
+    assert len(ends) == len(entry["xxh3_128_blocks"]) > 4  # header + tensors, ranges of both ranks
+    assert run_on_ranks(_load_job, 2, args=(str(root),), timeout=120, env=env) == ["loaded", "loaded"]
+    # one byte in the second half of the first weight (rank 1's rows, written around the page cache)
+    data = bytearray((root / "model.safetensors").read_bytes())
+    at = ends[-1] - 7 * 1001 * 4 - 7 * 4 - 1001 * 300 * 4 // 4  # names sorted: 0.weight, then 1.bias, 1.weight
+    data[at] ^= 0x10
+    (root / "model.safetensors").write_bytes(bytes(data))
+    block = next(i for i, end in enumerate(ends) if end > at)
+    lo = ends[block - 1] if block else 0
+    results = run_on_ranks(_load_job, 2, args=(str(root),), timeout=120, env=env)
+    assert any(f"model.safetensors is corrupted (bytes {lo}-{ends[block]} differ" in r for r in results), results

@@ -1,4 +1,5 @@
-"""A checkpoint written by an earlier impel (manifest format version 2: sha256 per block) keeps loading, verified."""
+"""Checkpoints written by earlier impel releases (manifest format version 2: sha256 per block; version 3: XXH3-128
+per block) keep loading, verified."""
 from __future__ import annotations
 
 import shutil
@@ -11,7 +12,7 @@ from safetensors.torch import load_file
 from helpers import make_mlp
 from impel import Accelerator, CheckpointError
 
-FIXTURE = Path(__file__).parent.parent / "fixtures" / "checkpoint_v2"  # tests/fixtures/make_checkpoint_v2.py
+FIXTURES = Path(__file__).parent.parent / "fixtures"  # checkpoint_v2, checkpoint_v3: tests/fixtures/make_checkpoint.py
 
 
 def prepared():
@@ -22,8 +23,9 @@ def prepared():
     return acc, *acc.prepare(model, opt, sched)
 
 
-def test_a_format_version_2_checkpoint_loads(tmp_path):
-    ckpt = shutil.copytree(FIXTURE, tmp_path / "checkpoint_v2")
+@pytest.mark.parametrize("version", [2, 3])
+def test_a_checkpoint_of_an_earlier_format_loads(tmp_path, version):
+    ckpt = shutil.copytree(FIXTURES / f"checkpoint_v{version}", tmp_path / "checkpoint")
     acc, model, opt, sched = prepared()
     acc.load_state(ckpt)
     saved = load_file(ckpt / "model.safetensors")
@@ -33,8 +35,9 @@ def test_a_format_version_2_checkpoint_loads(tmp_path):
     assert sched.last_epoch == 2 and opt.param_groups[0]["lr"] == pytest.approx(0.0025)
 
 
-def test_a_corrupted_format_version_2_checkpoint_is_named(tmp_path):
-    ckpt = shutil.copytree(FIXTURE, tmp_path / "checkpoint_v2")
+@pytest.mark.parametrize("version", [2, 3])
+def test_a_corrupted_checkpoint_of_an_earlier_format_is_named(tmp_path, version):
+    ckpt = shutil.copytree(FIXTURES / f"checkpoint_v{version}", tmp_path / "checkpoint")
     data = bytearray((ckpt / "optimizer.pt").read_bytes())
     data[1600] ^= 0x01
     (ckpt / "optimizer.pt").write_bytes(bytes(data))

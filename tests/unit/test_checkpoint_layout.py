@@ -62,7 +62,7 @@ def test_block_digests_computed_while_writing_match_the_bytes_on_disk(tmp_path, 
     acc.register_save_state_pre_hook(hook)
     acc.save_state(tmp_path / "ckpt")
     meta = json.loads((tmp_path / "ckpt" / layout.METADATA_FILE).read_text())
-    assert "extra.bin" in meta["files"] and meta["format_version"] == 3
+    assert "extra.bin" in meta["files"] and meta["format_version"] == 4
     assert len(meta["files"]["optimizer.pt"]["xxh3_128_blocks"]) > 1
     for rel, entry in meta["files"].items():
         data = (tmp_path / "ckpt" / rel).read_bytes()

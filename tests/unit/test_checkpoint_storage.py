@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from impel import Accelerator
-from impel.checkpoint import CheckpointError, digests, storage
+from impel.checkpoint import CheckpointError, direct_io, storage
 
 Usage = namedtuple("Usage", "total used free")
 
@@ -79,16 +79,19 @@ def test_a_full_disk_is_refused_before_anything_is_written(tmp_path, monkeypatch
 
 
 def _full_after(monkeypatch, limit: int) -> None:
-    """The disk fills up after ``limit`` bytes of any checkpoint file torch.save writes (torch then raises its
-    "unexpected pos" RuntimeError, the ENOSPC only in the chained cause, as on a real full disk)."""
-    real = digests._AppendingWriter.write
+    """The disk fills up after ``limit`` bytes of any checkpoint file impel streams (torch.save's, safetensors,
+    DCP shards): the I/O thread's ``pwrite`` fails with ENOSPC, as on a real full disk."""
+    real = direct_io.DirectFile._write
 
-    def write(self, data):
-        if self.offset + memoryview(data).nbytes > limit:
+    def write(self, buffer, at, size):
+        if at + size > limit:
+            with self._idle:  # what the real write's finally does: the buffer goes back
+                self._ready.append(buffer)
+                self._idle.notify()
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real(self, data)
+        return real(self, buffer, at, size)
 
-    monkeypatch.setattr(digests._AppendingWriter, "write", write)
+    monkeypatch.setattr(direct_io.DirectFile, "_write", write)
 
 
 @pytest.mark.parametrize("asynchronous", [False, True])
@@ -113,7 +116,7 @@ def test_a_read_only_filesystem_met_while_writing_names_the_target(tmp_path, mon
     def refuse(path, *args, **kwargs):
         raise OSError(errno.EROFS, "Read-only file system", str(path))
 
-    monkeypatch.setattr(digests, "open", refuse, raising=False)
+    monkeypatch.setattr(direct_io, "open_direct", refuse)
     message = _expect_failure(acc, target, asynchronous)
     assert f"OSError: [Errno 30] {target} is read-only ({tmp_path}: Read-only file system); save_state needs to " \
            "write there" in message, message

@@ -1,0 +1,229 @@
+"""An append-only checkpoint file written around the page cache (``O_DIRECT``), its writes on an I/O thread.
+
+Why: a buffered write first needs a page-cache page for every 4 KiB it writes. Where free memory is cold (a
+virtual machine whose free pages went back to the host, which is what a machine's memory looks like after
+minutes of training), getting those pages costs more than the disk: measured on the 2-core development VM, a
+600 MB buffered write + fsync ran at 0.24-0.30 GB/s a few seconds after the last large write, and at 1.4-2.9 GB/s
+right after one (it reuses the pages that write freed); the same file with ``O_DIRECT`` ran at 1.6-2.0 GB/s
+either way. Writing around the cache also leaves the user's page cache (their dataset) alone.
+
+How: the bytes handed to :meth:`DirectFile.write` are copied into page-aligned buffers of ``BUFFER`` bytes
+(``O_DIRECT`` needs aligned memory, offsets and sizes); each full buffer goes to an I/O thread that ``pwrite``\\ s
+it while the caller fills the next (the copy holds the GIL, ``pwrite`` releases it), so serializing and writing
+overlap. The last buffer is written padded to a whole page and the file truncated to its length. The buffers are
+reused between files and saves (:data:`_POOL`).
+
+Where ``O_DIRECT`` is unavailable (not Linux, or a file system that refuses it: tmpfs, some network mounts) the
+file is written through the page cache instead, the same bytes, ``fdatasync``\\ ed every ``FLUSH_EVERY`` bytes on
+the I/O thread so the final fsync has little left to do.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import mmap
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+BUFFER = 16 << 20  # bytes per write request: big enough for the device, small enough to overlap
+DEPTH = 3  # buffers per file: one being filled, the others queued or being written
+WRITERS = 2  # I/O threads per file: two requests in flight keep the device busy between them
+PAGE = 4096  # O_DIRECT alignment that every Linux block device accepts
+FLUSH_EVERY = 64 << 20  # buffered fallback: fdatasync after this many bytes
+_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+class _Pool:
+    """Page-aligned buffers of BUFFER bytes, reused between files (an mmap is page aligned)."""
+
+    def __init__(self) -> None:
+        self._free: list[mmap.mmap] = []
+        self._lock = threading.Lock()
+
+    def take(self) -> mmap.mmap:
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+        return mmap.mmap(-1, BUFFER)
+
+    def give(self, buffer: mmap.mmap) -> None:
+        with self._lock:
+            if len(self._free) < 2 * DEPTH:  # kept: two files in flight at once (96 MiB), as a save has
+                self._free.append(buffer)
+                return
+        buffer.close()
+
+
+_POOL = _Pool()
+
+
+def open_direct(path: Path, shared: bool = False) -> tuple[int, bool]:
+    """``path`` opened for writing, created, emptied unless ``shared`` (several ranks write into it): (fd, True)
+    with O_DIRECT where the file system takes it, else (fd, False)."""
+    flags = os.O_WRONLY | os.O_CREAT | (0 if shared else os.O_TRUNC) | getattr(os, "O_CLOEXEC", 0)
+    if _DIRECT:
+        try:
+            return os.open(path, flags | _DIRECT, 0o644), True
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+    return os.open(path, flags, 0o644), False
+
+
+class DirectFile:
+    """Append-only: ``write`` (copies and returns), ``tell``, ``fileno``, ``flush`` (nothing to do), ``finish``
+    (everything on disk, fsynced, closed) and ``abort`` (stop, close). Errors of the I/O thread are raised by
+    the next ``write`` or by ``finish``.
+
+    ``shared``: a file several ranks write at once, each its own byte ranges, with :meth:`write_at` (the whole
+    pages of a range around the cache, its unaligned ends, which another rank's range may share a page with,
+    through the cache); the caller sets the length."""
+
+    def __init__(self, path: Path, shared: bool = False) -> None:
+        self.path, self.shared = path, shared
+        self.fd, self.direct = open_direct(path, shared)
+        self._plain: int | None = None  # shared: a descriptor through the page cache, for the unaligned ends
+        self._io = ThreadPoolExecutor(max_workers=WRITERS, thread_name_prefix="impel-write")
+        self._buffers = [_POOL.take() for _ in range(DEPTH)]
+        self._ready: list[mmap.mmap] = list(self._buffers)
+        self._idle = threading.Condition()
+        self._current = self._take()
+        self._filled = 0
+        self._queued = 0  # file offset of the current buffer's first byte
+        self._unsynced = 0
+        self._jobs: list[Future[None]] = []
+        self.offset = 0
+        self._open = True
+
+    # -- the caller's side ------------------------------------------------------------------------------------
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        n = view.nbytes
+        while view.nbytes:
+            take = min(view.nbytes, BUFFER - self._filled)
+            self._current[self._filled:self._filled + take] = view[:take]
+            self._filled += take
+            view = view[take:]
+            if self._filled == BUFFER:
+                self._submit(BUFFER)
+        self.offset += n
+        return n
+
+    def write_at(self, offset: int, data: Any) -> None:
+        """Write ``data`` at ``offset`` (``shared`` files; not mixed with :meth:`write`)."""
+        view = memoryview(data).cast("B")
+        end = offset + view.nbytes
+        lo, hi = -(-offset // PAGE) * PAGE, end // PAGE * PAGE
+        if not self.direct or hi <= lo:
+            lo = hi = end  # all of it through the page cache
+        self._pwrite_plain(view[:lo - offset], offset)
+        for at in range(lo, hi, BUFFER):
+            take = min(BUFFER, hi - at)
+            self._current[:take] = view[at - offset:at - offset + take]
+            self._filled = take
+            self._queued = at
+            self._submit(take)
+        self._pwrite_plain(view[hi - offset:], hi)
+
+    def _pwrite_plain(self, view: memoryview, offset: int) -> None:
+        if not view.nbytes:
+            return
+        if self._plain is None:
+            self._plain = os.open(self.path, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
+        while view.nbytes:
+            done = os.pwrite(self._plain, view, offset)
+            view, offset = view[done:], offset + done
+
+    def tell(self) -> int:
+        return self.offset
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def flush(self) -> None:
+        """Nothing: bytes reach the disk as buffers fill and at :meth:`finish`."""
+
+    def finish(self) -> None:
+        """Write what is left, wait for every write, set the length, fsync and close (also on failure)."""
+        try:
+            if self._filled:
+                self._submit(self._filled, last=True)
+            self._wait_all()
+            if self.offset % PAGE and not self.shared:
+                os.ftruncate(self.fd, self.offset)  # the last direct write was padded to a whole page
+            os.fsync(self.fd)
+            if self._plain is not None:
+                os.fsync(self._plain)
+        finally:
+            self._close()
+
+    def abort(self) -> None:
+        """Stop: wait for the write in flight (its error is dropped: the caller is already failing), close."""
+        try:
+            for job in self._jobs:
+                job.exception()
+        finally:
+            self._close()
+
+    # -- internals --------------------------------------------------------------------------------------------
+    def _take(self) -> mmap.mmap:
+        with self._idle:
+            while not self._ready:
+                self._idle.wait()
+            return self._ready.pop()
+
+    def _submit(self, length: int, last: bool = False) -> None:
+        for job in [j for j in self._jobs if j.done()]:
+            job.result()  # an earlier write failed: raise it here, in the caller
+            self._jobs.remove(job)
+        buffer, at = self._current, self._queued
+        size = -(-length // PAGE) * PAGE if (last and self.direct) else length
+        self._jobs.append(self._io.submit(self._write, buffer, at, size))
+        self._queued += length
+        self._filled = 0
+        if not last:
+            self._current = self._take()
+
+    def _write(self, buffer: mmap.mmap, at: int, size: int) -> None:
+        try:
+            with memoryview(buffer) as whole:
+                done = 0
+                while done < size:
+                    try:
+                        done += os.pwrite(self.fd, whole[done:size], at + done)
+                    except OSError as exc:
+                        if not (self.direct and exc.errno == errno.EINVAL):
+                            raise
+                        self._buffered()  # the file system took the flag at open but refuses the writes
+            if not self.direct:
+                self._unsynced += size
+                if self._unsynced >= FLUSH_EVERY:
+                    os.fdatasync(self.fd)
+                    self._unsynced = 0
+        finally:
+            with self._idle:
+                self._ready.append(buffer)
+                self._idle.notify()
+
+    def _buffered(self) -> None:
+        fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~_DIRECT)
+        self.direct = False
+
+    def _wait_all(self) -> None:
+        jobs, self._jobs = self._jobs, []
+        for job in jobs:
+            job.result()
+
+    def _close(self) -> None:
+        if not self._open:
+            return
+        self._open = False
+        self._io.shutdown(wait=True)
+        os.close(self.fd)
+        if self._plain is not None:
+            os.close(self._plain)
+        for buffer in self._buffers:
+            _POOL.give(buffer)
