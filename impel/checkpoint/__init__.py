@@ -11,7 +11,8 @@ an allowlist), ``options`` (save_state / load_state keyword arguments), ``digest
 checksums), ``cooperative`` (FULL_STATE_DICT written by every rank), ``full_slices`` (FULL_STATE_DICT read back
 by every rank, its own shards only), ``dcp_raw`` (DCP shard files of raw bytes, planned per rank), ``save_object``
 (Accelerate's ``save``), ``ownership`` (which files are the checkpoint's and which the user's), ``direct_io`` (files
-written around the page cache on I/O threads) and ``storage`` (a full disk or read-only target as one line).
+written around the page cache on I/O threads), ``named_state`` (state dicts by name, names recorded at the first
+save) and ``storage`` (a full disk or read-only target as one line).
 The sequence that runs them for ``save_state`` / ``load_state`` is the Accelerator's (``impel.accelerator.save_load``).
 """
 from __future__ import annotations

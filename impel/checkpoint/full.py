@@ -19,7 +19,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from impel.checkpoint import cooperative, full_slices, staging
+from impel.checkpoint import cooperative, full_slices, named_state, staging
 from impel.checkpoint.files import (
     read_safetensors,
     read_safetensors_file,
@@ -65,6 +65,8 @@ def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, options:
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     fresh = not optimizer.state
+    if options is None and not fresh:  # the names recorded at the first save (torch's answer, without its cost)
+        return named_state.optimizer_state(model, optimizer)
     state = get_optimizer_state_dict(model, optimizer, options=options)
     if fresh:
         # get_optimizer_state_dict initialises empty state with a zero-lr step (Adam's step becomes 1); undo it so
@@ -94,7 +96,7 @@ def save_full(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Opti
         if i in skip_models:
             continue
         if cooperative_rank is not None and safe_serialization:
-            shards = cast(dict[str, torch.Tensor], get_model_state_dict(model))  # DTensors: this rank's shards
+            shards = cast(dict[str, torch.Tensor], named_state.model_state(model))  # DTensors: this rank's shards
             _write_cooperatively(shards, directory / names["models"][i], {}, cooperative_rank)
             continue
         weights = cast(dict[str, torch.Tensor], get_model_state_dict(model, options=options))  # full: tensors only

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 
-from impel.checkpoint import dcp_raw
+from impel.checkpoint import dcp_raw, named_state
 from impel.checkpoint.files import crc32_off
 from impel.checkpoint.full import optimizer_state, pair_optimizers, suffix
 from impel.checkpoint.layout import CheckpointError
@@ -163,7 +163,9 @@ def save_sharded(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.O
     with crc32_off():  # no_dist: every rank plans its own items (dcp_raw.LocalPlanner), nothing is exchanged
         for i, model in enumerate(models):
             if i not in skip_models:
-                _dcp(save, {"model": get_model_state_dict(model, options=options)},
+                state = named_state.model_state(model) if options is None else get_model_state_dict(model,
+                                                                                                   options=options)
+                _dcp(save, {"model": state},
                      storage_writer=_writer(directory / model_dir(i)), planner=dcp_raw.LocalPlanner(rank),
                      no_dist=True)
         fresh = []

@@ -1,0 +1,63 @@
+"""State dicts by name from recorded names (checkpoint/named_state.py) equal torch's get_model_state_dict /
+get_optimizer_state_dict, save after save, and fall back to torch's API whenever the structure changed."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+from impel.checkpoint import named_state
+
+
+def _step(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def test_recorded_names_give_torchs_answer_save_after_save():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 2))
+    model.register_buffer("scale", torch.ones(2))
+    opt = torch.optim.AdamW([{"params": model[0].parameters()}, {"params": model[2].parameters(), "lr": 0.1}])
+    _step(model, opt)
+    for _ in range(3):  # the first call records; the later ones use the record
+        assert _same(named_state.model_state(model), get_model_state_dict(model))
+        assert _same(named_state.optimizer_state(model, opt), get_optimizer_state_dict(model, opt))
+        _step(model, opt)
+    assert model in named_state._plain_models and opt in named_state._optimizer_names
+
+
+def test_a_changed_structure_takes_torchs_path_again():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Linear(5, 2))
+    opt = torch.optim.SGD(model[0].parameters(), lr=0.1, momentum=0.9)
+    _step(model, opt)
+    named_state.optimizer_state(model, opt)
+    opt.add_param_group({"params": model[1].parameters(), "lr": 0.01})  # new parameters: the record no longer fits
+    _step(model, opt)
+    assert _same(named_state.optimizer_state(model, opt), get_optimizer_state_dict(model, opt))
+    assert len(named_state._optimizer_names[opt][2]) == 4
+    named_state.model_state(model)
+    model.register_buffer("extra", torch.zeros(1))  # a new key: the record no longer fits
+    assert _same(named_state.model_state(model), get_model_state_dict(model))
+    assert "extra" in named_state._plain_models[model]
+
+
+def test_a_model_whose_keys_torch_renames_is_never_recorded():
+    """torch's API strips the ``_orig_mod.`` of a compiled module's keys: such a model always takes its path."""
+    inner = nn.Linear(3, 2)
+    model = torch.compile(inner, backend="eager")
+    state = named_state.model_state(model)
+    assert list(state) == ["weight", "bias"] and model not in named_state._plain_models
+    assert _same(named_state.model_state(model), get_model_state_dict(model))
