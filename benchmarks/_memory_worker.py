@@ -84,6 +84,7 @@ def measure_checkpoints(acc: Accelerator, checkpoint_dir: str, out: dict[str, An
     out["load_s"] = timed(acc, lambda: acc.load_state(previous))
     if acc.is_main_process:
         _common.evict(previous)
+    _common.pause()  # as before a save: the cold loads, ours and torch.load, both start from an idle machine
     out["cold_load_s"] = timed(acc, lambda: acc.load_state(previous))
     # the reference: torch.load of the same bytes, cold: a sharded checkpoint's ranks read their own shards (one
     # file per rank), a full checkpoint's ranks each read the whole state (one file, every rank reads it)
@@ -99,6 +100,7 @@ def measure_checkpoints(acc: Accelerator, checkpoint_dir: str, out: dict[str, An
         _common.evict(reference)
     acc.wait_for_everyone()
     out["torch_bytes"] = os.path.getsize(reference)
+    _common.pause()
     out["cold_torch_load_s"] = timed(acc, lambda: torch.load(reference, weights_only=True, map_location="cpu"))
     acc.wait_for_everyone()
     if per_rank or acc.is_main_process:

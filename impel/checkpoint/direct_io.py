@@ -32,6 +32,7 @@ BUFFER = 16 << 20  # bytes per write request: big enough for the device, small e
 DEPTH = 3  # buffers per file: one being filled, the others queued or being written
 WRITERS = 2  # I/O threads per file: two requests in flight keep the device busy between them
 PAGE = 4096  # O_DIRECT alignment that every Linux block device accepts
+PREALLOCATE = 256 << 20  # bytes reserved ahead of the writes (fallocate)
 FLUSH_EVERY = 64 << 20  # buffered fallback: fdatasync after this many bytes
 _DIRECT = getattr(os, "O_DIRECT", 0)
 
@@ -73,6 +74,26 @@ def open_direct(path: Path, shared: bool = False) -> tuple[int, bool]:
     return os.open(path, flags, 0o644), False
 
 
+_LIBC: Any = None
+
+
+def _fallocate(fd: int, offset: int, length: int) -> bool:
+    """Reserve ``length`` bytes at ``offset`` with Linux ``fallocate`` (the file grows); False where the file
+    system or the platform has none (no emulation: glibc's ``posix_fallocate`` would write zeros instead)."""
+    global _LIBC
+    if _LIBC is None:
+        import ctypes
+        import ctypes.util
+
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+            libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong]
+            _LIBC = libc
+        except (OSError, AttributeError):
+            _LIBC = False
+    return bool(_LIBC) and _LIBC.fallocate(fd, 0, offset, length) == 0
+
+
 class DirectFile:
     """Append-only: ``write`` (copies and returns), ``tell``, ``fileno``, ``flush`` (nothing to do), ``finish``
     (everything on disk, fsynced, closed) and ``abort`` (stop, close). Errors of the I/O thread are raised by
@@ -94,6 +115,7 @@ class DirectFile:
         self._filled = 0
         self._queued = 0  # file offset of the current buffer's first byte
         self._unsynced = 0
+        self._allocated = 0
         self._jobs: list[Future[None]] = []
         self.offset = 0
         self._open = True
@@ -152,8 +174,8 @@ class DirectFile:
             if self._filled:
                 self._submit(self._filled, last=True)
             self._wait_all()
-            if self.offset % PAGE and not self.shared:
-                os.ftruncate(self.fd, self.offset)  # the last direct write was padded to a whole page
+            if (self.offset % PAGE or self._allocated > 0) and not self.shared:
+                os.ftruncate(self.fd, self.offset)  # the last direct write was padded, or space was reserved
             os.fsync(self.fd)
             if self._plain is not None:
                 os.fsync(self._plain)
@@ -180,6 +202,10 @@ class DirectFile:
             job.result()  # an earlier write failed: raise it here, in the caller
             self._jobs.remove(job)
         buffer, at = self._current, self._queued
+        if self._allocated >= 0 and self.direct and not self.shared and at + length > self._allocated:
+            # concurrent direct writes allocate blocks in completion order (35-39 extents for 600 MB here):
+            # reserve the next PREALLOCATE bytes at once so the file stays in a few extents; truncated at finish
+            self._allocated = at + PREALLOCATE if _fallocate(self.fd, at, PREALLOCATE) else -1
         size = -(-length // PAGE) * PAGE if (last and self.direct) else length
         self._jobs.append(self._io.submit(self._write, buffer, at, size))
         self._queued += length
