@@ -23,7 +23,6 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +32,7 @@ import torch
 
 from impel.checkpoint import hashing
 from impel.checkpoint.digests import record_ranges
-from impel.checkpoint.direct_io import DirectFile
+from impel.checkpoint.direct_io import DirectFile, reserve
 from impel.checkpoint.layout import CheckpointError
 
 ALIASES_KEY = "impel_aliases"
@@ -136,7 +135,7 @@ def write(tensors: Mapping[str, torch.Tensor], path: Path, metadata: Mapping[str
     file = DirectFile(path, shared=True)
     ranges = _Ranges()
     try:
-        os.ftruncate(file.fileno(), total)  # every rank: the same length, so no order between ranks is needed
+        reserve(file.fileno(), total)  # every rank: the same length, so no order between ranks is needed
         if rank == 0:
             file.write_at(0, header)
             ranges.add(0, memoryview(header))
