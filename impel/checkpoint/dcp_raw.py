@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import math
 import os
 import pickle
 from pathlib import Path
@@ -40,7 +41,8 @@ class RawWriter(FileSystemWriter):
     """DCP's file writer with one raw-bytes shard file per rank (fsync and checksums: ``digests.appending``).
 
     Run with ``no_dist=True`` and :class:`LocalPlanner`: no collective at all. Each rank plans and writes its own
-    items into ``__<rank>_0.raw.distcp`` and hands the metadata of its items to the save (``digests.contribute``);
+    items into ``__<rank>_0.raw.distcp`` (its shards) and ``__<rank>_1.raw.distcp`` (rank 0: what every rank
+    holds alike) and hands the metadata of its items to the save (``digests.contribute``);
     the committing rank merges every rank's into the directory's ``.metadata`` (:func:`write_merged`), which is
     the same global metadata DCP's coordinated save writes (DCP's save gathers the plans to rank 0, scatters them
     back, gathers the write results and broadcasts the metadata: four object collectives per directory, each
@@ -75,13 +77,28 @@ class RawWriter(FileSystemWriter):
         write_merged(Path(self.path) / METADATA_NAME, [metadata], sync=True)
 
     def write_data(self, plan: Any, planner: Any) -> Future[list[WriteResult]]:
+        """This rank's DTensor shards into ``__<rank>_0.raw.distcp``, and what is the same on every rank (plain
+        tensors, objects: rank 0's) into a small ``__<rank>_1.raw.distcp`` of their own, so that a rank that needs
+        them reads (and verifies) that file instead of the other rank's whole shard file."""
+        from torch.distributed.checkpoint.planner import WriteItemType
+
+        shards = [item for item in plan.items if item.type == WriteItemType.SHARD]
+        shared = [item for item in plan.items if item.type != WriteItemType.SHARD]
+        results: list[WriteResult] = []
+        for number, items in enumerate((shards, shared)):
+            if items:
+                results += self._write_file(f"{plan.storage_data.prefix}{number}{RAW_SUFFIX}", items, planner)
+        done: Future[list[WriteResult]] = Future()
+        done.set_result(results)
+        return done
+
+    def _write_file(self, name: str, items: list[Any], planner: Any) -> list[WriteResult]:
         from torch.distributed.checkpoint.filesystem import _StorageInfo
         from torch.distributed.checkpoint.planner import WriteItemType
 
-        name = f"{plan.storage_data.prefix}0{RAW_SUFFIX}"
         results = []
         with appending(Path(self.path) / name) as stream:
-            for item in plan.items:
+            for item in items:
                 data = planner.resolve_data(item)
                 offset = stream.tell()
                 if item.type == WriteItemType.BYTE_IO:
@@ -91,9 +108,7 @@ class RawWriter(FileSystemWriter):
                 length = stream.tell() - offset
                 results.append(WriteResult(index=item.index, size_in_bytes=length,
                                            storage_data=_StorageInfo(name, offset, length)))
-        done: Future[list[WriteResult]] = Future()
-        done.set_result(results)
-        return done
+        return results
 
 
 class LocalPlanner(DefaultSavePlanner):
@@ -184,18 +199,34 @@ def read_raw(reader: Any, metadata: Any, items: list[Any], planner: Any) -> None
                     continue
                 chunk = _chunk(metadata, request.storage_index)
                 dtype = metadata.state_dict_metadata[request.storage_index.fqn].properties.dtype
-                tensor = torch.empty(chunk.sizes, dtype=dtype)
-                if info.length != tensor.numel() * tensor.element_size():
+                needed = math.prod(chunk.sizes) * dtype.itemsize
+                if info.length != needed:
                     raise ValueError(f"{relative_path}: {request.storage_index.fqn} holds {info.length} bytes, "
-                                     f"its chunk {list(chunk.sizes)} of {dtype} needs "
-                                     f"{tensor.numel() * tensor.element_size()}")
+                                     f"its chunk {list(chunk.sizes)} of {dtype} needs {needed}")
+                target = planner.resolve_tensor(request).detach()
+                if _whole(request, chunk) and _fits(target, chunk.sizes, dtype):
+                    if target.numel():  # straight into the destination (same world size: the rank's own shard)
+                        _fill(stream, target.reshape(-1).view(torch.uint8).numpy().data)
+                    planner.commit_tensor(request, target)
+                    continue
+                tensor = torch.empty(chunk.sizes, dtype=dtype)
                 if tensor.numel():
                     _fill(stream, tensor.reshape(-1).view(torch.uint8).numpy().data)
                 for dim, (start, length) in enumerate(zip(request.storage_offsets, request.lengths)):
                     tensor = tensor.narrow(dim, start, length)
-                target = planner.resolve_tensor(request).detach()
                 target.copy_(tensor)
                 planner.commit_tensor(request, target)
+
+
+def _whole(request: Any, chunk: Any) -> bool:
+    """The request reads the whole stored chunk (not a slice of it, as a resharding load may)."""
+    return all(start == 0 for start in request.storage_offsets) and list(request.lengths) == list(chunk.sizes)
+
+
+def _fits(target: torch.Tensor, sizes: Any, dtype: torch.dtype) -> bool:
+    """The destination can take the stored bytes as they are: a contiguous CPU tensor of that shape and dtype."""
+    return (type(target) is torch.Tensor and target.device.type == "cpu" and target.dtype == dtype
+            and tuple(target.shape) == tuple(sizes) and target.is_contiguous())
 
 
 def split_plan(reader: Any, plan: Any) -> tuple[Any, list[Any]]:

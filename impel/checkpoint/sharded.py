@@ -193,7 +193,10 @@ def load_sharded(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.O
     if metadata.get("format") != FORMAT:
         raise CheckpointError(f"{directory} holds a {metadata.get('format')!r} checkpoint, not a sharded one; "
                               "load it with the full-state path (load_full)")
-    no_dist = not is_distributed()
+    # no_dist: each rank plans and reads what it needs alone (DCP's coordinated load gathers the plans, scatters
+    # them back and gathers the reads: three collectives per directory, each waiting for the slowest rank's read);
+    # a failure on any rank is shared by load_state's own collective
+    no_dist = True
     for i, model in enumerate(models):
         if i in skip_models:
             continue

@@ -1,5 +1,5 @@
-"""Damaged files of a sharded (DCP) checkpoint saved by 2 FSDP ranks: a flipped byte in a shard file or in DCP's
-metadata, a truncated shard, a missing shard. Each fails the load naming the file; a 2-rank load of a damaged
+"""Damaged files of a sharded (DCP) checkpoint saved by 2 FSDP ranks: a flipped byte in a shard file, in the file
+of what every rank holds alike (the optimizer's steps and groups) or in DCP's metadata, a truncated shard, a missing shard. Each fails the load naming the file; a 2-rank load of a damaged
 shard fails on every rank (the rank that read it names the file, the other names that rank)."""
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def _load_in_process(ckpt):
     return verified.read_checked(ckpt, metadata, lambda: sharded.load_full_state(ckpt / "optimizer"))
 
 
-@pytest.mark.parametrize("name", ["__0_0.raw.distcp", "__1_0.raw.distcp", ".metadata"])
+@pytest.mark.parametrize("name", ["__0_0.raw.distcp", "__1_0.raw.distcp", "__0_1.raw.distcp", ".metadata"])
 def test_a_flipped_byte_in_a_shard_or_the_dcp_metadata_is_named(sharded, tmp_path, name):
     ckpt = shutil.copytree(sharded, tmp_path / "ckpt")
     assert _load_in_process(ckpt)["optimizer"]  # the undamaged copy loads
