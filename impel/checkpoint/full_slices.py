@@ -7,8 +7,10 @@ from rank 0 over the process group (``distribute_tensor``: one collective per te
 then copies the shard into the parameter. Here each rank reads the runs of the boxes it holds straight from the file
 into new local tensors, wraps them as DTensors with the parameters' own mesh and placements, and hands them to
 ``set_model_state_dict`` / ``set_optimizer_state_dict`` as a sharded state dict: no collective, and no rank holds a
-full tensor. The file is still checked whole against the manifest on every rank (``verified``: the bytes a rank did
-not need are hashed from the file when it is done), so a damaged byte anywhere fails the load as before.
+full tensor. Each rank checks the blocks it reads (a file the ranks wrote cooperatively has one block per range a
+rank wrote: on the saving layout each rank reads exactly its own, so the file is read once in all); a file with
+blocks of a fixed size (earlier releases, the gathered path) is checked whole on every rank, the bytes a rank did
+not need hashed from the file when it is done.
 
 Used for ``model*.safetensors`` and cooperatively written ``optimizer*.safetensors`` (``cooperative``); the other
 layouts (``pytorch_model*.bin``, gathered ``optimizer*.pt``) keep the full-state path (``full.load_full``).
@@ -67,7 +69,10 @@ def read_boxes(path: Path, targets: Callable[[Mapping[str, Any], Mapping[str, Sh
             aliases = json.loads(metadata.get(cooperative.ALIASES_KEY, "{}"))
             shapes.update({alias: shapes[stored] for alias, stored in aliases.items() if stored in shapes})
             out, reads = _plan(path, entries, aliases, targets(entries, shapes))
-            skip = getattr(stream, "hash_up_to", None)  # the checking reader: hash the other ranks' bytes in order
+            touched_only = getattr(stream, "verify_touched_only", None)
+            # the checking reader: check only what this rank reads (per-range blocks), else hash the other ranks'
+            # bytes in order
+            skip = None if touched_only is None or touched_only() else getattr(stream, "hash_up_to", None)
             for at, view in sorted(reads, key=lambda r: r[0]):  # in file order: one forward pass over the file
                 if skip is not None:
                     skip(base + at)

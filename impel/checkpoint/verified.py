@@ -15,6 +15,7 @@ loaded: the error names the damaged file, and the way out is an earlier checkpoi
 """
 from __future__ import annotations
 
+import bisect
 import contextvars
 import io
 import os
@@ -91,8 +92,11 @@ class VerifyingReader(io.RawIOBase):
         self.path, self.entry = path, entry
         found = entry_blocks(entry)
         self.block = block if found is not None else max(1, int(entry["size"]))
-        self.hasher = hashing.BlockHasher(self.block, found[0] if found is not None else "sha256_blocks",
-                                          entry_ends(entry))
+        self.key = found[0] if found is not None else "sha256_blocks"
+        self.ends = entry_ends(entry)
+        self.hasher = hashing.BlockHasher(self.block, self.key, self.ends)
+        self.touched: dict[int, Any] | None = None  # verify_touched_only: block -> [next offset, hasher] or a note
+        self.checked: list[int] = []
         self.raw = open(path, "rb", buffering=0)  # noqa: SIM115 - closed in close()
         self.size = os.fstat(self.raw.fileno()).st_size
         self.position = 0
@@ -125,11 +129,25 @@ class VerifyingReader(io.RawIOBase):
         return self.raw.readinto(view) or 0
 
     def _hash(self, start: int, data: memoryview) -> None:
+        if self.touched is not None:
+            self._hash_touched(start, data)
+            return
         # only a read that continues the hashed prefix is hashed now (a zip reader reads its directory at the end
         # first: hashing the gap up to there would read the whole file ahead of the reader); the rest at check()
         if start <= self.hashed < start + data.nbytes:
             self.hasher.update(data[self.hashed - start:])
             self.hashed = start + data.nbytes
+
+    def verify_touched_only(self) -> bool:
+        """For a reader that reads a part of a file several ranks wrote (``full_slices``): check only the blocks
+        it reads; True when the entry allows it (one block per range a rank wrote, format 4: a rank loading on the
+        saving layout reads exactly its own blocks, so every block is checked by the rank that reads it and the
+        file is read once in all, not once per rank). A damaged block no rank reads holds no value anybody loads;
+        the rank that reads a damaged one fails, and ``load_state`` fails every rank with it."""
+        if self.ends is None:
+            return False
+        self.touched = {}
+        return True
 
     def hash_up_to(self, position: int) -> None:
         """Hash the bytes before ``position`` the caller skips, now, from the file (a reader that reads forward
@@ -147,8 +165,54 @@ class VerifyingReader(io.RawIOBase):
             self.hasher.update(memoryview(buffer)[:n])
             self.hashed += n
 
+    def _hash_touched(self, start: int, data: memoryview) -> None:
+        """Feed each block the read overlaps: a block read front to back is hashed as it arrives; one read out of
+        order is hashed from the file at :meth:`check`."""
+        assert self.ends is not None and self.touched is not None
+        end = start + data.nbytes
+        index = bisect.bisect_right(self.ends, start)
+        while index < len(self.ends) and (index == 0 or self.ends[index - 1] < end):
+            lo, hi = (self.ends[index - 1] if index else 0), self.ends[index]
+            part = data[max(lo, start) - start:min(hi, end) - start]
+            state = self.touched.get(index)
+            if state is None and max(lo, start) == lo:
+                state = self.touched[index] = [lo, hashing.KEYS[self.key]()]
+            elif state is None or isinstance(state, str) or state[0] != max(lo, start):
+                self.touched[index] = "from file"
+                index += 1
+                continue
+            state[1].update(part)
+            state[0] += part.nbytes
+            index += 1
+
+    def _touched_digests(self) -> tuple[list[str], list[str]]:
+        """(expected, got) for the blocks this reader touched."""
+        assert self.ends is not None and self.touched is not None
+        expected, got = [], []
+        found = entry_blocks(self.entry)
+        assert found is not None
+        for index, state in sorted(self.touched.items()):
+            hi = self.ends[index]
+            if isinstance(state, list) and state[0] == hi:
+                digest = state[1].hexdigest()
+            else:
+                digest = hashing.block_digest(self.path, index, key=self.key, ends=self.ends)
+            expected.append(found[1][index])
+            got.append(digest)
+            self.checked.append(index)
+        return expected, got
+
     def check(self) -> None:
         """Hash what the caller never read, then raise the manifest's error if any block differs."""
+        if self.touched is not None:
+            if self.size != self.entry["size"]:
+                raise CheckpointError(f"checkpoint file {self.path} is truncated or corrupted ({self.size} bytes, "
+                                      f"the manifest says {self.entry['size']} bytes); load an earlier checkpoint")
+            expected, got = self._touched_digests()
+            bad = hashing.first_bad_block(expected, got)
+            if bad is not None:
+                raise corrupted(self.path, self.entry, self.checked[bad], self.block)
+            return
         self._hash_from_file(self.size)
         got = self.hasher.finish()
         if self.size != self.entry["size"]:
