@@ -1,6 +1,7 @@
 """Damaged files of a sharded (DCP) checkpoint saved by 2 FSDP ranks: a flipped byte in a shard file, in the file
-of what every rank holds alike (the optimizer's steps and groups) or in DCP's metadata, a truncated shard, a missing shard. Each fails the load naming the file; a 2-rank load of a damaged
-shard fails on every rank (the rank that read it names the file, the other names that rank)."""
+of what every rank holds alike (the optimizer's steps and groups) or in DCP's metadata, a truncated shard, a
+missing shard. Each fails the load naming the file; a 2-rank load of a damaged shard fails on every rank (the rank
+that read it names the file, the other names that rank)."""
 from __future__ import annotations
 
 import json
