@@ -222,9 +222,10 @@ class DirectFile:
             job.result()  # an earlier write failed: raise it here, in the caller
             self._jobs.remove(job)
         buffer, at = self._current, self._queued
-        if self._allocated >= 0 and self.direct and not self.shared and at + length > self._allocated:
+        if self._allocated >= 0 and self.direct and not self.shared and at and at + length > self._allocated:
             # concurrent direct writes allocate blocks in completion order (35-39 extents for 600 MB here):
-            # reserve the next PREALLOCATE bytes at once so the file stays in a few extents; truncated at finish
+            # reserve the next PREALLOCATE bytes at once so the file stays in a few extents; truncated at finish.
+            # Not for a file's first buffer: most checkpoint files are small and would pay a reserve and a release
             self._allocated = at + PREALLOCATE if _fallocate(self.fd, at, PREALLOCATE) else -1
         size = -(-length // PAGE) * PAGE if (last and self.direct) else length
         self._jobs.append(self._io.submit(self._write, buffer, at, size))
