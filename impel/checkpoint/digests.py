@@ -80,12 +80,18 @@ class Sealer:
         self._sync_pool.shutdown(wait=True)
 
 
+def _sealing(path: Path) -> tuple[Sealer, str] | tuple[None, None]:
+    """The active :class:`Sealer` and ``path`` relative to its directory, or (None, None) outside one."""
+    sealer = _current.get()
+    rel = sealer.relative(path) if sealer is not None else None
+    return (sealer, rel) if sealer is not None and rel is not None else (None, None)
+
+
 def record_ranges(path: Path, size: int, ranges: list[tuple[int, int, str]]) -> None:
     """Under an active :class:`Sealer`: the byte ranges of the ``size``-byte file ``path`` this rank wrote (start,
     end, digest), hashed as written; :func:`share_digests` joins every rank's into the file's entry. Without one
     (or outside its directory) nothing is recorded and the file is hashed when the manifest is built."""
-    sealer = _current.get()
-    rel = sealer.relative(path) if sealer is not None else None
+    sealer, rel = _sealing(path)
     if sealer is not None and rel is not None:
         sealer.ranges[rel] = {"size": size, RANGES_KEY: [list(r) for r in ranges]}
 
@@ -116,8 +122,7 @@ def join_ranges(known: list[dict[str, Entry]]) -> dict[str, Entry]:
 def settle(path: Path) -> None:
     """Under an active :class:`Sealer`: wait until ``path``, if this save wrote it, is wholly on disk (a file is
     finished in the background after its writer returns; a read-back of it waits here)."""
-    sealer = _current.get()
-    rel = sealer.relative(path) if sealer is not None else None
+    sealer, rel = _sealing(path)
     if sealer is not None and rel is not None:
         sealer.wait(rel)
 
@@ -125,8 +130,7 @@ def settle(path: Path) -> None:
 def contribute(path: Path, part: Any) -> bool:
     """Under an active :class:`Sealer`: this rank's ``part`` of the file ``path`` (a DCP directory's metadata),
     which the committing rank writes from every rank's part; True. Else False (the caller writes it)."""
-    sealer = _current.get()
-    rel = sealer.relative(path) if sealer is not None else None
+    sealer, rel = _sealing(path)
     if sealer is None or rel is None:
         return False
     sealer.parts[rel] = part
@@ -190,8 +194,7 @@ class _AppendingWriter:
 def appending(path: Path) -> Iterator[Any]:
     """A write-only, append-only file (``write``, ``tell``, ``flush``, ``fileno``, ``close``) for ``torch.save`` and
     DCP: sealed in the background under an active :class:`Sealer`, else fsynced before the block ends."""
-    sealer = _current.get()
-    rel = sealer.relative(path) if sealer is not None else None
+    sealer, rel = _sealing(path)
     if sealer is None or rel is None:
         file = DirectFile(Path(path))
         try:
