@@ -20,7 +20,6 @@ the I/O thread so the final fsync has little left to do.
 from __future__ import annotations
 
 import errno
-import fcntl
 import mmap
 import os
 import threading
@@ -28,13 +27,18 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-BUFFER = 16 << 20  # bytes per write request: big enough for the device, small enough to overlap
-DEPTH = 3  # buffers per file: one being filled, the others queued or being written
-WRITERS = 2  # I/O threads per file: two requests in flight keep the device busy between them
+# Buffers per file (DEPTH) exceed the requests in flight (WRITERS) by enough that a filled buffer is always waiting
+# when a write completes: with 3 x 16 MiB and 2 writers, the caller waited for a write, then copied 16 MiB while
+# only one request was in flight. Measured on the development VM, one 600 MB file, interleaved, 5 rounds: 3 x 16 MiB /
+# 2 writers 1.71 GB/s, 6 x 8 MiB / 3 writers 2.17 (the same 48 MiB), a plain sequential pwrite loop 2.25.
+BUFFER = 8 << 20  # bytes per write request: big enough for the device, small enough to overlap
+DEPTH = 6  # buffers per file: being filled, filled and waiting, being written
+WRITERS = 3  # I/O threads per file: requests in flight
 PAGE = 4096  # O_DIRECT alignment that every Linux block device accepts
 PREALLOCATE = 256 << 20  # bytes reserved ahead of the writes (fallocate)
 FLUSH_EVERY = 64 << 20  # buffered fallback: fdatasync after this many bytes
-_DIRECT = getattr(os, "O_DIRECT", 0)
+_DIRECT = getattr(os, "O_DIRECT", 0)  # 0 where the platform has none (macOS, Windows): buffered writes
+_DATASYNC = getattr(os, "fdatasync", os.fsync)  # macOS has no fdatasync
 
 
 class _Pool:
@@ -248,7 +252,7 @@ class DirectFile:
             if not self.direct:
                 self._unsynced += size
                 if self._unsynced >= FLUSH_EVERY:
-                    os.fdatasync(self.fd)
+                    _DATASYNC(self.fd)
                     self._unsynced = 0
         finally:
             with self._idle:
@@ -256,6 +260,8 @@ class DirectFile:
                 self._idle.notify()
 
     def _buffered(self) -> None:
+        import fcntl  # only reached where O_DIRECT exists (Linux); absent on Windows
+
         fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~_DIRECT)
         self.direct = False
 
