@@ -99,7 +99,9 @@ def save_full(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Opti
             shards = cast(dict[str, torch.Tensor], named_state.model_state(model))  # DTensors: this rank's shards
             _write_cooperatively(shards, directory / names["models"][i], {}, cooperative_rank)
             continue
-        weights = cast(dict[str, torch.Tensor], get_model_state_dict(model, options=options))  # full: tensors only
+        # full: tensors only (replicated models, options None: torch's names, recorded at the first save)
+        weights = cast(dict[str, torch.Tensor], named_state.model_state(model) if options is None
+                       else get_model_state_dict(model, options=options))
         if writer:
             _write_weights(weights, directory / names["models"][i], safe_serialization)
     for i, (opt, owner) in enumerate(zip(optimizers, pair_optimizers(models, optimizers))):

@@ -7,8 +7,9 @@ save spends in the call after its staging copy. The answer depends only on the s
 optimizer, so the first call per model (per optimizer) goes through torch and records the names; later calls take
 ``model.state_dict()`` / ``optimizer.state_dict()``, which torch's API starts from, and apply the recorded names,
 as long as the structure is the one recorded (the same keys; the same parameters in the same groups), else
-torch's path again. Models torch renames keys of (DDP, compiled or wrapped modules) and FSDP1 modules always take
-torch's path. Used for the default options only (sharded and cooperative saves).
+torch's path again. Keys torch renames (DDP's ``module.``, a compiled module's ``_orig_mod.``) are renamed the same
+way, entry by entry, when torch's answer was ``state_dict()``'s tensors in ``state_dict()``'s order; FSDP1 modules
+always take torch's path. Used for the default options only (full, sharded and cooperative saves).
 """
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-_plain_models: weakref.WeakKeyDictionary[nn.Module, tuple[str, ...]] = weakref.WeakKeyDictionary()
+# model -> (its state_dict() keys, torch's name for each, in the same order)
+_models: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[str, ...], tuple[str, ...]]] = weakref.WeakKeyDictionary()
 # optimizer -> (id of the model, ids of its parameters in group order, optimizer index -> name)
 _optimizer_names: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, tuple[int, ...], dict[int, str]]] = \
     weakref.WeakKeyDictionary()
@@ -28,18 +30,28 @@ def model_state(model: nn.Module) -> dict[str, Any]:
     """``get_model_state_dict(model)``: this rank's state by name (DTensors stay DTensors)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    keys = _plain_models.get(model)
-    if keys is not None:
+    known = _models.get(model)
+    if known is not None:
         with torch.no_grad():
             state = model.state_dict()
-        if tuple(state) == keys:
-            return state
+        if tuple(state) == known[0]:
+            return dict(zip(known[1], state.values())) if known[0] != known[1] else state
     state = get_model_state_dict(model)
     with torch.no_grad():
-        raw = tuple(model.state_dict())
-    if raw == tuple(state) and not _has_fsdp1(model):
-        _plain_models[model] = raw
+        raw = model.state_dict()
+    if len(raw) == len(state) and all(_same(a, b) for a, b in zip(raw.values(), state.values())) \
+            and not _has_fsdp1(model):
+        _models[model] = (tuple(raw), tuple(state))  # torch's answer is state_dict() renamed entry by entry
     return state
+
+
+def _same(a: Any, b: Any) -> bool:
+    """The same data (tensors: the same memory, shape and type; ``state_dict()`` detaches anew at every call)."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return (type(a) is type(b) and a.dtype == b.dtype and a.shape == b.shape
+                and (a.to_local() if hasattr(a, "to_local") else a).data_ptr()
+                == (b.to_local() if hasattr(b, "to_local") else b).data_ptr())
+    return a is b
 
 
 def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:

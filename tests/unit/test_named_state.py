@@ -35,7 +35,7 @@ def test_recorded_names_give_torchs_answer_save_after_save():
         assert _same(named_state.model_state(model), get_model_state_dict(model))
         assert _same(named_state.optimizer_state(model, opt), get_optimizer_state_dict(model, opt))
         _step(model, opt)
-    assert model in named_state._plain_models and opt in named_state._optimizer_names
+    assert model in named_state._models and opt in named_state._optimizer_names
 
 
 def test_a_changed_structure_takes_torchs_path_again():
@@ -51,13 +51,31 @@ def test_a_changed_structure_takes_torchs_path_again():
     named_state.model_state(model)
     model.register_buffer("extra", torch.zeros(1))  # a new key: the record no longer fits
     assert _same(named_state.model_state(model), get_model_state_dict(model))
-    assert "extra" in named_state._plain_models[model]
+    assert "extra" in named_state._models[model][1]
 
 
-def test_a_model_whose_keys_torch_renames_is_never_recorded():
-    """torch's API strips the ``_orig_mod.`` of a compiled module's keys: such a model always takes its path."""
-    inner = nn.Linear(3, 2)
-    model = torch.compile(inner, backend="eager")
+def test_keys_torch_renames_are_renamed_the_same_way():
+    """torch's API strips the ``_orig_mod.`` of a compiled module's keys (DDP's ``module.`` alike): recorded once,
+    later saves rename ``state_dict()``'s keys the same way, and give torch's answer after the weights changed."""
+    torch.manual_seed(0)
+    model = torch.compile(nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2)), backend="eager")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     state = named_state.model_state(model)
-    assert list(state) == ["weight", "bias"] and model not in named_state._plain_models
-    assert _same(named_state.model_state(model), get_model_state_dict(model))
+    assert list(state) == ["0.weight", "0.bias", "1.weight", "1.bias"]
+    assert named_state._models[model] == (tuple(f"_orig_mod.{k}" for k in state), tuple(state))
+    for _ in range(2):
+        model(torch.randn(2, 3)).sum().backward()
+        opt.step()
+        assert _same(named_state.model_state(model), get_model_state_dict(model))
+
+
+def test_torchs_answer_other_than_a_renaming_is_never_recorded(monkeypatch):
+    """When torch's answer is not ``state_dict()``'s tensors entry by entry (here: a copy), nothing is recorded and
+    every call takes torch's path."""
+    import torch.distributed.checkpoint.state_dict as api
+
+    model = nn.Linear(3, 2)
+    real = api.get_model_state_dict
+    monkeypatch.setattr(api, "get_model_state_dict", lambda m: {k: v.clone() for k, v in real(m).items()})
+    assert list(named_state.model_state(model)) == ["weight", "bias"]
+    assert model not in named_state._models
