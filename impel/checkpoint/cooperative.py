@@ -16,7 +16,7 @@ file system): with ``save_on_each_node`` impel gathers as before.
 
 Each rank writes the whole pages of its runs around the page cache (``direct_io``) and hashes every run from memory
 as it writes it; the manifest lists one block per run (format version 4: ``block_ends``), so the file is never
-read back to be hashed (``digests.record_ranges``, merged by ``digests.share_digests``).
+read back to be hashed (``digests.finish_ranges``, merged by ``digests.share_digests``).
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from impel.checkpoint import hashing
-from impel.checkpoint.digests import record_ranges
+from impel.checkpoint.digests import finish_ranges
 from impel.checkpoint.direct_io import DirectFile, reserve
 from impel.checkpoint.layout import CheckpointError
 
@@ -116,7 +116,8 @@ def _header(parts: list[_Part], metadata: Mapping[str, str]) -> tuple[bytes, dic
 def write(tensors: Mapping[str, torch.Tensor], path: Path, metadata: Mapping[str, str], rank: int) -> None:
     """Collective in effect (every rank of the mesh calls it with the same names): write this rank's share of the
     full safetensors file ``path``; tied names (the very same tensor object) are stored once, as the full
-    checkpoint's other writer does. Returns after this rank's bytes are on disk."""
+    checkpoint's other writer does. Under a save (``digests.sealing``) the last writes and the fsync go on in the
+    background, the save's digests waiting for them; else it returns after this rank's bytes are on disk."""
     seen: dict[int, str] = {}
     aliases: dict[str, str] = {}
     parts = []
@@ -153,13 +154,12 @@ def write(tensors: Mapping[str, torch.Tensor], path: Path, metadata: Mapping[str
     except BaseException:
         file.abort()
         raise
-    file.finish()
-    record_ranges(path, total, ranges.finish())
+    finish_ranges(file, total, ranges.finish())
 
 
 class _Ranges:
     """The byte ranges this rank wrote, each hashed from memory as it is written (runs that continue the previous
-    one extend it): the manifest's blocks of a file several ranks wrote (``digests.record_ranges``)."""
+    one extend it): the manifest's blocks of a file several ranks wrote (``digests.finish_ranges``)."""
 
     def __init__(self) -> None:
         self.done: list[tuple[int, int, str]] = []

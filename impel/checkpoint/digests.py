@@ -4,7 +4,7 @@
   safetensors files) go through an append-only file object that hashes the bytes as they pass (XXH3 runs at
   memory speed: no pass of its own) and writes them around the page cache on an I/O thread while later bytes are
   still being serialized (``direct_io``).
-* :func:`record_ranges`: a file several ranks write at once (``cooperative``: the full files of FSDP
+* :func:`finish_ranges`: a file several ranks write at once (``cooperative``: the full files of FSDP
   FULL_STATE_DICT) gets one block per byte range a rank wrote, hashed by that rank from memory; :func:`join_ranges`
   puts the ranks' ranges together.
 * :func:`share_digests`: files nobody hashed yet (DCP's metadata, DeepSpeed's engine files, files of a
@@ -35,7 +35,7 @@ from impel.checkpoint.layout import (
 from impel.runtime.collectives import is_distributed
 
 Entry = dict[str, Any]  # layout.manifest_entry: {"size": int, "xxh3_128_blocks": [str, ...]}
-RANGES_KEY = "ranges"  # a rank's part of an entry (record_ranges): [[start, end, digest], ...]
+RANGES_KEY = "ranges"  # a rank's part of an entry (finish_ranges): [[start, end, digest], ...]
 _current: contextvars.ContextVar[Sealer | None] = contextvars.ContextVar("impel_sealer", default=None)
 
 
@@ -49,7 +49,8 @@ class Sealer:
         self._sync_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="impel-fsync")
         self._pending: dict[str, tuple[int, Callable[[], list[str]], Future[Any]]] = {}
         self.parts: dict[str, Any] = {}  # files the committer writes from every rank's part (``contribute``)
-        self.ranges: dict[str, Entry] = {}  # files several ranks wrote, this rank's byte ranges (``record_ranges``)
+        self.ranges: dict[str, Entry] = {}  # files several ranks wrote, this rank's byte ranges (``finish_ranges``)
+        self._finishing: list[Future[Any]] = []  # their writes still in flight
 
     def relative(self, path: Path) -> str | None:
         try:
@@ -59,6 +60,9 @@ class Sealer:
 
     def add(self, rel: str, size: int, blocks: Callable[[], list[str]], synced: Future[Any]) -> None:
         self._pending[rel] = (size, blocks, synced)
+
+    def add_finishing(self, synced: Future[Any]) -> None:
+        self._finishing.append(synced)
 
     def wait(self, rel: str) -> None:
         """Until the file ``rel`` (if queued) is written and fsynced; raises what its write raised."""
@@ -70,6 +74,8 @@ class Sealer:
 
     def entries(self) -> dict[str, Entry]:
         """Every queued file's manifest entry (relative posix path -> entry); raises what hashing or fsync raised."""
+        for synced in self._finishing:
+            synced.result()
         out = dict(self.ranges)
         for rel, (size, blocks, synced) in self._pending.items():
             synced.result()
@@ -87,17 +93,22 @@ def _sealing(path: Path) -> tuple[Sealer, str] | tuple[None, None]:
     return (sealer, rel) if sealer is not None and rel is not None else (None, None)
 
 
-def record_ranges(path: Path, size: int, ranges: list[tuple[int, int, str]]) -> None:
-    """Under an active :class:`Sealer`: the byte ranges of the ``size``-byte file ``path`` this rank wrote (start,
-    end, digest), hashed as written; :func:`share_digests` joins every rank's into the file's entry. Without one
-    (or outside its directory) nothing is recorded and the file is hashed when the manifest is built."""
-    sealer, rel = _sealing(path)
-    if sealer is not None and rel is not None:
-        sealer.ranges[rel] = {"size": size, RANGES_KEY: [list(r) for r in ranges]}
+def finish_ranges(file: DirectFile, size: int, ranges: list[tuple[int, int, str]]) -> None:
+    """This rank's writes into the shared ``size``-byte file ``file`` are queued: under an active :class:`Sealer`
+    its byte ranges (start, end, digest; hashed as written) are recorded, :func:`share_digests` joins every rank's
+    into the file's entry, and the file is finished (the writes in flight, fsync) on an I/O thread while the save
+    goes on, :meth:`Sealer.entries` waiting for it. Without one (or outside its directory) the file is finished
+    now and hashed when the manifest is built."""
+    sealer, rel = _sealing(file.path)
+    if sealer is None or rel is None:
+        file.finish()
+        return
+    sealer.ranges[rel] = {"size": size, RANGES_KEY: [list(r) for r in ranges]}
+    sealer.add_finishing(sealer.sync(file.finish))
 
 
 def join_ranges(known: list[dict[str, Entry]]) -> dict[str, Entry]:
-    """Every rank's entries in one dict; the ranges ranks recorded of one file (:func:`record_ranges`) become its
+    """Every rank's entries in one dict; the ranges ranks recorded of one file (:func:`finish_ranges`) become its
     entry with one block per range when together they cover the file exactly (else the file is left out: hashed
     from disk later)."""
     merged: dict[str, Entry] = {}

@@ -1,6 +1,7 @@
 """The runs a rank writes for its box of a tensor (checkpoint/cooperative.py) are exactly the box's bytes, at the
 box's places in the row-major file: checked against numpy indexing on every box shape FSDP (dim 0), tensor
-parallel (dim 1) and both together produce, including empty boxes and 0-d tensors."""
+parallel (dim 1) and both together produce, including empty boxes and 0-d tensors; and a full file written under a
+save is finished in the background, its failures raised by the save's digests."""
 from __future__ import annotations
 
 import math
@@ -47,3 +48,45 @@ def test_optimizer_state_round_trips_through_tensors_and_json():
     assert back["state"]["w"]["step"].item() == 3.0 and back["state"]["w"]["exp_avg"].tolist() == [1.0, 1.0]
     assert optimizer_tensors({"state": {"w": {"momentum": [1]}}, "param_groups": []}) is None  # gathered instead
     assert optimizer_tensors({"state": {}, "param_groups": [{"f": object()}]}) is None
+
+
+def _tensors():
+    import torch
+
+    torch.manual_seed(0)
+    return {"a": torch.randn(300, 70), "b": torch.arange(11, dtype=torch.int64), "c": torch.randn(5)}
+
+
+def test_a_full_file_written_under_a_save_is_finished_in_the_background_and_its_ranges_recorded(tmp_path):
+    """Under ``digests.sealing`` the last writes and the fsync of a cooperative file go on after ``write`` returns;
+    ``entries()`` waits for them and gives the file's entry from the ranges hashed as they were written."""
+    from safetensors.torch import load_file
+
+    from impel.checkpoint import cooperative, digests, hashing, layout
+
+    tensors = _tensors()
+    with digests.sealing(tmp_path) as sealer:
+        cooperative.write(tensors, tmp_path / "model.safetensors", {}, rank=0)
+        entry = digests.join_ranges([sealer.entries()])["model.safetensors"]
+    path = tmp_path / "model.safetensors"
+    assert entry["size"] == path.stat().st_size
+    ends = layout.entry_ends(entry)
+    assert ends is not None and ends[-1] == entry["size"]
+    assert entry[hashing.WRITTEN_KEY] == hashing.file_digests([path], ends={path: ends})[0]
+    loaded = load_file(path)
+    assert all((loaded[k] == v).all() for k, v in tensors.items())
+
+
+def test_a_background_write_failure_of_a_full_file_raises_from_the_saves_digests(tmp_path, monkeypatch):
+    import errno
+
+    from impel.checkpoint import cooperative, digests, direct_io
+
+    def full(self, buffer, at, size):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with digests.sealing(tmp_path) as sealer:
+        monkeypatch.setattr(direct_io.DirectFile, "_write", full)
+        cooperative.write(_tensors(), tmp_path / "model.safetensors", {}, rank=0)  # queued: no error yet
+        with pytest.raises(OSError, match="No space left"):
+            sealer.entries()
