@@ -38,13 +38,12 @@ def pause() -> None:
     time.sleep(PAUSE_S)
 
 
-def disk_write_bandwidth(directory: str, size: int) -> float:
-    """Bytes/s of writing ``size`` bytes in 16 MiB blocks to a new file in ``directory``, durable at the end.
-
-    The best of three ways, so that no save can beat "the disk" by a trick: write everything then fsync; write
-    while a background thread fdatasyncs every 128 MiB (what impel's buffered fallback does); and ``O_DIRECT``
-    writes from a page-aligned buffer, then fsync (what impel's checkpoint writer does where the file system allows
-    it). Each way after :func:`pause`."""
+def disk_write_bandwidth(directory: str, size: int) -> dict[str, float]:
+    """Bytes/s of writing ``size`` bytes in 16 MiB blocks to a new file in ``directory``, durable at the end, three
+    ways, each after :func:`pause`: write everything then fsync (``buffered``); write while a background thread
+    fdatasyncs every 128 MiB (``pipelined``: impel's buffered fallback); ``O_DIRECT`` writes from a page-aligned
+    buffer, then fsync (``direct``: impel's checkpoint writer where the file system allows it). Every way is
+    reported: :func:`disk_reference` picks the one a run compares its saves with."""
     import mmap
     import threading
     import time
@@ -53,7 +52,7 @@ def disk_write_bandwidth(directory: str, size: int) -> float:
     aligned = mmap.mmap(-1, len(block))
     aligned[:] = block
     path = os.path.join(directory, "bandwidth.bin")
-    best = 0.0
+    out: dict[str, float] = {}
     for way in ("buffered", "pipelined", "direct"):
         if way == "direct" and not hasattr(os, "O_DIRECT"):
             continue
@@ -82,10 +81,22 @@ def disk_write_bandwidth(directory: str, size: int) -> float:
                     flusher.join()
                 fh.flush()
                 os.fsync(fh.fileno())
-        best = max(best, written / (time.perf_counter() - t0))
+        out[way] = written / (time.perf_counter() - t0)
         os.unlink(path)
     aligned.close()
-    return best
+    return out
+
+
+def disk_reference(measurements: Sequence[dict[str, float]]) -> tuple[str, list[float]]:
+    """The disk a run's saves are compared with: the way of writing (:func:`disk_write_bandwidth`) with the highest
+    median over the run, and its measurement at each point. Not the best way at each point: every way swings by
+    up to 2x between neighbouring measurements on a VM, and the best of three noisy draws is biased upwards against
+    a save, which is one draw (``save/best_of_3`` keeps that stricter figure beside it)."""
+    import statistics
+
+    ways = set(measurements[0]).intersection(*measurements)
+    way = max(sorted(ways), key=lambda w: statistics.median(m[w] for m in measurements))
+    return way, [m[way] for m in measurements]
 
 
 def environment() -> dict[str, Any]:
