@@ -11,7 +11,8 @@ How: the bytes handed to :meth:`DirectFile.write` are copied into page-aligned b
 (``O_DIRECT`` needs aligned memory, offsets and sizes); each full buffer goes to an I/O thread that ``pwrite``\\ s
 it while the caller fills the next (the copy holds the GIL, ``pwrite`` releases it), so serializing and writing
 overlap. The last buffer is written padded to a whole page and the file truncated to its length. The buffers are
-reused between files and saves (:data:`_POOL`).
+reused between files and saves (:data:`_POOL`). A file shorter than ``SMALL`` (a checkpoint's RNG states, its
+metadata) is written through the page cache at the end instead: one write and the fsync, no padding or truncate.
 
 Where ``O_DIRECT`` is unavailable (not Linux, or a file system that refuses it: tmpfs, some network mounts) the
 file is written through the page cache instead, the same bytes, ``fdatasync``\\ ed every ``FLUSH_EVERY`` bytes on
@@ -37,6 +38,7 @@ WRITERS = 3  # I/O threads per file: requests in flight
 PAGE = 4096  # O_DIRECT alignment that every Linux block device accepts
 PREALLOCATE = 256 << 20  # bytes reserved ahead of the writes (fallocate)
 FLUSH_EVERY = 64 << 20  # buffered fallback: fdatasync after this many bytes
+SMALL = 1 << 20  # files shorter than this are written through the page cache (see DirectFile.finish)
 _DIRECT = getattr(os, "O_DIRECT", 0)  # 0 where the platform has none (macOS, Windows): buffered writes
 _DATASYNC = getattr(os, "fdatasync", os.fsync)  # macOS has no fdatasync
 
@@ -121,8 +123,8 @@ class DirectFile:
         self._plain: int | None = None  # shared: a descriptor through the page cache, for the unaligned ends
         self._fragments: list[tuple[int, bytes]] = []  # shared: unaligned ends, written at finish
         self._io = ThreadPoolExecutor(max_workers=WRITERS, thread_name_prefix="impel-write")
-        self._buffers = [_POOL.take() for _ in range(DEPTH)]
-        self._ready: list[mmap.mmap] = list(self._buffers)
+        self._buffers: list[mmap.mmap] = []  # taken from the pool as needed (a small file needs one), up to DEPTH
+        self._ready: list[mmap.mmap] = []
         self._idle = threading.Condition()
         self._current = self._take()
         self._filled = 0
@@ -192,13 +194,18 @@ class DirectFile:
     def finish(self) -> None:
         """Write what is left, wait for every write, set the length, fsync and close (also on failure)."""
         try:
+            small = self.direct and not self.shared and not self._jobs and self.offset < SMALL
+            if small:
+                # a small file, still whole in its first buffer: through the page cache (a padded direct write and
+                # the truncate back cost a second metadata update in the fsync's journal commit)
+                self._buffered()
             if self._filled:
                 self._submit(self._filled, last=True)
             self._wait_all()
             for at, data in self._fragments:
                 self._pwrite_now(memoryview(data), at)
             self._fragments.clear()
-            if (self.offset % PAGE or self._allocated > 0) and not self.shared:
+            if (self.offset % PAGE or self._allocated > 0) and not (self.shared or small):
                 os.ftruncate(self.fd, self.offset)  # the last direct write was padded, or space was reserved
             os.fsync(self.fd)
             if self._plain is not None:
@@ -217,6 +224,9 @@ class DirectFile:
     # -- internals --------------------------------------------------------------------------------------------
     def _take(self) -> mmap.mmap:
         with self._idle:
+            if not self._ready and len(self._buffers) < DEPTH:
+                self._buffers.append(_POOL.take())
+                return self._buffers[-1]
             while not self._ready:
                 self._idle.wait()
             return self._ready.pop()

@@ -42,9 +42,17 @@ def test_appended_bytes_are_the_file(tmp_path, size):
 
 
 def test_o_direct_is_used_where_the_file_system_takes_it(tmp_path):
-    """On Linux ext4/xfs (this project's machines) the flag is taken; elsewhere the buffered path is the writer."""
-    file = DirectFile(tmp_path / "f.bin")
+    """On Linux ext4/xfs (this project's machines) the flag is taken; elsewhere the buffered path is the writer. A
+    file shorter than ``SMALL`` goes through the page cache at the end (one write, no padding, no truncate)."""
+    file, small = DirectFile(tmp_path / "f.bin"), DirectFile(tmp_path / "small.bin")
+    data = os.urandom(direct_io.SMALL + 5)
+    file.write(data)
+    small.write(data[:direct_io.SMALL - 1])
     file.finish()
+    small.finish()
+    assert (tmp_path / "f.bin").read_bytes() == data
+    assert (tmp_path / "small.bin").read_bytes() == data[:direct_io.SMALL - 1]
+    assert not small.direct
     if hasattr(os, "O_DIRECT") and os.uname().sysname == "Linux":
         probe = os.open(tmp_path / "probe", os.O_WRONLY | os.O_CREAT | os.O_DIRECT)
         os.close(probe)
