@@ -15,7 +15,7 @@ The committing rank receives every digest and only hashes what is still unknown 
 from __future__ import annotations
 
 import contextvars
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -47,10 +47,10 @@ class Sealer:
         self.root = root
         # several at once: fsyncs of different files overlap and share the filesystem's journal commits
         self._sync_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="impel-fsync")
-        self._pending: dict[str, tuple[int, Callable[[], list[str]], Future[Any]]] = {}
+        # file -> (its entry: a manifest entry, or this rank's byte ranges of a file several ranks wrote, see
+        # ``finish_ranges``; its write finishing and fsync)
+        self._pending: dict[str, tuple[Entry, Future[Any]]] = {}
         self.parts: dict[str, Any] = {}  # files the committer writes from every rank's part (``contribute``)
-        self.ranges: dict[str, Entry] = {}  # files several ranks wrote, this rank's byte ranges (``finish_ranges``)
-        self._finishing: list[Future[Any]] = []  # their writes still in flight
 
     def relative(self, path: Path) -> str | None:
         try:
@@ -58,29 +58,23 @@ class Sealer:
         except ValueError:
             return None
 
-    def add(self, rel: str, size: int, blocks: Callable[[], list[str]], synced: Future[Any]) -> None:
-        self._pending[rel] = (size, blocks, synced)
-
-    def add_finishing(self, synced: Future[Any]) -> None:
-        self._finishing.append(synced)
+    def add(self, rel: str, entry: Entry, synced: Future[Any]) -> None:
+        self._pending[rel] = (entry, synced)
 
     def wait(self, rel: str) -> None:
         """Until the file ``rel`` (if queued) is written and fsynced; raises what its write raised."""
         if rel in self._pending:
-            self._pending[rel][2].result()
+            self._pending[rel][1].result()
 
     def sync(self, fn: Any, *args: Any) -> Future[Any]:
         return self._sync_pool.submit(fn, *args)
 
     def entries(self) -> dict[str, Entry]:
-        """Every queued file's manifest entry (relative posix path -> entry); raises what hashing or fsync raised."""
-        for synced in self._finishing:
+        """Every queued file's entry (relative posix path -> manifest entry, or this rank's ranges of a shared file:
+        ``join_ranges`` makes those entries) once all are written; raises what a write or fsync raised."""
+        for _, synced in self._pending.values():
             synced.result()
-        out = dict(self.ranges)
-        for rel, (size, blocks, synced) in self._pending.items():
-            synced.result()
-            out[rel] = manifest_entry(size, blocks())
-        return out
+        return {rel: entry for rel, (entry, _) in self._pending.items()}
 
     def close(self) -> None:
         self._sync_pool.shutdown(wait=True)
@@ -103,8 +97,7 @@ def finish_ranges(file: DirectFile, size: int, ranges: list[tuple[int, int, str]
     if sealer is None or rel is None:
         file.finish()
         return
-    sealer.ranges[rel] = {"size": size, RANGES_KEY: [list(r) for r in ranges]}
-    sealer.add_finishing(sealer.sync(file.finish))
+    sealer.add(rel, {"size": size, RANGES_KEY: [list(r) for r in ranges]}, sealer.sync(file.finish))
 
 
 def join_ranges(known: list[dict[str, Entry]]) -> dict[str, Entry]:
@@ -190,8 +183,8 @@ class _AppendingWriter:
         if self.closed:
             return
         self.closed = True
-        digests = self.hasher.finish()
-        self.sealer.add(self.rel, self.file.tell(), lambda: digests, self.sealer.sync(self.file.finish))
+        entry = manifest_entry(self.file.tell(), self.hasher.finish())
+        self.sealer.add(self.rel, entry, self.sealer.sync(self.file.finish))
 
     def abort(self) -> None:
         """The writer failed: wait for the write in flight, then close (unless close() already handed it over)."""

@@ -93,6 +93,7 @@ class VerifyingReader(io.RawIOBase):
         found = entry_blocks(entry)
         self.block = block if found is not None else max(1, int(entry["size"]))
         self.key = found[0] if found is not None else "sha256_blocks"
+        self.expected = found[1] if found is not None else []  # the manifest's block digests (format 2 on)
         self.ends = entry_ends(entry)
         self.hasher = hashing.BlockHasher(self.block, self.key, self.ends)
         self.touched: dict[int, Any] | None = None  # verify_touched_only: block -> [next offset, hasher] or a note
@@ -189,35 +190,31 @@ class VerifyingReader(io.RawIOBase):
         """(expected, got) for the blocks this reader touched."""
         assert self.ends is not None and self.touched is not None
         expected, got = [], []
-        found = entry_blocks(self.entry)
-        assert found is not None
         for index, state in sorted(self.touched.items()):
             hi = self.ends[index]
             if isinstance(state, list) and state[0] == hi:
                 digest = state[1].hexdigest()
             else:
                 digest = hashing.block_digest(self.path, index, key=self.key, ends=self.ends)
-            expected.append(found[1][index])
+            expected.append(self.expected[index])
             got.append(digest)
             self.checked.append(index)
         return expected, got
 
     def check(self) -> None:
         """Hash what the caller never read, then raise the manifest's error if any block differs."""
+        if self.touched is None:
+            self._hash_from_file(self.size)
+        if self.size != self.entry["size"]:
+            raise CheckpointError(f"checkpoint file {self.path} is truncated or corrupted ({self.size} bytes, the "
+                                  f"manifest says {self.entry['size']} bytes); load an earlier checkpoint")
         if self.touched is not None:
-            if self.size != self.entry["size"]:
-                raise CheckpointError(f"checkpoint file {self.path} is truncated or corrupted ({self.size} bytes, "
-                                      f"the manifest says {self.entry['size']} bytes); load an earlier checkpoint")
             expected, got = self._touched_digests()
             bad = hashing.first_bad_block(expected, got)
             if bad is not None:
                 raise corrupted(self.path, self.entry, self.checked[bad], self.block)
             return
-        self._hash_from_file(self.size)
         got = self.hasher.finish()
-        if self.size != self.entry["size"]:
-            raise CheckpointError(f"checkpoint file {self.path} is truncated or corrupted ({self.size} bytes, the "
-                                  f"manifest says {self.entry['size']} bytes); load an earlier checkpoint")
         found = entry_blocks(self.entry)
         if found is None:
             if got != [self.entry["sha256"]]:
