@@ -23,6 +23,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,17 +81,28 @@ def runs(shape: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...
         local_at += run
 
 
+# mesh -> (global shape, placements) -> (this rank writes its box, the box's offsets): a function of the layout
+# only, the same for every tensor of that shape and at every save (computing it costs ~60 us a tensor, ~15 ms a
+# save of a 6-layer GPT-2 with AdamW); weak on the mesh, so a finished run's meshes are not kept
+_BOXES: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], tuple[bool, tuple[int, ...]]]] = \
+    weakref.WeakKeyDictionary()
+
+
 def _part(name: str, value: torch.Tensor, rank: int) -> _Part:
     from torch.distributed.tensor import DTensor, Replicate
 
     if isinstance(value, DTensor):
         mesh = value.device_mesh
-        coordinate = mesh.get_coordinate()
-        writes = coordinate is not None and all(
-            c == 0 for c, p in zip(coordinate, value.placements) if isinstance(p, Replicate))
-        chunk = value.__create_chunk_list__()[0]  # the local box, as DCP records it
+        boxes = _BOXES.setdefault(mesh, {})
+        key = (tuple(value.shape), tuple(value.placements))
+        if key not in boxes:
+            coordinate = mesh.get_coordinate()
+            writes = coordinate is not None and all(
+                c == 0 for c, p in zip(coordinate, value.placements) if isinstance(p, Replicate))
+            boxes[key] = writes, tuple(value.__create_chunk_list__()[0].offsets)  # the local box, as DCP has it
+        writes, offsets = boxes[key]
         local = value.to_local().detach() if writes else None
-        return _Part(name, value.dtype, tuple(value.shape), local, tuple(chunk.offsets))
+        return _Part(name, value.dtype, tuple(value.shape), local, offsets)
     value = value.detach()
     return _Part(name, value.dtype, tuple(value.shape), value if rank == 0 else None, (0,) * value.dim())
 
