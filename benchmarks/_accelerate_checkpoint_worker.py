@@ -2,7 +2,7 @@
 
 The same ~100M-parameter GPT-2 + AdamW as ``_memory_worker``, prepared by Accelerate 1.15's own ``Accelerator``
 (DDP on CPU ranks), one optimizer step, then the same timings of its ``save_state`` / ``load_state``
-(``_memory_worker.measure_checkpoints``): saves against the disk measured just before each, a cold load against a
+(``_memory_worker.measure_checkpoints``): saves against the disk measured around each, a cold load against a
 cold ``torch.load`` of the same bytes. Accelerate neither fsyncs its files nor verifies them when loading.
 """
 from __future__ import annotations

@@ -63,11 +63,12 @@ def timed(acc: Accelerator, fn: Any) -> float:
 
 def measure_checkpoints(acc: Accelerator, checkpoint_dir: str, out: dict[str, Any], model: Any,
                         optimizer: Any) -> None:
-    """A first save (it pays one-time imports), then REPEATS saves, each right after rank 0 measured the disk's
-    fsynced write bandwidth for a file of the checkpoint's size (disks drift; a ratio pairs neighbours) and a
-    pause (``_common.PAUSE_S``: the disk measurements and the saves all start from an idle machine), then a
-    load of the last one (from the page cache), a cold load of it (its pages dropped first: every check reads
-    from disk) and a cold ``torch.load`` of the same state."""
+    """A first save (it pays one-time imports), then REPEATS saves, each between two measurements rank 0 made of
+    the disk's fsynced write bandwidth for a file of the checkpoint's size (REPEATS + 1 measurements: the disk
+    drifts, so a save is compared with its two neighbours), every one after a pause (``_common.PAUSE_S``: the disk
+    measurements and the saves all start from an idle machine), then a load of the last one (from the page
+    cache), a cold load of it (its pages dropped first: every check reads from disk) and a cold ``torch.load`` of
+    the same state."""
     first = checkpoint_dir + "-first"
     out["first_save_s"] = timed(acc, lambda: acc.save_state(first))
     out["checkpoint_bytes"] = dir_bytes(first)
@@ -81,6 +82,9 @@ def measure_checkpoints(acc: Accelerator, checkpoint_dir: str, out: dict[str, An
         previous = f"{checkpoint_dir}-{rep}"
         _common.pause()  # every rank: a save inside training comes after steps, not after another large write
         out["save_s"].append(timed(acc, lambda target=previous: acc.save_state(target)))
+    if acc.is_main_process:  # the last save's second neighbour
+        out["disk_Bps"].append(_common.disk_write_bandwidth(os.path.dirname(checkpoint_dir), out["checkpoint_bytes"]))
+    acc.wait_for_everyone()
     out["load_s"] = timed(acc, lambda: acc.load_state(previous))
     if acc.is_main_process:
         _common.evict(previous)
