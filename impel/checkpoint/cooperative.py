@@ -23,8 +23,9 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -130,43 +131,69 @@ def write(tensors: Mapping[str, torch.Tensor], path: Path, metadata: Mapping[str
     full safetensors file ``path``; tied names (the very same tensor object) are stored once, as the full
     checkpoint's other writer does. Under a save (``digests.sealing``) the last writes and the fsync go on in the
     background, the save's digests waiting for them; else it returns after this rank's bytes are on disk."""
-    seen: dict[int, str] = {}
-    aliases: dict[str, str] = {}
-    parts = []
-    for name in sorted(tensors):
-        value = tensors[name]
-        if id(value) in seen:
-            aliases[name] = seen[id(value)]
-            continue
-        seen[id(value)] = name
-        parts.append(_part(name, value, rank))
-    meta = dict(metadata, format="pt")
-    if aliases:
-        meta[ALIASES_KEY] = json.dumps(aliases, sort_keys=True)
-    header, starts = _header(parts, meta)
-    total = len(header) + sum(p.nbytes for p in parts)
-    file = DirectFile(path, shared=True)
-    ranges = _Ranges()
+    write_files([(tensors, path, metadata)], rank)
+
+
+def write_files(files: Sequence[tuple[Mapping[str, torch.Tensor], Path, Mapping[str, str]]], rank: int) -> None:
+    """:func:`write` for several files (a save's model and optimizer files), every file's length reserved before
+    the first byte is written: a reserve (``fallocate``) made while another file's writes and fsync are in flight
+    waits for the file system's journal (15-19 ms measured on a FULL save of a 6-layer GPT-2), one made before
+    any write costs ~0.2 ms."""
+    plans = [_Plan(tensors, metadata, rank) for tensors, _, metadata in files]
+    waiting: list[DirectFile] = []  # opened, not yet handed to finish_ranges
     try:
-        reserve(file.fileno(), total)  # every rank: the same length, so no order between ranks is needed
+        for (_, path, _), plan in zip(files, plans):
+            waiting.append(DirectFile(path, shared=True))
+            if os.fstat(waiting[-1].fileno()).st_size != plan.total:  # each rank: the same length, in any order
+                reserve(waiting[-1].fileno(), plan.total)
+        for plan in plans:
+            ranges = plan.write(waiting[0], rank)
+            finish_ranges(waiting.pop(0), plan.total, ranges)
+    except BaseException:
+        for file in waiting:
+            file.abort()
+        raise
+
+
+class _Plan:
+    """A full file: its parts (this rank's data of each tensor, in the file's order), header and length."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str], rank: int) -> None:
+        seen: dict[int, str] = {}
+        aliases: dict[str, str] = {}
+        self.parts: list[_Part] = []
+        for name in sorted(tensors):
+            value = tensors[name]
+            if id(value) in seen:
+                aliases[name] = seen[id(value)]
+                continue
+            seen[id(value)] = name
+            self.parts.append(_part(name, value, rank))
+        meta = dict(metadata, format="pt")
+        if aliases:
+            meta[ALIASES_KEY] = json.dumps(aliases, sort_keys=True)
+        self.header, self.starts = _header(self.parts, meta)
+        self.total = len(self.header) + sum(p.nbytes for p in self.parts)
+
+    def write(self, file: DirectFile, rank: int) -> list[tuple[int, int, str]]:
+        """This rank's runs (rank 0: the header too) written at their offsets, each hashed from memory as it is
+        written; returns the ranges (start, end, digest)."""
+        ranges = _Ranges()
         if rank == 0:
-            file.write_at(0, header)
-            ranges.add(0, memoryview(header))
-        for part in parts:
+            file.write_at(0, self.header)
+            ranges.add(0, memoryview(self.header))
+        for part in self.parts:
             if part.local is None:
                 continue
             data = part.local.to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
             view = data.data  # numpy's memoryview of the bytes: no copy
             size = part.dtype.itemsize
-            base = len(header) + starts[part.name]
+            base = len(self.header) + self.starts[part.name]
             for at, local_at, count in runs(part.shape, part.offsets, tuple(part.local.shape)):
                 piece = view[local_at * size:(local_at + count) * size]
                 file.write_at(base + at * size, piece)
                 ranges.add(base + at * size, piece)
-    except BaseException:
-        file.abort()
-        raise
-    finish_ranges(file, total, ranges.finish())
+        return ranges.finish()
 
 
 class _Ranges:

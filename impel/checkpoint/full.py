@@ -92,12 +92,13 @@ def save_full(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Opti
              "optimizers": [optimizer_file(i) for i in range(len(optimizers))]}
     if not (writer or all_ranks):
         return {"format": FORMAT, **names}
+    shared: list[tuple[dict[str, torch.Tensor], Path, dict[str, str]]] = []  # cooperative files, written at the end
     for i, model in enumerate(models):
         if i in skip_models:
             continue
         if cooperative_rank is not None and safe_serialization:
             shards = cast(dict[str, torch.Tensor], named_state.model_state(model))  # DTensors: this rank's shards
-            _write_cooperatively(shards, directory / names["models"][i], {}, cooperative_rank)
+            shared.append((shards, directory / names["models"][i], {}))
             continue
         # full: tensors only (replicated models, options None: torch's names, recorded at the first save)
         weights = cast(dict[str, torch.Tensor], named_state.model_state(model) if options is None
@@ -109,19 +110,27 @@ def save_full(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Opti
         packed = cooperative.optimizer_tensors(optimizer_state(models[owner], opt)) if coop else None
         if packed is not None and cooperative_rank is not None:  # the same answer on every rank (same structure)
             names["optimizers"][i] = optimizer_file(i, cooperative=True)
-            _write_cooperatively(packed[0], directory / names["optimizers"][i], packed[1], cooperative_rank)
+            shared.append((packed[0], directory / names["optimizers"][i], packed[1]))
             continue
         state = optimizer_state(models[owner], opt, options)
         if writer:
             write_torch(state, directory / names["optimizers"][i])
+    if shared and cooperative_rank is not None:
+        _write_cooperatively(shared, cooperative_rank)
     return {"format": FORMAT, **names}
 
 
-def _write_cooperatively(tensors: Mapping[str, torch.Tensor], path: Path, metadata: Mapping[str, str],
-                         rank: int) -> None:
-    """This rank's share of a full file, now, or under save_state(async_save=True) staged now and written later."""
-    if not staging.defer(cooperative.write, tensors, path, metadata, rank):
-        cooperative.write(tensors, path, metadata, rank)
+def _write_cooperatively(files: list[tuple[dict[str, torch.Tensor], Path, dict[str, str]]], rank: int) -> None:
+    """This rank's share of the full files (their lengths reserved before the first write), now, or under
+    save_state(async_save=True) staged now and written later."""
+    tensors = [t for t, _, _ in files]
+    rest = [(path, metadata) for _, path, metadata in files]
+    if not staging.defer(_write_staged, tensors, rest, rank):
+        _write_staged(tensors, rest, rank)
+
+
+def _write_staged(tensors: list[dict[str, torch.Tensor]], rest: list[tuple[Path, dict[str, str]]], rank: int) -> None:
+    cooperative.write_files([(t, path, metadata) for t, (path, metadata) in zip(tensors, rest)], rank)
 
 
 def read_optimizer(path: Path, what: str) -> Any:

@@ -90,3 +90,48 @@ def test_a_background_write_failure_of_a_full_file_raises_from_the_saves_digests
         cooperative.write(_tensors(), tmp_path / "model.safetensors", {}, rank=0)  # queued: no error yet
         with pytest.raises(OSError, match="No space left"):
             sealer.entries()
+
+
+def test_every_full_file_of_a_save_is_reserved_before_the_first_write(tmp_path, monkeypatch):
+    """``write_files`` (a save's model and optimizer files): both lengths are set before the first byte is written
+    (a reserve made while another file's writes and fsync are in flight waits for the journal), and both files
+    hold their tensors."""
+    import torch
+    from safetensors.torch import load_file
+
+    from impel.checkpoint import cooperative, direct_io
+
+    torch.manual_seed(1)
+    other = {"m": torch.randn(64, 129), "v": torch.randn(64, 129)}
+    paths = [tmp_path / "model.safetensors", tmp_path / "optimizer.safetensors"]
+    at_first_write: list[dict[str, int]] = []
+    write_at = direct_io.DirectFile.write_at
+
+    def spy(self, offset, data):
+        if not at_first_write:
+            at_first_write.append({p.name: p.stat().st_size if p.exists() else -1 for p in paths})
+        return write_at(self, offset, data)
+
+    monkeypatch.setattr(direct_io.DirectFile, "write_at", spy)
+    cooperative.write_files([(_tensors(), paths[0], {}), (other, paths[1], {"k": "v"})], rank=0)
+    assert at_first_write == [{p.name: p.stat().st_size for p in paths}]
+    for path, tensors in zip(paths, (_tensors(), other)):
+        loaded = load_file(path)
+        assert sorted(loaded) == sorted(tensors) and all(torch.equal(loaded[k], v) for k, v in tensors.items())
+
+
+def test_a_failed_full_file_write_closes_the_files_it_opened(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    from impel.checkpoint import cooperative, direct_io
+
+    def full(self, buffer, at, size):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    before = len(os.listdir("/proc/self/fd"))
+    monkeypatch.setattr(direct_io.DirectFile, "_write", full)
+    files = [(_tensors(), tmp_path / "model.safetensors", {}), (_tensors(), tmp_path / "optimizer.safetensors", {})]
+    with pytest.raises(OSError, match="No space left"):
+        cooperative.write_files(files, rank=0)
+    assert len(os.listdir("/proc/self/fd")) == before
