@@ -41,6 +41,22 @@ def test_appended_bytes_are_the_file(tmp_path, size):
     assert not any(t.name.startswith("impel-write") for t in threading.enumerate())
 
 
+def test_a_reserve_that_failed_part_way_is_cut_back_to_the_files_bytes(tmp_path, monkeypatch):
+    """``fallocate`` can fail (ENOSPC) after lengthening the file: the finished file still has exactly its bytes
+    (a file left longer than its manifest entry would fail every load)."""
+    def partial(fd, offset, length):
+        os.ftruncate(fd, offset + length)  # what a reserve that gave up part way can leave
+        return False
+
+    monkeypatch.setattr(direct_io, "_fallocate", partial)
+    path = tmp_path / "f.bin"
+    data = os.urandom(2 * BUFFER + PAGE)  # ends on a page: no padded last write to truncate anyway
+    file = DirectFile(path)
+    file.write(data)
+    file.finish()
+    assert path.stat().st_size == len(data) and path.read_bytes() == data
+
+
 def test_o_direct_is_used_where_the_file_system_takes_it(tmp_path):
     """On Linux ext4/xfs (this project's machines) the flag is taken; elsewhere the buffered path is the writer. A
     file shorter than ``SMALL`` goes through the page cache at the end (one write, no padding, no truncate)."""
