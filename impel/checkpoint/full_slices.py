@@ -73,6 +73,8 @@ def read_boxes(path: Path, targets: Callable[[Mapping[str, Any], Mapping[str, Sh
             # the checking reader: check only what this rank reads (per-range blocks), else hash the other ranks'
             # bytes in order
             skip = None if touched_only is None or touched_only() else getattr(stream, "hash_up_to", None)
+            if skip is None and hasattr(stream, "plan"):  # only this rank's bytes are read: only those asked ahead
+                stream.plan([(base + at, base + at + view.nbytes) for at, view in reads])
             for at, view in sorted(reads, key=lambda r: r[0]):  # in file order: one forward pass over the file
                 if skip is not None:
                     skip(base + at)

@@ -31,6 +31,13 @@ from impel.checkpoint.layout import CheckpointError, corrupted, entry_blocks, en
 
 T = TypeVar("T")
 
+# Bytes a reader asks the kernel for ahead of its position (posix_fadvise WILLNEED), within the ranges it will
+# read: a cold read otherwise waits for each request in turn while the disk idles as the caller copies and hashes.
+# Measured on the development VM, 600 MB read cold in 1.3 MB reads (a tensor at a time), 4 rounds each: 0.60 GB/s
+# without, 0.98 with 32 MiB asked ahead (1.04 with 128 MiB), the kernel's own readahead being 8 MiB.
+AHEAD = 32 << 20
+_WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None)  # None where the platform has no posix_fadvise (macOS)
+
 # files impel's readers open through open_checked (the leader checks the others' checksums up front)
 _READ_CHECKED = re.compile(
     r"^(model|optimizer|scheduler)(_\d+)?\.(safetensors|pt)$|^pytorch_model(_\d+)?\.bin$|^training_state\.pt$"
@@ -102,6 +109,8 @@ class VerifyingReader(io.RawIOBase):
         self.size = os.fstat(self.raw.fileno()).st_size
         self.position = 0
         self.hashed = 0  # bytes [0, hashed) went through the hasher
+        self.planned: list[tuple[int, int]] | None = None  # the byte ranges the caller will read (None: any)
+        self._window = (0, 0)  # [start, end): the bytes asked of the kernel ahead of the reader
 
     def readable(self) -> bool:
         return True
@@ -117,8 +126,42 @@ class VerifyingReader(io.RawIOBase):
         self.position = base + offset
         return self.position
 
+    def plan(self, ranges: list[tuple[int, int]]) -> None:
+        """The byte ranges [start, end) the caller will read (a rank reading its shards of a full file): what is
+        asked ahead of the reads stays within them."""
+        merged: list[tuple[int, int]] = []
+        for start, end in sorted(ranges):
+            if merged and start <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+            else:
+                merged.append((start, end))
+        self.planned = merged
+
+    def _ask_ahead(self) -> None:
+        """Ask the kernel for the next AHEAD bytes the caller will read, half a window at a time; a reader that
+        jumped (a zip's directory at the end first, then its records from the start) starts a new window."""
+        if _WILLNEED is None:
+            return
+        start, end = self._window
+        if not start <= self.position <= end:
+            start = end = self.position
+        if end - self.position < AHEAD // 2:
+            until = min(self.position + AHEAD, self.size)
+            wanted = [(end, until)] if self.planned is None else [
+                (max(lo, end), min(hi, until)) for lo, hi in self.planned if lo < until and hi > end]
+            for lo, hi in wanted:
+                if hi <= lo:
+                    continue
+                try:
+                    os.posix_fadvise(self.raw.fileno(), lo, hi - lo, _WILLNEED)
+                except OSError:  # a hint: a file system that refuses it reads as before
+                    break
+            end = max(end, until)
+        self._window = (start, end)
+
     def readinto(self, buffer: Any) -> int:
         view = memoryview(buffer).cast("B")
+        self._ask_ahead()
         n = self.raw.readinto(view) if self.raw.tell() == self.position else self._pread_into(view)
         n = n or 0
         self._hash(self.position, view[:n])
