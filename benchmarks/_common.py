@@ -101,11 +101,12 @@ def disk_reference(measurements: Sequence[dict[str, float]]) -> tuple[str, list[
 
 def around(points: Sequence[float], saves: int) -> list[float]:
     """The disk each of ``saves`` saves is compared with: the mean of the measurements just before and just after
-    it where there is one more measurement than saves (the disk drifts within seconds on a VM; one neighbour is
-    one draw), else the one just before."""
-    if len(points) == saves + 1:
-        return [(a + b) / 2 for a, b in zip(points, points[1:])]
-    return list(points[:saves])
+    it (``points`` has one more measurement than there are saves; the disk drifts within seconds on a VM, and one
+    neighbour is one draw)."""
+    if len(points) != saves + 1:
+        raise ValueError(f"{len(points)} disk measurements for {saves} saves: one before each save and one after "
+                         "the last are needed")
+    return [(a + b) / 2 for a, b in zip(points, points[1:])]
 
 
 def environment() -> dict[str, Any]:

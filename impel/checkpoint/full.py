@@ -123,14 +123,8 @@ def save_full(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Opti
 def _write_cooperatively(files: list[tuple[dict[str, torch.Tensor], Path, dict[str, str]]], rank: int) -> None:
     """This rank's share of the full files (their lengths reserved before the first write), now, or under
     save_state(async_save=True) staged now and written later."""
-    tensors = [t for t, _, _ in files]
-    rest = [(path, metadata) for _, path, metadata in files]
-    if not staging.defer(_write_staged, tensors, rest, rank):
-        _write_staged(tensors, rest, rank)
-
-
-def _write_staged(tensors: list[dict[str, torch.Tensor]], rest: list[tuple[Path, dict[str, str]]], rank: int) -> None:
-    cooperative.write_files([(t, path, metadata) for t, (path, metadata) in zip(tensors, rest)], rank)
+    if not staging.defer(cooperative.write_files, files, rank):
+        cooperative.write_files(files, rank)
 
 
 def read_optimizer(path: Path, what: str) -> Any:

@@ -147,9 +147,8 @@ class VerifyingReader(io.RawIOBase):
             start = end = self.position
         if end - self.position < AHEAD // 2:
             until = min(self.position + AHEAD, self.size)
-            wanted = [(end, until)] if self.planned is None else [
-                (max(lo, end), min(hi, until)) for lo, hi in self.planned if lo < until and hi > end]
-            for lo, hi in wanted:
+            for lo, hi in [(end, until)] if self.planned is None else self.planned:
+                lo, hi = max(lo, end), min(hi, until)
                 if hi <= lo:
                     continue
                 try:
