@@ -148,11 +148,14 @@ def async_rows(quick: bool = False) -> dict[str, Any]:
                          "copy_s": copy, "blocked/copy": blocked / copy,
                          "target": "blocked/copy <= 1.5", "ok": blocked / copy <= 1.5, "error": None})
     return {"rows": rows, "n_layer": n_layer, "environment": _common.environment(),
-            "summary": ["async: median over 3 saves of the slowest rank; async_blocked_s is the save_state call "
-                        "(check-in, staging copies into reused CPU buffers), sync_save_s a synchronous save_state of "
-                        "the same state, background_s the call to the commit (waited for right away), the disk "
-                        "measured just before each synchronous save; the first asynchronous save (new buffers and "
-                        "the background group) is first_async_blocked_s, not in the ratio"]}
+            "summary": ["async: medians of the slowest rank; async_blocked_s is the save_state call (the target "
+                        "checked, the staging copies into reused CPU buffers; no collective), over 9 calls (3 after "
+                        "each of 3 synchronous saves), copy_s one copy of the rank's state, measured just before "
+                        "each call and started as the call is (after a pause, all ranks together); sync_save_s a "
+                        "synchronous save_state of the same state (3), background_s the first call after each to "
+                        "the commit (waited for right away), against the disk measured just before the synchronous "
+                        "save; the first asynchronous save (new buffers and the background group) is "
+                        "first_async_blocked_s, not in the ratio"]}
 
 
 if __name__ == "__main__":  # python benchmarks/checkpoint.py async: only the async rows, merged into the results

@@ -7,7 +7,9 @@ state (each finished file is hashed and fsynced in the background meanwhile) -> 
 DeepSpeed, hooks) are hashed by all ranks in parallel -> the leader seals (manifest from those digests, metadata,
 marker, fsync) and renames -> rotation (``total_limit``). With ``async_save`` the writes up to the RNG state are
 staged in CPU memory instead (``staging``) and everything from the writes on runs on a background thread, its
-collectives on a dedicated gloo group; the next save/load, ``end_training`` and exit wait for it.
+collectives on a dedicated gloo group; the next save/load, ``end_training`` and exit wait for it. Its call does no
+collective: each rank checks the target and names the temporary directory itself, and the check-in and the
+agreement on the target are the background thread's first step.
 
 load: check in -> the leader finds the directory (newest complete one by default) and verifies sizes and
 checksums -> pre-hooks -> GradScaler, models and optimizers (strategy), schedulers, counters, dataloaders,
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import logging
 import os
 import pickle
@@ -33,7 +36,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from impel.accelerator import load_accelerate as accelerate_format
-from impel.checkpoint import collective, layout, ownership, staging, storage, verified
+from impel.checkpoint import collective, layout, ownership, staging, storage, target, verified
 from impel.checkpoint.digests import sealing, share_digests
 from impel.checkpoint.files import crc32_off, read_torch, write_torch
 from impel.checkpoint.full import suffix
@@ -101,6 +104,7 @@ class Checkpointer:
         self.async_configured = async_save  # the run config's async_save key
         self.pending: staging.PendingSave | None = None
         self._stager: Any = None  # stager.Stager, created by the first asynchronous save
+        self._needed = target.NeededBytes()
         self.save_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
         self.load_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
         self.elastic = elastic  # an elastic job: a load on another world size is expected (resilience reports it)
@@ -152,29 +156,56 @@ class Checkpointer:
                 "save_state() before prepare(): no model, optimizer, scheduler or dataloader is prepared and no "
                 "object is registered, so the checkpoint would hold random states only; call "
                 "accelerator.prepare(model, optimizer, ...) (or register_for_checkpointing(obj)) first")
-        collective.arrive("save_state", self.run.process.timeout)
         options = dataclasses.replace(options, shared_dir=not self.config.save_on_each_node)
-        final = self._save_target(output_dir)
         if asynchronous:
-            self._check_async()
+            return self._save_async(output_dir, safe_serialization, options)
+        collective.arrive("save_state", self.run.process.timeout)
+        final = self._save_target(output_dir)
         leader = self._leader()
         # one collective: the ranks agree on the target and get the temporary directory the leader prepared
         prepared = collective.prepare_agreed(str(final), "the save_state output directory",
-                                             lambda: self._prepare(final), "preparing the checkpoint directory", leader)
+                                             lambda: self._prepare(final, layout.temp_dir_for(final), clean=True),
+                                             "preparing the checkpoint directory", leader)
         assert prepared is not None  # rank 0 always leads, and every rank gets rank 0's result
         temp = Path(prepared)
+        write = lambda: self._metadata(self._write(temp, leader, safe_serialization, options))  # noqa: E731
         try:
-            if not asynchronous:
-                write = lambda: self._metadata(self._write(temp, leader, safe_serialization, options))  # noqa: E731
-                self._finish(temp, final, leader, write, group=None)
-            else:
-                group = staging.background_group(self.run.process.timeout)  # collective the first time
-                staged, metadata = self._stage(temp, final, leader, safe_serialization, options, group)
-                self.pending = staging.PendingSave(str(final), lambda: self._finish(
-                    temp, final, leader, lambda: staged.run(metadata), group, staged.error), reported=staged.error)
-                if staged.error is not None:
-                    self.config.iteration += 1  # as on the other ranks, whose calls returned
-                    raise staged.error
+            self._finish(temp, final, leader, write, group=None)
+        except BaseException:
+            if leader:
+                shutil.rmtree(temp, ignore_errors=True)
+            raise
+        self.config.iteration += 1
+        return str(final)
+
+    def _save_async(self, output_dir: Any, safe_serialization: bool, options: SaveOptions) -> str:
+        """The call of an asynchronous save does no collective (but the first's, which checks in and creates the
+        background group): each rank checks the target itself (a bad target raises here, alike on every rank), names the
+        temporary directory as every other rank does (``staging.temp_token``) and stages. The check-in and the
+        agreement on the target are the background job's first step (:meth:`_finish`): a rank that never calls
+        fails the save there, bounded by the group's timeout."""
+        final = self._save_target(output_dir)
+        self._check_async()
+        leader = self._leader()
+        if not staging.group_ready():  # the first asynchronous save: its group's creation is collective
+            collective.arrive("save_state", self.run.process.timeout)  # (a call on one rank raises, not hangs)
+        group = staging.background_group(self.run.process.timeout)
+        temp = layout.temp_dir_for(final, staging.temp_token())  # before anything that can fail on one rank only
+        try:  # the leader's cleaning spares temp, which the others may be filling already
+            self._prepare(final, temp, clean=leader)
+        except Exception as exc:
+            # a bad target fails alike on every rank; should it pass on some, their job's first step fails too
+            # (instead of waiting for this rank until the timeout)
+            self.pending = staging.PendingSave(str(final), functools.partial(
+                self._finish, temp, final, leader, dict, group, exc), reported=exc)
+            raise
+        try:
+            staged, metadata = self._stage(temp, final, leader, safe_serialization, options, group)
+            self.pending = staging.PendingSave(str(final), lambda: self._finish(
+                temp, final, leader, lambda: staged.run(metadata), group, staged.error), reported=staged.error)
+            if staged.error is not None:
+                self.config.iteration += 1  # as on the other ranks, whose calls returned
+                raise staged.error
         except BaseException:
             if leader:
                 shutil.rmtree(temp, ignore_errors=True)
@@ -205,8 +236,14 @@ class Checkpointer:
         process group of its collectives (None: the default group, on the main thread). ``staged``: an asynchronous
         save's staging failure on this rank (every rank's are shared first, so all of them fail the save)."""
         try:
-            if group is not None:
-                collective.run_shared(lambda: _reraise(staged), "save_state", group)
+            if group is not None:  # an asynchronous save's first step: every rank joined, with the same target
+                collective.prepare_agreed(  # (a staging failure on any rank fails the save on all)
+                    str(temp), "the save_state output directory (and the save's temporary directory)",
+                    lambda: _reraise(staged),
+                    "save_state", leader=True, group=group,
+                    joining=f"not every rank joined the asynchronous save_state() to {final} within "
+                            f"{self.run.process.timeout}; save_state() is collective: call it on every rank (not "
+                            "under `if accelerator.is_main_process:`), the same number of times")
             box: dict[str, dict[str, Any]] = {}
 
             def written(sealer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -272,26 +309,11 @@ class Checkpointer:
         return run
 
     def _needed_bytes(self) -> int:
-        return storage.state_bytes(self.run.prepared.models, self.run.prepared.inner_optimizers())
+        return self._needed(self.run.prepared.models, self.run.prepared.inner_optimizers())
 
-    def _prepare(self, final: Path) -> str:
-        temp = layout.temp_dir_for(final)
-        self._storing(final, temp, lambda: self._clean_parent(final))()
-        if self.config.automatic_checkpoint_naming and final.exists():
-            raise layout.CheckpointError(
-                f"{final} already exists (ProjectConfiguration.iteration={self.config.iteration}); set "
-                f"accelerator.project_configuration.iteration = {layout.next_free_iteration(final.parent)} or "
-                "call load_state() first, which sets it")
-        layout.check_target(final)
-        ownership.check_save_target(final)
-        storage.check_room(final, self._needed_bytes())  # before anything is written
-        return str(temp)
-
-    @staticmethod
-    def _clean_parent(final: Path) -> None:
-        storage.check_room(final, 0)  # a read-only filesystem, named before mkdir names a parent the user did not give
-        final.parent.mkdir(parents=True, exist_ok=True)
-        layout.clean_incomplete(final.parent)
+    def _prepare(self, final: Path, temp: Path, clean: bool) -> str:
+        return target.prepare(final, temp, clean, self.config.automatic_checkpoint_naming, self.config.iteration,
+                              self._needed_bytes)
 
     def _write(self, temp: Path, leader: bool, safe_serialization: bool, options: SaveOptions) -> dict[str, Any]:
         run, prepared = self.run, self.run.prepared

@@ -120,18 +120,26 @@ def _any_failed(failed: bool, group: Any) -> bool:
     return bool(flag.item())
 
 
-def prepare_agreed(value: str, what_value: str, fn: Callable[[], T], what: str, leader: bool) -> T:
+def prepare_agreed(value: str, what_value: str, fn: Callable[[], T], what: str, leader: bool, group: Any = None,
+                   joining: str | None = None) -> T:
     """One collective for three steps: every rank passed the same ``value`` (else a CheckpointError naming each
     rank's, as :func:`agree`), ``fn`` ran on the leader(s) (a failure raised on every rank, as :func:`run_shared`),
-    and every rank returns rank 0's result (as :func:`on_leader`)."""
+    and every rank returns rank 0's result (as :func:`on_leader`). ``group``: as :func:`run_shared`'s. ``joining``:
+    the CheckpointError's message when the collective itself fails (a rank that never joins it: the group's
+    timeout), for a step that is the first collective of a call, as an asynchronous save's background job's."""
     result: Any
     result, error, message = _attempt(fn) if leader else (None, None, None)
     if not is_distributed():
         if error is not None:
             raise error
         return result
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (value, result, message))
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    try:
+        dist.all_gather_object(gathered, (value, result, message), group=group)
+    except RuntimeError as exc:
+        if joining is None:
+            raise
+        raise CheckpointError(f"{joining} ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})") from exc
     if len({g[0] for g in gathered}) > 1:
         listed = ", ".join(f"rank {r}: {g[0]!r}" for r, g in enumerate(gathered))
         raise CheckpointError(f"ranks disagree on {what_value} ({listed}); pass the same value on every rank")

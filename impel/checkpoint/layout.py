@@ -113,13 +113,14 @@ def temp_dir_for(final: Path, token: str | None = None) -> Path:
     return final.parent / f"{TMP_PREFIX}{final.name}-{token or uuid.uuid4().hex[:12]}"
 
 
-def clean_incomplete(root: Path) -> list[Path]:
-    """Delete the temporary and swapped-out directories interrupted saves left in ``root``."""
+def clean_incomplete(root: Path, keep: Path | None = None) -> list[Path]:
+    """Delete the temporary and swapped-out directories interrupted saves left in ``root`` (all but ``keep``: the
+    temporary directory of the save that is cleaning, already in use)."""
     removed: list[Path] = []
     if not root.is_dir():
         return removed
     for entry in root.iterdir():
-        if entry.is_dir() and entry.name.startswith((TMP_PREFIX, OLD_PREFIX)):
+        if entry.is_dir() and entry.name.startswith((TMP_PREFIX, OLD_PREFIX)) and entry != keep:
             logger.warning("removing %s, left by an interrupted save", entry)
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(entry)

@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import itertools
 import sys
 import threading
+import uuid
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -114,18 +116,36 @@ def new_stager() -> Stager:
 
 
 # --- the dedicated process group -------------------------------------------------------------------------------
-_group: list[Any] = []  # [default group, its gloo group for background saves] once created
+_group: list[Any] = []  # [default group, its gloo group for background saves, the job's token] once created
+_saves = itertools.count()  # this process's asynchronous saves: the same count on every rank (all of them call)
+
+
+def group_ready() -> bool:
+    """Whether :func:`background_group` returns without a collective (one process, or the group exists)."""
+    return not is_distributed() or bool(_group and _group[0] is dist.distributed_c10d._get_default_group())
 
 
 def background_group(timeout: timedelta) -> Any:
     """The gloo group background saves coordinate on (None on one process). Collective on the default group the
-    first time (and after the default group changed): every rank calls it at the same point of ``save_state``."""
+    first time (and after the default group changed): every rank calls it at the same point of ``save_state``.
+    It also agrees a random token for the job there, which :func:`temp_token` names the saves' directories by."""
     if not is_distributed():
         return None
     default = dist.distributed_c10d._get_default_group()
     if not _group or _group[0] is not default:
-        _group[:] = [default, dist.new_group(backend="gloo", timeout=timeout)]
+        token = [uuid.uuid4().hex[:8]]
+        dist.broadcast_object_list(token, src=0)
+        _group[:] = [default, dist.new_group(backend="gloo", timeout=timeout), token[0]]
     return _group[1]
+
+
+def temp_token() -> str:
+    """The token of the next asynchronous save's temporary directory (``layout.temp_dir_for``): the same on every
+    rank without a collective (the job's token from :func:`background_group`, and the count of this process's
+    saves), and new for every save of every job (a crashed save's leftover is never reused). Random on one
+    process."""
+    n = next(_saves)
+    return f"{_group[2]}{n:04d}" if _group and is_distributed() else uuid.uuid4().hex[:12]
 
 
 def release_group() -> None:

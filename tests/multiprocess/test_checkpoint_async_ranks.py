@@ -94,3 +94,106 @@ def test_a_staging_failure_on_one_rank_fails_the_save_on_every_rank(tmp_path):
         second["raised_at_wait"]  # elsewhere: when the save is waited for
     assert first["iteration"] == second["iteration"] == 1  # the ranks still agree on the next name
     assert first["next"] == second["next"] and first["listing"] == second["listing"] == ["checkpoint_1"]
+
+
+def _ranks_call_one_after_the_other(root: str) -> dict:
+    """Rank 1 calls save_state(async_save=True) only once rank 0's call has returned (a marker file): the call itself
+    must not wait for the other ranks (the check-in runs on the background thread)."""
+    import os
+    import time
+    from datetime import timedelta
+
+    from checkpoint_helpers import make_run, train
+    from impel.checkpoint import CheckpointError
+
+    acc, model, opt, loader, sched = make_run(None)
+    acc.state.timeout = timedelta(seconds=20)  # the old call's check-in: rank 0 would raise after 20 s
+    acc.save_state(os.path.join(root, "first"), async_save=True)  # creates the background group (collective)
+    acc.wait_for_checkpoint()
+    train(acc, model, opt, loader, sched, until=2)
+    marker = os.path.join(root, "rank0-returned")
+    out: dict = {}
+    if acc.process_index == 1:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(marker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        out["saw_marker"] = os.path.exists(marker)
+    try:
+        out["returned"] = acc.save_state(os.path.join(root, "second"), async_save=True)
+    except CheckpointError as exc:
+        out["raised"] = str(exc)
+    if acc.process_index == 0:
+        open(marker, "w").close()
+    out["waited"] = acc.wait_for_checkpoint()
+    out["listing"] = sorted(n for n in os.listdir(root) if not n.startswith("rank0"))
+    train(acc, model, opt, loader, sched, until=4)
+    acc.load_state(os.path.join(root, "second"))
+    out["steps"] = opt.steps_taken  # the state at the call
+    acc.end_training()
+    return out
+
+
+def test_an_async_save_call_does_not_wait_for_the_other_ranks(tmp_path):
+    results = run_on_ranks(_ranks_call_one_after_the_other, 2, args=(str(tmp_path),), timeout=TIMEOUT)
+    for rank, out in enumerate(results):
+        assert "raised" not in out, out.get("raised")
+        assert out["returned"] == out["waited"] == str(tmp_path / "second"), rank
+        assert out["listing"] == ["first", "second"]  # committed; no temporary directory left
+        assert out["steps"] == 2
+    assert results[1]["saw_marker"]
+
+
+def _async_save_on_rank_zero_only(root: str) -> dict:
+    import os
+    from datetime import timedelta
+
+    from checkpoint_helpers import make_run
+    from impel.checkpoint import CheckpointError
+
+    acc, model, opt, loader, sched = make_run(None)
+    acc.state.timeout = timedelta(seconds=3)  # the background group's timeout, set when the first save creates it
+    acc.save_state(os.path.join(root, "both"), async_save=True)
+    acc.wait_for_checkpoint()
+    acc.wait_for_everyone()
+    out: dict = {}
+    if acc.is_main_process:
+        out["returned"] = acc.save_state(os.path.join(root, "alone"), async_save=True)  # staged: returns
+        try:
+            acc.wait_for_checkpoint()
+        except CheckpointError as exc:
+            out["error"] = str(exc)
+    acc.wait_for_everyone()
+    out["listing"] = sorted(os.listdir(root))
+    acc.end_training()
+    return out
+
+
+def test_an_async_save_called_on_one_rank_only_fails_instead_of_hanging(tmp_path):
+    main, other = run_on_ranks(_async_save_on_rank_zero_only, 2, args=(str(tmp_path),), timeout=TIMEOUT)
+    assert main["returned"] == str(tmp_path / "alone")
+    assert main["error"].startswith(f"the asynchronous save_state() to {tmp_path / 'alone'} failed: CheckpointError: "
+                                    f"not every rank joined the asynchronous save_state() to {tmp_path / 'alone'} "
+                                    "within 0:00:03; save_state() is collective: call it on every rank"), main["error"]
+    assert main["listing"] == other["listing"] == ["both"]  # nothing committed, the temporary directory removed
+
+
+def _first_async_save_on_rank_zero_only(root: str) -> str | None:
+    import os
+    from datetime import timedelta
+
+    from checkpoint_helpers import make_run
+
+    acc, *_ = make_run(None)
+    if not acc.is_main_process:
+        return None
+    acc.state.timeout = timedelta(seconds=2)
+    try:  # the first asynchronous save creates the background group (collective): it checks in first
+        acc.save_state(os.path.join(root, "alone"), async_save=True)
+    except Exception as exc:  # noqa: BLE001 - the test inspects it
+        return f"{type(exc).__name__}: {exc}"
+    return "returned"
+
+
+def test_a_first_async_save_on_one_rank_only_raises_at_the_call(tmp_path):
+    message, _ = run_on_ranks(_first_async_save_on_rank_zero_only, 2, args=(str(tmp_path),), timeout=90)
+    assert message.startswith("CheckpointError") and "rank(s) [1] did not call it within 0:00:02" in message

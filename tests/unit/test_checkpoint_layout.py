@@ -171,6 +171,35 @@ def test_leftover_temporary_directories_are_cleaned_and_ignored(tmp_path):
     assert not stale.exists()
 
 
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_save_cleans_leftovers_but_not_its_own_temporary_directory(tmp_path, asynchronous):
+    """An asynchronous save names its temporary directory before its leader cleans the parent (the other ranks may
+    already be filling it): the cleaning spares exactly that directory, and removes the leftovers."""
+    acc, _model, _opt = prepared(tmp_path)
+    acc.save_state()
+    root = tmp_path / "checkpoints"
+    stale = root / f"{layout.TMP_PREFIX}checkpoint_1-dead"
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"partial")
+    seen: list[list[str]] = []
+    real = layout.clean_incomplete
+
+    def spy(where, keep=None):
+        assert keep is not None and keep.name.startswith(f"{layout.TMP_PREFIX}checkpoint_1-")
+        keep.mkdir(parents=True, exist_ok=True)  # as another rank may have made it before the leader cleans
+        removed = real(where, keep=keep)
+        seen.append(sorted(p.name for p in removed))
+        return removed
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(layout, "clean_incomplete", spy)
+        final = acc.save_state(async_save=asynchronous)
+        acc.wait_for_checkpoint()
+    assert seen == [[stale.name]]
+    assert sorted(p.name for p in root.iterdir()) == ["checkpoint_0", "checkpoint_1"]
+    assert acc.load_state(final) == final
+
+
 def test_total_limit_keeps_the_newest_and_numbers_continue(tmp_path):
     acc, _model, _opt = prepared(tmp_path, total_limit=2)
     names = [acc.save_state() for _ in range(4)]

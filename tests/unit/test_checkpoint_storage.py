@@ -78,6 +78,23 @@ def test_a_full_disk_is_refused_before_anything_is_written(tmp_path, monkeypatch
     _assert_nothing_lost(acc, model, target)
 
 
+def test_the_room_asked_for_grows_with_the_optimizer_states(tmp_path, monkeypatch):
+    """The bytes a save asks for are kept between saves (their sum walks every module) but not past the optimizer's
+    first step, which adds its states."""
+    acc = Accelerator(cpu=True)
+    model = nn.Linear(8, 32)
+    model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    weights = storage.state_bytes([model], [opt])
+    acc.save_state(str(tmp_path / "before"))  # no optimizer state yet: the weights only
+    acc.backward(model(torch.randn(4, 8)).sum())
+    opt.step()
+    needed = storage.state_bytes([model], [opt])
+    assert needed > 3 * weights
+    monkeypatch.setattr(storage.shutil, "disk_usage", lambda path: Usage(10**6, 10**6 - 2 * weights, 2 * weights))
+    message = _expect_failure(acc, tmp_path / "after", asynchronous=False)
+    assert f"the checkpoint needs {needed:,} bytes (at least), {2 * weights:,} free" in message, message
+
+
 def _full_after(monkeypatch, limit: int) -> None:
     """The disk fills up after ``limit`` bytes of any checkpoint file impel streams (torch.save's, safetensors,
     DCP shards): the I/O thread's ``pwrite`` fails with ENOSPC, as on a real full disk."""
