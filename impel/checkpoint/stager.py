@@ -21,6 +21,9 @@ import torch
 Path = tuple[Any, ...]
 
 
+_IMMUTABLE = frozenset({int, float, bool, complex, str, bytes, type(None)})
+
+
 class _Shard:
     """A staged DTensor's local shard with what it takes to wrap it again (the source's spec; no reference to the
     source tensor itself)."""
@@ -84,6 +87,8 @@ class Stager:
         return sum(buffer.nbytes() for buffer in self._buffers.values())
 
     def _copy(self, obj: Any, path: Path, memo: dict[Any, torch.UntypedStorage]) -> Any:
+        if type(obj) in _IMMUTABLE:  # as deepcopy would: the object itself (a Python RNG state holds 625 ints,
+            return obj               # deep-copied one by one that was 1 ms of an asynchronous save's call)
         from torch.distributed.tensor import DTensor
 
         if isinstance(obj, DTensor):

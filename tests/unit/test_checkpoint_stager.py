@@ -53,3 +53,17 @@ def test_asynchronous_saves_reuse_their_staging_buffers(tmp_path):
     acc.wait_for_checkpoint()
     assert stager.held_bytes() == held > 0
     assert {k: b.data_ptr() for k, b in stager._buffers.items()} == buffers
+
+
+def test_plain_data_is_copied_where_training_could_change_it():
+    import random
+
+    random.seed(3)
+    rng = random.getstate()  # (version, 625 ints, gauss): immutable, staged as is (deep-copying each int cost 1 ms)
+    mutable = bytearray(b"abc")
+    state = {"python": rng, "buffer": mutable, "counts": [1, 2], "name": "x"}
+    staged = Stager().stage(state, key=0)
+    assert staged["python"] == rng and staged["name"] == "x"
+    mutable[0] = 0  # changed after the call: the staged copy keeps the value at the call
+    state["counts"].append(3)
+    assert staged["buffer"] == bytearray(b"abc") and staged["counts"] == [1, 2]
