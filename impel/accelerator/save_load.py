@@ -180,8 +180,8 @@ class Checkpointer:
 
     def _save_async(self, output_dir: Any, safe_serialization: bool, options: SaveOptions) -> str:
         """The call of an asynchronous save does no collective (but the first's, which checks in and creates the
-        background group): each rank checks the target itself (a bad target raises here, alike on every rank), names the
-        temporary directory as every other rank does (``staging.temp_token``) and stages. The check-in and the
+        background group): each rank checks the target itself (a bad target raises here, alike on every rank), names
+        the temporary directory as every other rank does (``staging.temp_token``) and stages. The check-in and the
         agreement on the target are the background job's first step (:meth:`_finish`): a rank that never calls
         fails the save there, bounded by the group's timeout."""
         final = self._save_target(output_dir)
@@ -238,7 +238,8 @@ class Checkpointer:
         try:
             if group is not None:  # an asynchronous save's first step: every rank joined, with the same target
                 collective.prepare_agreed(  # (a staging failure on any rank fails the save on all)
-                    str(temp), "the save_state output directory (and the save's temporary directory)",
+                    str(temp), "the save_state output directory (its temporary directory counts the job's "
+                    "asynchronous saves: a rank that called save_state more often than another names another)",
                     lambda: _reraise(staged),
                     "save_state", leader=True, group=group,
                     joining=f"not every rank joined the asynchronous save_state() to {final} within "

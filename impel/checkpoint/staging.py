@@ -142,7 +142,9 @@ def background_group(timeout: timedelta) -> Any:
 def temp_token() -> str:
     """The token of the next asynchronous save's temporary directory (``layout.temp_dir_for``): the same on every
     rank without a collective (the job's token from :func:`background_group`, and the count of this process's
-    saves), and new for every save of every job (a crashed save's leftover is never reused). Random on one
+    asynchronous saves), and new for every save of every job: a crashed job's leftover is never reused, and a
+    retry never shares a directory with a failed save whose leader may still be removing it. Should the ranks'
+    counts differ, the background job's agreement names the directories and fails the save. Random on one
     process."""
     n = next(_saves)
     return f"{_group[2]}{n:04d}" if _group and is_distributed() else uuid.uuid4().hex[:12]

@@ -164,6 +164,16 @@ def _async_save_on_rank_zero_only(root: str) -> dict:
             out["error"] = str(exc)
     acc.wait_for_everyone()
     out["listing"] = sorted(os.listdir(root))
+    # the background group timed out on rank 0 (gloo closes its connections then): the next asynchronous save
+    # fails on both ranks, named, instead of hanging; a synchronous save (the default group) still works
+    acc.save_state(os.path.join(root, "again"), async_save=True)
+    try:
+        acc.wait_for_checkpoint()
+    except CheckpointError as exc:
+        out["again"] = str(exc)
+    out["sync"] = acc.save_state(os.path.join(root, "sync"))
+    acc.wait_for_everyone()
+    out["listing_again"] = sorted(n for n in os.listdir(root) if not n.startswith("."))
     acc.end_training()
     return out
 
@@ -175,6 +185,10 @@ def test_an_async_save_called_on_one_rank_only_fails_instead_of_hanging(tmp_path
                                     f"not every rank joined the asynchronous save_state() to {tmp_path / 'alone'} "
                                     "within 0:00:03; save_state() is collective: call it on every rank"), main["error"]
     assert main["listing"] == other["listing"] == ["both"]  # nothing committed, the temporary directory removed
+    for out in (main, other):
+        assert out["again"].startswith(f"the asynchronous save_state() to {tmp_path / 'again'} failed: "
+                                       "CheckpointError: "), out["again"]
+        assert out["sync"] == str(tmp_path / "sync") and out["listing_again"] == ["both", "sync"]
 
 
 def _first_async_save_on_rank_zero_only(root: str) -> str | None:
