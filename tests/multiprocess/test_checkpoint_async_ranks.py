@@ -151,7 +151,7 @@ def _async_save_on_rank_zero_only(root: str) -> dict:
     from impel.checkpoint import CheckpointError
 
     acc, model, opt, loader, sched = make_run(None)
-    acc.state.timeout = timedelta(seconds=3)  # the background group's timeout, set when the first save creates it
+    acc.state.timeout = timedelta(seconds=5)  # the background group's timeout, set when the first save creates it
     acc.save_state(os.path.join(root, "both"), async_save=True)
     acc.wait_for_checkpoint()
     acc.wait_for_everyone()
@@ -164,6 +164,7 @@ def _async_save_on_rank_zero_only(root: str) -> dict:
             out["error"] = str(exc)
     acc.wait_for_everyone()
     out["listing"] = sorted(os.listdir(root))
+    acc.wait_for_everyone()  # both have listed before either starts the next save (its directory)
     # the background group timed out on rank 0 (gloo closes its connections then): the next asynchronous save
     # fails on both ranks, named, instead of hanging; a synchronous save (the default group) still works
     acc.save_state(os.path.join(root, "again"), async_save=True)
@@ -183,7 +184,7 @@ def test_an_async_save_called_on_one_rank_only_fails_instead_of_hanging(tmp_path
     assert main["returned"] == str(tmp_path / "alone")
     assert main["error"].startswith(f"the asynchronous save_state() to {tmp_path / 'alone'} failed: CheckpointError: "
                                     f"not every rank joined the asynchronous save_state() to {tmp_path / 'alone'} "
-                                    "within 0:00:03; save_state() is collective: call it on every rank"), main["error"]
+                                    "within 0:00:05; save_state() is collective: call it on every rank"), main["error"]
     assert main["listing"] == other["listing"] == ["both"]  # nothing committed, the temporary directory removed
     for out in (main, other):
         assert out["again"].startswith(f"the asynchronous save_state() to {tmp_path / 'again'} failed: "
