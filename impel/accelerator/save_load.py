@@ -87,6 +87,10 @@ def _storable(what: str) -> Iterator[None]:
                                      f"store ({exc}); return tensors, numbers, strings, lists and dicts") from None
 
 
+def _not_written() -> dict[str, Any]:
+    raise AssertionError("unreachable: a save whose target check failed stops at its first shared step")
+
+
 def _reraise(error: BaseException | None) -> None:
     if error is not None:
         raise error
@@ -195,9 +199,10 @@ class Checkpointer:
             self._prepare(final, temp, clean=leader)
         except Exception as exc:
             # a bad target fails alike on every rank; should it pass on some, their job's first step fails too
-            # (instead of waiting for this rank until the timeout)
-            self.pending = staging.PendingSave(str(final), functools.partial(
-                self._finish, temp, final, leader, dict, group, exc), reported=exc)
+            # (instead of waiting for this rank until the timeout): this rank's job takes part in that step only
+            if group is not None:
+                self.pending = staging.PendingSave(str(final), functools.partial(
+                    self._finish, temp, final, leader, _not_written, group, exc), reported=exc)
             raise
         try:
             staged, metadata = self._stage(temp, final, leader, safe_serialization, options, group)

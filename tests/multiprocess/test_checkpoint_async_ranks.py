@@ -212,3 +212,46 @@ def _first_async_save_on_rank_zero_only(root: str) -> str | None:
 def test_a_first_async_save_on_one_rank_only_raises_at_the_call(tmp_path):
     message, _ = run_on_ranks(_first_async_save_on_rank_zero_only, 2, args=(str(tmp_path),), timeout=90)
     assert message.startswith("CheckpointError") and "rank(s) [1] did not call it within 0:00:02" in message
+
+
+def _target_check_fails_on_rank_one(root: str) -> dict:
+    import os
+    from datetime import timedelta
+
+    from checkpoint_helpers import make_run
+    from impel.checkpoint import CheckpointError, target
+
+    acc, *_ = make_run(None)
+    acc.state.timeout = timedelta(seconds=60)  # rank 0 must learn of rank 1's failure long before this
+    acc.save_state(os.path.join(root, "first"), async_save=True)
+    acc.wait_for_checkpoint()
+    real = target.prepare
+    if acc.process_index == 1:  # a check that fails on one rank only (a filesystem that rank sees differently)
+        def failing(*args, **kwargs):
+            raise CheckpointError("injected: this rank may not write there")
+        target.prepare = failing
+    out: dict = {}
+    try:
+        out["returned"] = acc.save_state(os.path.join(root, "bad"), async_save=True)
+    except CheckpointError as exc:
+        out["raised_at_call"] = str(exc)
+    target.prepare = real
+    try:
+        out["waited"] = acc.wait_for_checkpoint()
+    except CheckpointError as exc:
+        out["raised_at_wait"] = str(exc)
+    out["next"] = acc.save_state(os.path.join(root, "next"), async_save=True)  # the ranks still agree
+    acc.wait_for_checkpoint()
+    acc.wait_for_everyone()
+    out["listing"] = sorted(n for n in os.listdir(root) if not n.startswith("."))
+    acc.end_training()
+    return out
+
+
+def test_a_target_check_failing_on_one_rank_fails_the_save_on_every_rank(tmp_path):
+    main, other = run_on_ranks(_target_check_fails_on_rank_one, 2, args=(str(tmp_path),), timeout=TIMEOUT)
+    assert other["raised_at_call"] == "injected: this rank may not write there" and other["waited"] is None
+    assert main["returned"] == str(tmp_path / "bad")
+    assert "save_state failed on another rank (rank 1: CheckpointError: injected" in main["raised_at_wait"]
+    assert main["next"] == other["next"] == str(tmp_path / "next")
+    assert main["listing"] == other["listing"] == ["first", "next"]
