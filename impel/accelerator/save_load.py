@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import functools
 import logging
 import os
 import pickle
@@ -85,10 +84,6 @@ def _storable(what: str) -> Iterator[None]:
     except (pickle.PicklingError, AttributeError, TypeError) as exc:
         raise layout.CheckpointError(f"cannot save {what}: its state_dict() holds something torch.save cannot "
                                      f"store ({exc}); return tensors, numbers, strings, lists and dicts") from None
-
-
-def _not_written() -> dict[str, Any]:
-    raise AssertionError("unreachable: a save whose target check failed stops at its first shared step")
 
 
 def _reraise(error: BaseException | None) -> None:
@@ -172,13 +167,9 @@ class Checkpointer:
                                              "preparing the checkpoint directory", leader)
         assert prepared is not None  # rank 0 always leads, and every rank gets rank 0's result
         temp = Path(prepared)
-        write = lambda: self._metadata(self._write(temp, leader, safe_serialization, options))  # noqa: E731
-        try:
-            self._finish(temp, final, leader, write, group=None)
-        except BaseException:
-            if leader:
-                shutil.rmtree(temp, ignore_errors=True)
-            raise
+        # _finish removes the leader's temporary directory on failure
+        self._finish(temp, final, leader, lambda: self._metadata(self._write(temp, leader, safe_serialization,
+                                                                              options)), group=None)
         self.config.iteration += 1
         return str(final)
 
@@ -201,8 +192,8 @@ class Checkpointer:
             # a bad target fails alike on every rank; should it pass on some, their job's first step fails too
             # (instead of waiting for this rank until the timeout): this rank's job takes part in that step only
             if group is not None:
-                self.pending = staging.PendingSave(str(final), functools.partial(
-                    self._finish, temp, final, leader, _not_written, group, exc), reported=exc)
+                settle = lambda error=exc: self._settle(temp, final, group, error)  # noqa: E731
+                self.pending = staging.PendingSave(str(final), settle, reported=exc)
             raise
         try:
             staged, metadata = self._stage(temp, final, leader, safe_serialization, options, group)
@@ -241,15 +232,8 @@ class Checkpointer:
         process group of its collectives (None: the default group, on the main thread). ``staged``: an asynchronous
         save's staging failure on this rank (every rank's are shared first, so all of them fail the save)."""
         try:
-            if group is not None:  # an asynchronous save's first step: every rank joined, with the same target
-                collective.prepare_agreed(  # (a staging failure on any rank fails the save on all)
-                    str(temp), "the save_state output directory (its temporary directory counts the job's "
-                    "asynchronous saves: a rank that called save_state more often than another names another)",
-                    lambda: _reraise(staged),
-                    "save_state", leader=True, group=group,
-                    joining=f"not every rank joined the asynchronous save_state() to {final} within "
-                            f"{self.run.process.timeout}; save_state() is collective: call it on every rank (not "
-                            "under `if accelerator.is_main_process:`), the same number of times")
+            if group is not None:
+                self._settle(temp, final, group, staged)
             box: dict[str, dict[str, Any]] = {}
 
             def written(sealer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -274,6 +258,18 @@ class Checkpointer:
                 shutil.rmtree(temp, ignore_errors=True)
             raise
         trim_host_heap()  # the write's buffers, freed in its threads' arenas, go back to the OS
+
+    def _settle(self, temp: Path, final: Path, group: Any, staged: BaseException | None) -> None:
+        """An asynchronous save's first step on the background group, one all-gather: every rank joined (else the
+        group's timeout, named), with the same target, and none failed at its call (``staged``: this rank's
+        failure, raised here; the others' raised here as a CheckpointError naming them)."""
+        collective.prepare_agreed(
+            str(temp), "the save_state output directory (its temporary directory counts the job's asynchronous "
+            "saves: a rank that called save_state more often than another names another)", lambda: _reraise(staged),
+            "save_state", leader=True, group=group,
+            joining=f"not every rank joined the asynchronous save_state() to {final} within "
+                    f"{self.run.process.timeout}; save_state() is collective: call it on every rank (not under "
+                    "`if accelerator.is_main_process:`), the same number of times")
 
     # --- asynchronous saves -----------------------------------------------------------------------------------
     def async_default(self) -> bool:

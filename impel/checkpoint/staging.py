@@ -131,11 +131,11 @@ def background_group(timeout: timedelta) -> Any:
     It also agrees a random token for the job there, which :func:`temp_token` names the saves' directories by."""
     if not is_distributed():
         return None
-    default = dist.distributed_c10d._get_default_group()
-    if not _group or _group[0] is not default:
+    if not group_ready():
         token = [uuid.uuid4().hex[:8]]
         dist.broadcast_object_list(token, src=0)
-        _group[:] = [default, dist.new_group(backend="gloo", timeout=timeout), token[0]]
+        _group[:] = [dist.distributed_c10d._get_default_group(), dist.new_group(backend="gloo", timeout=timeout),
+                     token[0]]
     return _group[1]
 
 

@@ -38,6 +38,16 @@ def test_async_save_on_two_ranks_is_the_call_time_state(kind, tmp_path):
         assert out["retry"] == str(tmp_path / "next")
 
 
+def _try(out: dict, ok: str, failed: str, call) -> None:
+    """``out[ok]`` = what ``call()`` returned, or ``out[failed]`` = the CheckpointError it raised (as a string)."""
+    from impel.checkpoint import CheckpointError
+
+    try:
+        out[ok] = call()
+    except CheckpointError as exc:
+        out[failed] = str(exc)
+
+
 class _Unstorable:
     """A registered object whose state cannot be stored until fixed (the leader stages it: staging fails on rank 0
     only)."""
@@ -60,7 +70,6 @@ def _staging_fails_on_one_rank(root: str) -> dict:
     import torch
 
     from impel import Accelerator, ProjectConfiguration
-    from impel.checkpoint import CheckpointError
 
     acc = Accelerator(project_config=ProjectConfiguration(project_dir=root, automatic_checkpoint_naming=True))
     model = torch.nn.Linear(4, 2)
@@ -68,14 +77,9 @@ def _staging_fails_on_one_rank(root: str) -> dict:
     obj = _Unstorable()
     acc.register_for_checkpointing(obj)
     out: dict = {}
-    try:
-        out["returned"] = acc.save_state(async_save=True)  # no collective after staging: rank 1 returns
-    except CheckpointError as exc:
-        out["raised_at_call"] = str(exc)
-    try:
-        out["waited"] = acc.wait_for_checkpoint()
-    except CheckpointError as exc:
-        out["raised_at_wait"] = str(exc)
+    # no collective after staging: rank 1 returns
+    _try(out, "returned", "raised_at_call", lambda: acc.save_state(async_save=True))
+    _try(out, "waited", "raised_at_wait", acc.wait_for_checkpoint)
     out["iteration"] = acc.project_configuration.iteration
     obj.broken = False  # fixed: the next save works on every rank
     out["next"] = acc.save_state(async_save=True)
@@ -104,7 +108,6 @@ def _ranks_call_one_after_the_other(root: str) -> dict:
     from datetime import timedelta
 
     from checkpoint_helpers import make_run, train
-    from impel.checkpoint import CheckpointError
 
     acc, model, opt, loader, sched = make_run(None)
     acc.state.timeout = timedelta(seconds=20)  # the old call's check-in: rank 0 would raise after 20 s
@@ -118,10 +121,7 @@ def _ranks_call_one_after_the_other(root: str) -> dict:
         while not os.path.exists(marker) and time.monotonic() < deadline:
             time.sleep(0.05)
         out["saw_marker"] = os.path.exists(marker)
-    try:
-        out["returned"] = acc.save_state(os.path.join(root, "second"), async_save=True)
-    except CheckpointError as exc:
-        out["raised"] = str(exc)
+    _try(out, "returned", "raised", lambda: acc.save_state(os.path.join(root, "second"), async_save=True))
     if acc.process_index == 0:
         open(marker, "w").close()
     out["waited"] = acc.wait_for_checkpoint()
@@ -148,7 +148,6 @@ def _async_save_on_rank_zero_only(root: str) -> dict:
     from datetime import timedelta
 
     from checkpoint_helpers import make_run
-    from impel.checkpoint import CheckpointError
 
     acc, model, opt, loader, sched = make_run(None)
     acc.state.timeout = timedelta(seconds=5)  # the background group's timeout, set when the first save creates it
@@ -158,20 +157,14 @@ def _async_save_on_rank_zero_only(root: str) -> dict:
     out: dict = {}
     if acc.is_main_process:
         out["returned"] = acc.save_state(os.path.join(root, "alone"), async_save=True)  # staged: returns
-        try:
-            acc.wait_for_checkpoint()
-        except CheckpointError as exc:
-            out["error"] = str(exc)
+        _try(out, "waited", "error", acc.wait_for_checkpoint)
     acc.wait_for_everyone()
     out["listing"] = sorted(os.listdir(root))
     acc.wait_for_everyone()  # both have listed before either starts the next save (its directory)
     # the background group timed out on rank 0 (gloo closes its connections then): the next asynchronous save
     # fails on both ranks, named, instead of hanging; a synchronous save (the default group) still works
     acc.save_state(os.path.join(root, "again"), async_save=True)
-    try:
-        acc.wait_for_checkpoint()
-    except CheckpointError as exc:
-        out["again"] = str(exc)
+    _try(out, "waited_again", "again", acc.wait_for_checkpoint)
     out["sync"] = acc.save_state(os.path.join(root, "sync"))
     acc.wait_for_everyone()
     out["listing_again"] = sorted(n for n in os.listdir(root) if not n.startswith("."))
@@ -231,15 +224,9 @@ def _target_check_fails_on_rank_one(root: str) -> dict:
             raise CheckpointError("injected: this rank may not write there")
         target.prepare = failing
     out: dict = {}
-    try:
-        out["returned"] = acc.save_state(os.path.join(root, "bad"), async_save=True)
-    except CheckpointError as exc:
-        out["raised_at_call"] = str(exc)
+    _try(out, "returned", "raised_at_call", lambda: acc.save_state(os.path.join(root, "bad"), async_save=True))
     target.prepare = real
-    try:
-        out["waited"] = acc.wait_for_checkpoint()
-    except CheckpointError as exc:
-        out["raised_at_wait"] = str(exc)
+    _try(out, "waited", "raised_at_wait", acc.wait_for_checkpoint)
     out["next"] = acc.save_state(os.path.join(root, "next"), async_save=True)  # the ranks still agree
     acc.wait_for_checkpoint()
     acc.wait_for_everyone()
