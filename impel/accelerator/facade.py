@@ -118,6 +118,7 @@ class Accelerator(ProcessUtilities, RunSettings, NotProvidedMembers):
                                       timeout=init.timeout if init else None,
                                       init_method=init.init_method if init else None, accelerator=self)
         self.gradient_state = GradientState(self.record.accumulation)
+        self._micro_step = MicroStep(self.gradient_state)  # accumulate() returns it: one object, entered per micro-step
         self.strategy: Strategy = load_strategy(self.record, self.state, self.gradient_state)
         self._compiler = Compiler(self.record.dynamo_plugin, self.distributed_type)
         self._compiler.configure_backends(self.config.mixed_precision, self.device)
@@ -302,14 +303,20 @@ class Accelerator(ProcessUtilities, RunSettings, NotProvidedMembers):
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """Backward through the strategy; divides the loss by the accumulation group's length."""
         gs = self.gradient_state
-        if gs.num_steps > 1 or gs.item_scale is not None:
-            gs.begin_auto()
+        scaled = gs.num_steps > 1 or gs.item_scale is not None
+        if scaled:
+            if not gs.in_micro_step:
+                gs.begin_auto()
             loss = gs.scale_loss(loss)
         if self._resilience is not None:
             self._resilience.observe(loss)
-        with rank_health.blocking("backward"):  # the gradient all-reduce waits for the other ranks in here
+        if rank_health.watching:  # the gradient all-reduce waits for the other ranks in here
+            with rank_health.blocking("backward"):
+                self.strategy.backward(loss, **kwargs)
+        else:
             self.strategy.backward(loss, **kwargs)
-        gs.end_auto()
+        if scaled:  # otherwise no micro-step was opened (before_forward opens one only when accumulating)
+            gs.end_auto()
 
     def item_windows(self, dataloader: Any, count: Callable[[Any], Any] | None = None) -> ItemWindows:
         """impel: iterate ``dataloader`` so that ``backward`` makes token-level losses exact under accumulation and
@@ -319,7 +326,7 @@ class Accelerator(ProcessUtilities, RunSettings, NotProvidedMembers):
 
     def accumulate(self, *models: nn.Module) -> MicroStep:
         """One micro-step: gradients sync (and the optimizer steps) only when it ends a group."""
-        return MicroStep(self.gradient_state)
+        return self._micro_step
 
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module) -> Iterator[None]:

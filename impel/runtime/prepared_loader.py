@@ -183,14 +183,16 @@ class PreparedLoader(DataLoader[Any]):
             # one batch of look-ahead, unless the base loader tells its end itself (a dispatcher reads one ahead
             # already: a second would draw the sampler further than Accelerate's does)
             knows_end = hasattr(self.base_dataloader, "at_end")
+            # per batch: plain dict writes (torch's DataLoader.__setattr__ and the position property are Python calls)
+            attributes, progress, device = self.__dict__, self._progress, self.device
             while current is not _END:
                 if hooks is not None:
                     hooks.before_batch(self)  # preemption: a step boundary, before this batch counts as drawn
                 upcoming = None if knows_end else next(it, _END)
-                self.end_of_dataloader = self.base_dataloader.at_end if knows_end else upcoming is _END
-                self.position += 1
-                if self.device is not None:
-                    current = send_to_device(current, self.device, self.non_blocking)
+                attributes["end_of_dataloader"] = self.base_dataloader.at_end if knows_end else upcoming is _END
+                progress["position"] += 1
+                if device is not None:
+                    current = send_to_device(current, device, self.non_blocking)
                 yield current
                 current = next(it, _END) if knows_end else upcoming
             finished = True

@@ -139,7 +139,10 @@ class Strategy:
         return contextlib.nullcontext()
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        self.precision.backward(loss, **kwargs)
+        if type(self.precision).backward is Precision.backward:  # plain: one Python call less on every step
+            loss.backward(**kwargs)
+        else:
+            self.precision.backward(loss, **kwargs)
 
     def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         self.precision.unscale_(optimizer)
@@ -165,6 +168,13 @@ class Strategy:
 
     def zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool = True) -> None:
         optimizer.zero_grad(set_to_none=set_to_none)
+
+    def plain_optimizer_calls(self) -> bool:
+        """Whether :meth:`optimizer_step` and :meth:`zero_grad` are just torch's calls (this base's, with a precision
+        whose step is plain): the prepared optimizer then makes them itself, decided once when it is built."""
+        return (getattr(self.optimizer_step, "__func__", None) is Strategy.optimizer_step
+                and getattr(self.zero_grad, "__func__", None) is Strategy.zero_grad
+                and type(self.precision).step is Precision.step)
 
     def precision_report(self, models: Sequence[nn.Module],
                          optimizers: Sequence[torch.optim.Optimizer]) -> PrecisionReport:
