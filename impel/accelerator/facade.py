@@ -21,6 +21,7 @@ import gc
 import logging
 import os
 from collections.abc import Callable, Iterator, Sequence
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -152,21 +153,10 @@ class Accelerator(ProcessUtilities, RunSettings, NotProvidedMembers):
         return any(opt.step_was_skipped for opt in self.prepared.optimizers)
 
     # Accelerate's private lists, which some libraries read: views of the prepared record
-    @property
-    def _models(self) -> list[nn.Module]:
-        return self.prepared.models
-
-    @property
-    def _optimizers(self) -> list[AcceleratedOptimizer]:
-        return self.prepared.optimizers
-
-    @property
-    def _schedulers(self) -> list[AcceleratedScheduler]:
-        return self.prepared.schedulers
-
-    @property
-    def _dataloaders(self) -> list[PreparedLoader]:
-        return self.prepared.dataloaders
+    _models = property(attrgetter("prepared.models"), doc="list[nn.Module], Accelerate's name")
+    _optimizers = property(attrgetter("prepared.optimizers"), doc="list[AcceleratedOptimizer], Accelerate's name")
+    _schedulers = property(attrgetter("prepared.schedulers"), doc="list[AcceleratedScheduler], Accelerate's name")
+    _dataloaders = property(attrgetter("prepared.dataloaders"), doc="list[PreparedLoader], Accelerate's name")
 
     @property
     def log_with(self) -> list[Any]:
