@@ -3,7 +3,8 @@
 ``benchmarks/overhead.py`` measures the time; this keeps its cause from growing back unnoticed. A step of a
 prepared model and optimizer on one process enters six of impel's functions (the forward wrapper and its sync
 check, ``backward`` and the strategy's, the optimizer's ``step`` and ``zero_grad``); a micro-step under
-``accumulate()`` sixteen (the micro-step's own bookkeeping, the loss division, once per group the sync switch). New per-step bookkeeping belongs at ``prepare()`` time, not here.
+``accumulate()`` sixteen (the micro-step's own bookkeeping, the loss division, once per group the sync switch).
+New per-step bookkeeping belongs at ``prepare()`` time, not here.
 """
 from __future__ import annotations
 
