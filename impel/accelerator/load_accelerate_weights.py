@@ -1,4 +1,4 @@
-"""Model and optimizer state from Accelerate's ``save_state`` layouts (see :mod:`.accelerate_format`).
+"""Model and optimizer state from Accelerate's ``save_state`` layouts (see :mod:`impel.accelerator.load_accelerate`).
 
 Full files (plain and FSDP FULL_STATE_DICT) hold full tensors; they go through ``set_model_state_dict`` /
 ``set_optimizer_state_dict`` with ``full_state_dict=True``, so they load into one-process, DDP and FSDP2 models

@@ -2,7 +2,7 @@
 
 ``prepare`` builds one ``deepspeed.initialize`` engine per model from the model, its optimizer (the user's torch
 optimizer, or DeepSpeed's own from the JSON through :class:`DummyOptim`) and the JSON that
-:mod:`.deepspeed_config` settled. The prepared model is the engine; the prepared optimizer wraps the engine's
+:mod:`impel.config.deepspeed_json` settled. The prepared model is the engine; the prepared optimizer wraps the engine's
 torch optimizer (whose parameter groups now hold DeepSpeed's float32 master partitions), so schedulers built on
 the user's optimizer keep driving the learning rate.
 

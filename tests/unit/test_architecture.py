@@ -256,6 +256,17 @@ def test_impel_modules_form_no_import_cycle():
                         + "\n".join(lines))
 
 
+def test_a_folders_docstring_names_its_layer():
+    """``Layer N`` at the top of a folder's ``__init__`` is the number in ``LAYERS`` (four had drifted by one)."""
+    wrong = []
+    for folder in sorted(k[:-2] for k in LAYERS if k.endswith(".*")):
+        doc = ast.get_docstring(tree(f"impel.{folder}")) or ""
+        said = re.match(r"Layer (\d+)", doc)
+        if said and int(said.group(1)) != LAYERS[f"{folder}.*"]:
+            wrong.append(f"impel/{folder}/__init__.py says layer {said.group(1)}, LAYERS {LAYERS[folder + '.*']}")
+    assert not wrong, wrong
+
+
 def test_every_module_has_a_layer():
     missing = sorted(m for m in modules() if layer_of(m) is None)
     assert not missing, f"place these modules in LAYERS (and in docs/design.md, 'Layers'): {missing}"
