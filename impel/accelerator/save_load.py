@@ -334,7 +334,7 @@ class Checkpointer:
                         temp / TRAINING_STATE_FILE)
             for i, obj in enumerate(prepared.registered):
                 self._write_registered(i, obj, temp / f"custom_checkpoint_{i}.pt")
-        write_torch(collect_rng_state(run.device), temp / f"random_states_{run.process_index}.pt")
+        write_torch(collect_rng_state(run.device, prepared.dataloaders), temp / f"random_states_{run.process_index}.pt")
         return dict(meta, skipped_models=sorted(skip))
 
     @staticmethod
@@ -479,7 +479,7 @@ class Checkpointer:
                                            f"registered object {i}, {describe(obj)}"))
         rng = directory / f"random_states_{run.process_index}.pt"
         if rng.is_file():
-            restore_rng_state(read_torch(rng, f"rank {run.process_index} RNG state"), run.device)
+            restore_rng_state(read_torch(rng, f"rank {run.process_index} RNG state"), run.device, prepared.dataloaders)
         elif not self.elastic:  # an elastic job that grew: expected, and its resume line says so
             logger.warning("%s has no RNG state for rank %d (saved by %s processes); this rank's random streams "
                            "start fresh", directory, run.process_index, metadata.get("world_size"))
