@@ -47,7 +47,7 @@ from impel.config.plugins import (
     GradientAccumulationPlugin,
     ProjectConfiguration,
 )
-from impel.config.run_config import ConfigError, DistributedType, RunConfig
+from impel.config.run_config import ConfigError, RunConfig
 from impel.runtime import rank_health
 from impel.runtime.accumulation import GradientState, MicroStep
 from impel.runtime.compile import Compiler, TorchDynamoPlugin, uncompiled, unwrap
@@ -58,7 +58,7 @@ from impel.runtime.optimizer import AcceleratedOptimizer, AcceleratedScheduler
 from impel.runtime.prepared_loader import PreparedLoader
 from impel.runtime.process import AcceleratorState, current_topology
 from impel.runtime.seeding import check_rng_types
-from impel.strategies.base import Strategy, load_strategy
+from impel.strategies.base import Strategy, load_strategy, strategy_class
 from impel.trackers.registry import AcceleratorTrackers
 
 if TYPE_CHECKING:
@@ -121,7 +121,7 @@ class Accelerator(ProcessUtilities, RunSettings, NotProvidedMembers):
         self.gradient_state = GradientState(self.record.accumulation)
         self._micro_step = MicroStep(self.gradient_state)  # accumulate() returns it: one object, entered per micro-step
         self.strategy: Strategy = load_strategy(self.record, self.state, self.gradient_state)
-        self._compiler = Compiler(self.record.dynamo_plugin, self.distributed_type)
+        self._compiler = Compiler(self.record.dynamo_plugin, per_block=self.strategy.fsdp2)
         self._compiler.configure_backends(self.config.mixed_precision, self.device)
         self.prepared = Prepared()  # handed to the checkpointer and the resilience logic
         run = TrainingRun(self.prepared, self.strategy, self.gradient_state, self.state, self.distributed_type,
@@ -136,7 +136,7 @@ class Accelerator(ProcessUtilities, RunSettings, NotProvidedMembers):
         if h.scaler is not None and self.config.mixed_precision != "fp16":
             logger.warning("GradScalerKwargs has no effect with mixed_precision=%r (only 'fp16' scales "
                            "gradients)", self.config.mixed_precision)
-        if h.ddp is not None and self.distributed_type not in ("MULTI_CPU", "MULTI_GPU"):
+        if h.ddp is not None and not strategy_class(self.record.distributed_type).uses_ddp:
             refuse_hook_without_ddp(h.ddp, self.distributed_type)  # a comm hook under FSDP / DeepSpeed raises
             logger.warning("DistributedDataParallelKwargs has no effect with distributed_type=%r",
                            self.distributed_type)
@@ -415,7 +415,7 @@ class Accelerator(ProcessUtilities, RunSettings, NotProvidedMembers):
         ``ProjectConfiguration.async_save`` or the ``async_save`` config key); ``wait_for_checkpoint()``, the next
         ``save_state``/``load_state``, ``end_training`` and exit wait for it and raise its failure.
         Extra keyword arguments go to DeepSpeed's ``engine.save_checkpoint`` (elsewhere they raise)."""
-        options = save_options(save_model_func_kwargs, self.distributed_type == DistributedType.DEEPSPEED)
+        options = save_options(save_model_func_kwargs, self.strategy.engine_managed)
         return self._checkpointer.save(output_dir, safe_serialization, options, async_save=async_save)
 
     def wait_for_checkpoint(self) -> str | None:
@@ -427,7 +427,7 @@ class Accelerator(ProcessUtilities, RunSettings, NotProvidedMembers):
                    **load_model_func_kwargs: Any) -> str:
         """Restore a ``save_state`` checkpoint (the newest complete one by default); collective. Returns the path.
         ``strict=False`` lets model keys differ; other keywords as Accelerate's (impel.checkpoint.options)."""
-        options = load_options(load_kwargs, load_model_func_kwargs, self.distributed_type == DistributedType.DEEPSPEED)
+        options = load_options(load_kwargs, load_model_func_kwargs, self.strategy.engine_managed)
         return self._checkpointer.load(input_dir, options)
 
     def register_for_checkpointing(self, *objects: Any) -> None:

@@ -30,7 +30,7 @@ def load_models_and_optimizers(run: TrainingRun, directory: Path, plan: dict[str
     """Every rank: the weights and optimizer states ``plan`` lists into the prepared models and optimizers."""
     models, optimizers = list(run.prepared.models), run.prepared.inner_optimizers()
     kind = plan["weights"]
-    deepspeed = run.distributed_type == "DEEPSPEED"
+    deepspeed = run.strategy.engine_managed
     if kind == "deepspeed" and not deepspeed:
         raise CheckpointError(f"{directory / plan['models'][0]} is a DeepSpeed engine checkpoint; resume under "
                               "DeepSpeed, or convert it to full weights with DeepSpeed's zero_to_fp32.py (saved in "

@@ -277,7 +277,7 @@ class Checkpointer:
         return bool(self.config.async_save or self.async_configured)
 
     def _check_async(self) -> None:
-        if self.run.distributed_type == "DEEPSPEED":
+        if self.run.strategy.engine_managed:
             raise ConfigError("save_state(async_save=True) is not supported under DeepSpeed (its engine writes its "
                               "own checkpoint files synchronously); save with async_save=False, or turn off "
                               "ProjectConfiguration(async_save=...) / the async_save config key")

@@ -35,6 +35,7 @@ def _own_no_sync(model: DistributedDataParallel) -> Iterator[None]:
 
 class DDPStrategy(Strategy):
     name = "MULTI_CPU"
+    uses_ddp = True
 
     def wrap_model(self, model: nn.Module, device_placement: bool) -> nn.Module:
         model = super().wrap_model(model, device_placement)

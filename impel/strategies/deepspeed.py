@@ -99,6 +99,8 @@ class DeepSpeedStrategy(Strategy):
     """ZeRO through ``deepspeed.initialize``; see the module docstring."""
 
     name = "DEEPSPEED"
+    whole_model = False
+    engine_managed = True
     scheduler_steps_per_process = False  # DeepSpeed's engine steps it once per optimizer step (as in Accelerate)
 
     def __init__(self, state: ProcessState, record: RunRecord, gradient_state: GradientState) -> None:

@@ -73,11 +73,13 @@ class FSDPStrategy(Strategy):
     """Shards every prepared model with FSDP2 and re-points its optimizers at the shards."""
 
     name = "FSDP"
+    whole_model = False
+    fsdp2 = True
 
     def __init__(self, state: ProcessState, record: RunRecord, gradient_state: GradientState) -> None:
         super().__init__(state, record, gradient_state)
         self.fsdp = self.config.fsdp
-        self.compiler = Compiler(record.dynamo_plugin, self.name)  # torch.compile per block, before sharding
+        self.compiler = Compiler(record.dynamo_plugin, per_block=True)  # torch.compile per block, before sharding
         self.sharding_strategy = self.fsdp.resolved_sharding_strategy
         self._mesh: Any = None
         self._upcast = False

@@ -276,6 +276,32 @@ def test_every_module_has_a_layer():
     assert not stale, f"LAYERS names modules that do not exist: {stale}"
 
 
+def _names_a_strategy(node: ast.AST) -> bool:
+    """``x.distributed_type`` / ``distributed_type`` or ``DistributedType.FSDP`` (also inside a tuple)."""
+    if isinstance(node, ast.Attribute):
+        return node.attr == "distributed_type" or (isinstance(node.value, ast.Name)
+                                                   and node.value.id == "DistributedType")
+    if isinstance(node, ast.Name):
+        return node.id == "distributed_type"
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return any(_names_a_strategy(e) for e in node.elts)
+    return False
+
+
+def test_the_faces_ask_strategies_what_they_can_do_never_their_name():
+    """No comparison with a distributed type in ``accelerator/`` and ``runtime/``, except where a run is resolved
+    (``accelerator/resolve.py``): behaviour follows the strategy's capabilities (``whole_model``, ``uses_ddp``,
+    ``engine_managed``, ``fsdp2`` on :class:`impel.strategies.base.Strategy`), so a new strategy is found by no grep."""
+    found = []
+    for module, path in modules().items():
+        if not module.startswith(("impel.accelerator", "impel.runtime")) or module == "impel.accelerator.resolve":
+            continue
+        for node in ast.walk(tree(module)):
+            if isinstance(node, ast.Compare) and any(map(_names_a_strategy, [node.left, *node.comparators])):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
+    assert not found, "ask the strategy (a capability in strategies/base.py), not its name:\n" + "\n".join(found)
+
+
 def test_no_module_imports_from_a_higher_layer():
     edges = graph()
     upward = [f"{a} (layer {layer_of(a)}) imports {b} (layer {layer_of(b)})  ({_where(a, line)})"
