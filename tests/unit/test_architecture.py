@@ -376,3 +376,24 @@ def test_only_the_accumulation_module_writes_the_gradient_state():
                     isinstance(node.value, ast.Name) and node.value.id == "self"):
                 writes.append(f"{_where(module, node.lineno)}: {ast.unparse(node)}")
     assert not writes, "change the gradient state through its methods:\n" + "\n".join(writes)
+
+
+def test_every_strategy_override_keeps_the_base_signature():
+    """A strategy that overrides a ``Strategy`` method takes exactly its parameters, with the same annotations (no
+    ``options: Any`` against a typed ``SaveOptions``): the facade calls every strategy the same way."""
+    import importlib
+    import inspect
+
+    from impel.strategies.base import REGISTRY, Strategy
+
+    classes = {getattr(importlib.import_module(t.partition(":")[0]), t.partition(":")[2]) for t in REGISTRY.values()}
+    differ = []
+    for cls in sorted(classes, key=lambda c: c.__name__):
+        for name, member in vars(cls).items():
+            base = vars(Strategy).get(name)
+            if name.startswith("__") or not callable(member) or not callable(base):
+                continue
+            if inspect.signature(member) != inspect.signature(base):
+                differ.append(f"{cls.__name__}.{name}{inspect.signature(member)} != Strategy.{name}"
+                              f"{inspect.signature(base)}")
+    assert not differ, "\n".join(differ)
