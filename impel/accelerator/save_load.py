@@ -35,7 +35,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from impel.accelerator import load_accelerate as accelerate_format
-from impel.checkpoint import collective, layout, ownership, staging, storage, target, verified
+from impel.checkpoint import collective, layout, ownership, staging, storage, target, tempdirs, verified
 from impel.checkpoint.digests import sealing, share_digests
 from impel.checkpoint.files import crc32_off, read_torch, write_torch
 from impel.checkpoint.full import suffix
@@ -234,6 +234,8 @@ class Checkpointer:
         try:
             if group is not None:
                 self._settle(temp, final, group, staged)
+            elif staged is not None:  # one process: nothing to tell; the call raised it, nothing is committed
+                raise staged
             box: dict[str, dict[str, Any]] = {}
 
             def written(sealer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -319,9 +321,9 @@ class Checkpointer:
 
     def _write(self, temp: Path, leader: bool, safe_serialization: bool, options: SaveOptions) -> dict[str, Any]:
         run, prepared = self.run, self.run.prepared
-        # every rank creates it (the first one wins): no collective of its own; a failure (a directory that may
-        # not be written) is shared by the write's, so every rank raises and none waits
-        temp.mkdir(parents=True, exist_ok=True)
+        # every rank creates it (the first one wins; never a symlink or another user's) and holds its lock: no
+        # collective of its own; a failure is shared by the write's, so every rank raises and none waits
+        tempdirs.make(temp)
         skip = self._run_save_hooks(temp)
         meta = run.strategy.save_checkpoint(list(prepared.models), prepared.inner_optimizers(), temp,
                                             writer=leader, safe_serialization=safe_serialization,
