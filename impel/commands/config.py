@@ -106,10 +106,7 @@ def convert_file(ns: argparse.Namespace) -> int:
     from impel.config.convert import convert, readable
 
     explicit = load_config_mapping(ns.file)  # an FSDP1 file (fsdp_version: 1) converts: impel launch refuses it
-    try:
-        _check_deepspeed_json(RunConfig.from_dict(readable(explicit, [])))
-    except ConfigError as exc:
-        raise ConfigError(f"{ns.file}: {exc}") from None  # a contradiction is an error, not a value to translate
+    _check_deepspeed_json(RunConfig.from_dict(readable(explicit, [])))  # a contradiction is an error, not a value to translate
     translated, notes = convert(explicit, ns.to)
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
