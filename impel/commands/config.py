@@ -106,7 +106,8 @@ def convert_file(ns: argparse.Namespace) -> int:
     from impel.config.convert import convert, readable
 
     explicit = load_config_mapping(ns.file)  # an FSDP1 file (fsdp_version: 1) converts: impel launch refuses it
-    _check_deepspeed_json(RunConfig.from_dict(readable(explicit, [])))  # a contradiction is an error, not a value to translate
+    # a contradiction in the DeepSpeed JSON is an error, not a value to translate
+    _check_deepspeed_json(RunConfig.from_dict(readable(explicit, [])))
     translated, notes = convert(explicit, ns.to)
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
