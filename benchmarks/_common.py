@@ -127,7 +127,22 @@ def environment() -> dict[str, Any]:
         info["impel"] = impel.__version__
     except ImportError:  # pragma: no cover - the benchmarks run from a checkout with impel installed
         info["impel"] = None
+    info["commit"] = measured_commit()
     return info
+
+
+def measured_commit() -> str | None:
+    """The checkout's commit, with ``+dirty`` when tracked files differ from it (the figures are of that tree)."""
+    import subprocess
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=HERE, capture_output=True, text=True, check=True).stdout.strip()
+
+    try:
+        head = git("rev-parse", "HEAD")
+        return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+    except (OSError, subprocess.CalledProcessError):  # not a git checkout (an sdist)
+        return None
 
 
 def format_table(rows: Sequence[dict[str, Any]]) -> str:

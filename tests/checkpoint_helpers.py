@@ -94,3 +94,40 @@ def _listing(project_dir: str) -> list[str]:
     import os
 
     return sorted(os.listdir(os.path.join(project_dir, "checkpoints")))
+
+
+def masking_run(directory: str, mode: str, seedable: bool = True, stop: int = 3,
+                total: int = 7) -> tuple[list[Any], list[Any]]:
+    """A loop whose collator masks at random from torch's global RNG (as transformers' masked-LM collator) and whose
+    model draws dropout masks, ``total`` batches per rank: ``full`` saves after step ``stop`` and goes on; ``skip`` /
+    ``position`` resume from that save through ``skip_first_batches`` (the no_trainer scripts' way) or the loader's
+    own restored position. Returns the batches seen and the final weights (as lists: comparable across processes).
+    Each rank seeds its own stream after ``prepare``, so ranks draw different masks."""
+    from impel import Accelerator, DataLoaderConfiguration
+
+    torch.manual_seed(0)
+    acc = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(use_seedable_sampler=seedable))
+
+    def collate(items: list[int]) -> torch.Tensor:
+        x = torch.tensor([[float(i + j) for j in range(8)] for i in items]) / 20
+        return x * (torch.rand_like(x) > 0.3)  # 16 draws a batch: an equal mask by chance is ~1e-4
+
+    model = nn.Sequential(nn.Linear(8, 4), nn.Dropout(0.3), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    data = list(range(total * 2 * acc.num_processes))
+    model, opt, loader = acc.prepare(model, opt, DataLoader(data, batch_size=2, shuffle=True, collate_fn=collate))
+    torch.manual_seed(100 + acc.process_index)
+    batches, start = loader, 0
+    if mode != "full":
+        acc.load_state(f"{directory}/ckpt")
+        start = stop
+        batches = acc.skip_first_batches(loader, stop) if mode == "skip" else loader
+    seen = []
+    for step, x in enumerate(batches, start=start):
+        acc.backward(model(x).pow(2).mean())
+        opt.step()
+        opt.zero_grad()
+        seen.append(x.tolist())
+        if mode == "full" and step + 1 == stop:
+            acc.save_state(f"{directory}/ckpt")
+    return seen, [p.detach().tolist() for p in model.parameters()]

@@ -1,4 +1,4 @@
-"""Layer 5, the Accelerator (``impel.accelerator`` is also Accelerate's ``accelerate.accelerator`` path).
+"""Layer 6, the Accelerator (``impel.accelerator`` is also Accelerate's ``accelerate.accelerator`` path).
 
 - ``facade``: ``Accelerator``, the one object a training loop talks to; it forwards to the modules below.
 - ``resolve``: every value of a run settled before anything is built (the ``RunRecord``).

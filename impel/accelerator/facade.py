@@ -21,6 +21,7 @@ import gc
 import logging
 import os
 from collections.abc import Callable, Iterator, Sequence
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -47,7 +48,7 @@ from impel.config.plugins import (
     GradientAccumulationPlugin,
     ProjectConfiguration,
 )
-from impel.config.run_config import ConfigError, DistributedType, RunConfig
+from impel.config.run_config import ConfigError, RunConfig
 from impel.runtime import rank_health
 from impel.runtime.accumulation import GradientState, MicroStep
 from impel.runtime.compile import Compiler, TorchDynamoPlugin, uncompiled, unwrap
@@ -58,7 +59,7 @@ from impel.runtime.optimizer import AcceleratedOptimizer, AcceleratedScheduler
 from impel.runtime.prepared_loader import PreparedLoader
 from impel.runtime.process import AcceleratorState, current_topology
 from impel.runtime.seeding import check_rng_types
-from impel.strategies.base import Strategy, load_strategy
+from impel.strategies.base import Strategy, load_strategy, strategy_class
 from impel.trackers.registry import AcceleratorTrackers
 
 if TYPE_CHECKING:
@@ -118,8 +119,9 @@ class Accelerator(ProcessUtilities, RunSettings, NotProvidedMembers):
                                       timeout=init.timeout if init else None,
                                       init_method=init.init_method if init else None, accelerator=self)
         self.gradient_state = GradientState(self.record.accumulation)
+        self._micro_step = MicroStep(self.gradient_state)  # accumulate() returns it: one object, entered per micro-step
         self.strategy: Strategy = load_strategy(self.record, self.state, self.gradient_state)
-        self._compiler = Compiler(self.record.dynamo_plugin, self.distributed_type)
+        self._compiler = Compiler(self.record.dynamo_plugin, per_block=self.strategy.fsdp2)
         self._compiler.configure_backends(self.config.mixed_precision, self.device)
         self.prepared = Prepared()  # handed to the checkpointer and the resilience logic
         run = TrainingRun(self.prepared, self.strategy, self.gradient_state, self.state, self.distributed_type,
@@ -134,7 +136,7 @@ class Accelerator(ProcessUtilities, RunSettings, NotProvidedMembers):
         if h.scaler is not None and self.config.mixed_precision != "fp16":
             logger.warning("GradScalerKwargs has no effect with mixed_precision=%r (only 'fp16' scales "
                            "gradients)", self.config.mixed_precision)
-        if h.ddp is not None and self.distributed_type not in ("MULTI_CPU", "MULTI_GPU"):
+        if h.ddp is not None and not strategy_class(self.record.distributed_type).uses_ddp:
             refuse_hook_without_ddp(h.ddp, self.distributed_type)  # a comm hook under FSDP / DeepSpeed raises
             logger.warning("DistributedDataParallelKwargs has no effect with distributed_type=%r",
                            self.distributed_type)
@@ -151,21 +153,10 @@ class Accelerator(ProcessUtilities, RunSettings, NotProvidedMembers):
         return any(opt.step_was_skipped for opt in self.prepared.optimizers)
 
     # Accelerate's private lists, which some libraries read: views of the prepared record
-    @property
-    def _models(self) -> list[nn.Module]:
-        return self.prepared.models
-
-    @property
-    def _optimizers(self) -> list[AcceleratedOptimizer]:
-        return self.prepared.optimizers
-
-    @property
-    def _schedulers(self) -> list[AcceleratedScheduler]:
-        return self.prepared.schedulers
-
-    @property
-    def _dataloaders(self) -> list[PreparedLoader]:
-        return self.prepared.dataloaders
+    _models = property(attrgetter("prepared.models"), doc="list[nn.Module], Accelerate's name")
+    _optimizers = property(attrgetter("prepared.optimizers"), doc="list[AcceleratedOptimizer], Accelerate's name")
+    _schedulers = property(attrgetter("prepared.schedulers"), doc="list[AcceleratedScheduler], Accelerate's name")
+    _dataloaders = property(attrgetter("prepared.dataloaders"), doc="list[PreparedLoader], Accelerate's name")
 
     @property
     def log_with(self) -> list[Any]:
@@ -302,14 +293,20 @@ class Accelerator(ProcessUtilities, RunSettings, NotProvidedMembers):
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """Backward through the strategy; divides the loss by the accumulation group's length."""
         gs = self.gradient_state
-        if gs.num_steps > 1 or gs.item_scale is not None:
-            gs.begin_auto()
+        scaled = gs.num_steps > 1 or gs.item_scale is not None
+        if scaled:
+            if not gs.in_micro_step:
+                gs.begin_auto()
             loss = gs.scale_loss(loss)
         if self._resilience is not None:
             self._resilience.observe(loss)
-        with rank_health.blocking("backward"):  # the gradient all-reduce waits for the other ranks in here
+        if rank_health.watching:  # the gradient all-reduce waits for the other ranks in here
+            with rank_health.blocking("backward"):
+                self.strategy.backward(loss, **kwargs)
+        else:
             self.strategy.backward(loss, **kwargs)
-        gs.end_auto()
+        if scaled:  # otherwise no micro-step was opened (before_forward opens one only when accumulating)
+            gs.end_auto()
 
     def item_windows(self, dataloader: Any, count: Callable[[Any], Any] | None = None) -> ItemWindows:
         """impel: iterate ``dataloader`` so that ``backward`` makes token-level losses exact under accumulation and
@@ -319,7 +316,7 @@ class Accelerator(ProcessUtilities, RunSettings, NotProvidedMembers):
 
     def accumulate(self, *models: nn.Module) -> MicroStep:
         """One micro-step: gradients sync (and the optimizer steps) only when it ends a group."""
-        return MicroStep(self.gradient_state)
+        return self._micro_step
 
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module) -> Iterator[None]:
@@ -418,7 +415,7 @@ class Accelerator(ProcessUtilities, RunSettings, NotProvidedMembers):
         ``ProjectConfiguration.async_save`` or the ``async_save`` config key); ``wait_for_checkpoint()``, the next
         ``save_state``/``load_state``, ``end_training`` and exit wait for it and raise its failure.
         Extra keyword arguments go to DeepSpeed's ``engine.save_checkpoint`` (elsewhere they raise)."""
-        options = save_options(save_model_func_kwargs, self.distributed_type == DistributedType.DEEPSPEED)
+        options = save_options(save_model_func_kwargs, self.strategy.engine_managed)
         return self._checkpointer.save(output_dir, safe_serialization, options, async_save=async_save)
 
     def wait_for_checkpoint(self) -> str | None:
@@ -430,7 +427,7 @@ class Accelerator(ProcessUtilities, RunSettings, NotProvidedMembers):
                    **load_model_func_kwargs: Any) -> str:
         """Restore a ``save_state`` checkpoint (the newest complete one by default); collective. Returns the path.
         ``strict=False`` lets model keys differ; other keywords as Accelerate's (impel.checkpoint.options)."""
-        options = load_options(load_kwargs, load_model_func_kwargs, self.distributed_type == DistributedType.DEEPSPEED)
+        options = load_options(load_kwargs, load_model_func_kwargs, self.strategy.engine_managed)
         return self._checkpointer.load(input_dir, options)
 
     def register_for_checkpointing(self, *objects: Any) -> None:

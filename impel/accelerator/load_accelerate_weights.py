@@ -1,4 +1,4 @@
-"""Model and optimizer state from Accelerate's ``save_state`` layouts (see :mod:`.accelerate_format`).
+"""Model and optimizer state from Accelerate's ``save_state`` layouts (see :mod:`impel.accelerator.load_accelerate`).
 
 Full files (plain and FSDP FULL_STATE_DICT) hold full tensors; they go through ``set_model_state_dict`` /
 ``set_optimizer_state_dict`` with ``full_state_dict=True``, so they load into one-process, DDP and FSDP2 models
@@ -20,17 +20,18 @@ from torch import nn
 from impel.checkpoint.files import read_torch
 from impel.checkpoint.full import first_mismatch, pair_optimizers, read_weights
 from impel.checkpoint.layout import CheckpointError
+from impel.checkpoint.options import DEFAULT_LOAD, LoadOptions
 
 if TYPE_CHECKING:
     from impel.accelerator.prepared import TrainingRun
 
 
 def load_models_and_optimizers(run: TrainingRun, directory: Path, plan: dict[str, Any],
-                               skip: AbstractSet[int], options: Any = None) -> None:
+                               skip: AbstractSet[int], options: LoadOptions = DEFAULT_LOAD) -> None:
     """Every rank: the weights and optimizer states ``plan`` lists into the prepared models and optimizers."""
     models, optimizers = list(run.prepared.models), run.prepared.inner_optimizers()
     kind = plan["weights"]
-    deepspeed = run.distributed_type == "DEEPSPEED"
+    deepspeed = run.strategy.engine_managed
     if kind == "deepspeed" and not deepspeed:
         raise CheckpointError(f"{directory / plan['models'][0]} is a DeepSpeed engine checkpoint; resume under "
                               "DeepSpeed, or convert it to full weights with DeepSpeed's zero_to_fp32.py (saved in "
@@ -49,7 +50,7 @@ def load_models_and_optimizers(run: TrainingRun, directory: Path, plan: dict[str
         metadata = {"format": "sharded", "models": plan["models"], "optimizers": plan["optimizers"]}
         run.strategy.load_checkpoint(models, optimizers, directory, metadata, skip_models=skip, options=options)
         return
-    _load_full(models, optimizers, directory, plan, skip, strict=True if options is None else options.strict)
+    _load_full(models, optimizers, directory, plan, skip, strict=options.strict)
 
 
 def _deepspeed_metadata(directory: Path, tag: str) -> dict[str, Any]:

@@ -24,8 +24,6 @@ from typing import Any
 import torch
 from torch import nn
 
-# Where every rank holds a whole replica of the model, which is what averaging parameters needs.
-_REPLICATED = ("NO", "MULTI_CPU", "MULTI_GPU")
 _WHY_NOT = {"FSDP": "shards the parameters across the ranks", "DEEPSPEED": "hands the model to DeepSpeed's engine"}
 
 
@@ -37,7 +35,7 @@ class LocalSGD:
 
     def __init__(self, accelerator: Any, model: nn.Module, local_sgd_steps: int, enabled: bool = True) -> None:
         distributed_type = str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type))
-        if distributed_type not in _REPLICATED:
+        if not accelerator.strategy.whole_model:
             why = _WHY_NOT.get(distributed_type, "keeps no whole replica of the model on each rank")
             raise NotImplementedError(
                 f"LocalSGD averages whole model replicas, but distributed_type={distributed_type!r} {why}; train with "
@@ -46,7 +44,7 @@ class LocalSGD:
                         or local_sgd_steps < 1):
             raise ValueError(f"LocalSGD(local_sgd_steps={local_sgd_steps!r}) must be a positive int (parameters are "
                              "averaged every that many steps); pass e.g. 8, or enabled=False to turn LocalSGD off")
-        self.enabled = bool(enabled) and distributed_type != "NO"
+        self.enabled = bool(enabled) and accelerator.use_distributed
         self.num_steps = 0
         self.accelerator = accelerator
         self.model = model

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from impel.config.run_config import DistributedType
     from impel.runtime.accumulation import GradientState
     from impel.runtime.process import ProcessState
+    from impel.strategies.base import Strategy
 
 
 class ProcessUtilities(ProcessControl):
@@ -33,6 +34,7 @@ class ProcessUtilities(ProcessControl):
     gradient_state: GradientState
     device: torch.device
     distributed_type: DistributedType
+    strategy: Strategy
     handlers: Handlers
     project_configuration: ProjectConfiguration
     dataloader_config: Any
@@ -143,7 +145,7 @@ class ProcessUtilities(ProcessControl):
         if not self.state.use_distributed:
             yield
             return
-        if self.distributed_type not in ("MULTI_CPU", "MULTI_GPU"):
+        if not self.strategy.uses_ddp:
             raise ConfigError(f"join_uneven_inputs works with DDP (MULTI_CPU / MULTI_GPU), not distributed_type="
                               f"{str(self.distributed_type)!r}: torch has no Join for it; keep even_batches=True so "
                               "every rank runs the same number of batches")

@@ -29,7 +29,7 @@ from impel.config.run_config import ConfigError, DistributedType, RunConfig, mer
 from impel.config.unsupported import NotProvidedError
 from impel.runtime.compile import dynamo_code_arguments, settle_dynamo
 from impel.runtime.process import live_device, pick_device
-from impel.runtime.run_record import RunArguments, RunRecord, cpu_only_config, plugins_in_effect
+from impel.runtime.run_record import PluginsInEffect, RunArguments, RunRecord
 
 if TYPE_CHECKING:
     import torch
@@ -60,13 +60,38 @@ def resolve(launched: Mapping[str, Any] | None, args: RunArguments, topology: To
                                     topology.world_size)
         config = config.with_values(gradient_accumulation_steps=steps)
     accumulation = _accumulation(args.gradient_accumulation_plugin, config.gradient_accumulation_steps, elastic)
-    dynamo = settle_dynamo(config, args.dynamo_plugin, device, distributed_type)
+    dynamo = settle_dynamo(config, args.dynamo_plugin, device, distributed_type == DistributedType.DEEPSPEED)
     fsdp_strategy = config.fsdp.resolved_sharding_strategy if distributed_type == DistributedType.FSDP else None
     parallelism = settle(config.parallelism_config, asked, topology.world_size, str(distributed_type), fsdp_strategy)
     config.freeze()
     plugins = plugins_in_effect(config, str(distributed_type), args.deepspeed_plugin)
     return RunRecord(config, handlers, topology, device, distributed_type, accumulation, dynamo, deepspeed,
-                     args.deepspeed_plugin, args.fsdp_plugin, parallelism, plugins, args.deepspeed_plugin_name, named)
+                     args.deepspeed_plugin, args.fsdp_plugin, parallelism, plugins, args.deepspeed_plugin_name, named,
+                     cpu_only)
+
+
+def cpu_only_config(config: RunConfig) -> bool:
+    """Train on the CPU even where a GPU is visible: ``cpu=True`` / ``use_cpu``, or a MULTI_CPU launch."""
+    return bool(config.use_cpu or config.distributed_type == "MULTI_CPU")
+
+
+def plugins_in_effect(config: RunConfig, distributed_type: str, deepspeed_plugin: DeepSpeedPlugin | None
+                      ) -> PluginsInEffect:
+    from impel.config.plugins import _DEEPSPEED_KEYS, _FSDP_KEYS, DeepSpeedPlugin, FullyShardedDataParallelPlugin
+
+    if distributed_type == "DEEPSPEED":
+        if deepspeed_plugin is not None:
+            return PluginsInEffect(deepspeed=deepspeed_plugin)
+        ds = config.deepspeed
+        return PluginsInEffect(deepspeed=DeepSpeedPlugin(
+            hf_ds_config=ds.deepspeed_config_file, gradient_accumulation_steps=config.gradient_accumulation_steps,
+            **{attr: getattr(ds, name) for attr, name in _DEEPSPEED_KEYS.items()}))
+    if distributed_type == "FSDP":
+        fsdp = config.fsdp
+        return PluginsInEffect(fsdp=FullyShardedDataParallelPlugin(
+            mixed_precision_policy=config.mixed_precision,
+            **{attr: getattr(fsdp, name) for attr, name in _FSDP_KEYS.items()}))
+    return PluginsInEffect()
 
 
 def accelerate_plugins(deepspeed_plugin: Any, deepspeed_plugins: Any, torch_tp_plugin: Any, megatron_lm_plugin: Any,

@@ -35,7 +35,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from impel.accelerator import load_accelerate as accelerate_format
-from impel.checkpoint import collective, layout, ownership, staging, storage, target, verified
+from impel.checkpoint import collective, layout, ownership, staging, storage, target, tempdirs, verified
 from impel.checkpoint.digests import sealing, share_digests
 from impel.checkpoint.files import crc32_off, read_torch, write_torch
 from impel.checkpoint.full import suffix
@@ -234,6 +234,8 @@ class Checkpointer:
         try:
             if group is not None:
                 self._settle(temp, final, group, staged)
+            elif staged is not None:  # one process: nothing to tell; the call raised it, nothing is committed
+                raise staged
             box: dict[str, dict[str, Any]] = {}
 
             def written(sealer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -277,7 +279,7 @@ class Checkpointer:
         return bool(self.config.async_save or self.async_configured)
 
     def _check_async(self) -> None:
-        if self.run.distributed_type == "DEEPSPEED":
+        if self.run.strategy.engine_managed:
             raise ConfigError("save_state(async_save=True) is not supported under DeepSpeed (its engine writes its "
                               "own checkpoint files synchronously); save with async_save=False, or turn off "
                               "ProjectConfiguration(async_save=...) / the async_save config key")
@@ -319,9 +321,9 @@ class Checkpointer:
 
     def _write(self, temp: Path, leader: bool, safe_serialization: bool, options: SaveOptions) -> dict[str, Any]:
         run, prepared = self.run, self.run.prepared
-        # every rank creates it (the first one wins): no collective of its own; a failure (a directory that may
-        # not be written) is shared by the write's, so every rank raises and none waits
-        temp.mkdir(parents=True, exist_ok=True)
+        # every rank creates it (the first one wins; never a symlink or another user's) and holds its lock: no
+        # collective of its own; a failure is shared by the write's, so every rank raises and none waits
+        tempdirs.make(temp)
         skip = self._run_save_hooks(temp)
         meta = run.strategy.save_checkpoint(list(prepared.models), prepared.inner_optimizers(), temp,
                                             writer=leader, safe_serialization=safe_serialization,
@@ -334,7 +336,7 @@ class Checkpointer:
                         temp / TRAINING_STATE_FILE)
             for i, obj in enumerate(prepared.registered):
                 self._write_registered(i, obj, temp / f"custom_checkpoint_{i}.pt")
-        write_torch(collect_rng_state(run.device), temp / f"random_states_{run.process_index}.pt")
+        write_torch(collect_rng_state(run.device, prepared.dataloaders), temp / f"random_states_{run.process_index}.pt")
         return dict(meta, skipped_models=sorted(skip))
 
     @staticmethod
@@ -479,7 +481,7 @@ class Checkpointer:
                                            f"registered object {i}, {describe(obj)}"))
         rng = directory / f"random_states_{run.process_index}.pt"
         if rng.is_file():
-            restore_rng_state(read_torch(rng, f"rank {run.process_index} RNG state"), run.device)
+            restore_rng_state(read_torch(rng, f"rank {run.process_index} RNG state"), run.device, prepared.dataloaders)
         elif not self.elastic:  # an elastic job that grew: expected, and its resume line says so
             logger.warning("%s has no RNG state for rank %d (saved by %s processes); this rank's random streams "
                            "start fresh", directory, run.process_index, metadata.get("world_size"))

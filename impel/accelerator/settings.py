@@ -86,7 +86,7 @@ class RunSettings:
     def gradient_accumulation_steps(self, value: int) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"gradient_accumulation_steps={value!r} must be an integer >= 1")
-        if self.distributed_type == DistributedType.DEEPSPEED:
+        if self.strategy.engine_managed:
             raise ConfigError(f"gradient_accumulation_steps={value} cannot change after the Accelerator is built under "
                               "DeepSpeed (its engine config fixes it); pass Accelerator(gradient_accumulation_steps="
                               f"{value}) or set it in the DeepSpeed JSON")
@@ -137,12 +137,12 @@ class RunSettings:
     @property
     def multi_device(self) -> bool:
         """Several GPUs under plain DDP (Accelerate's definition: MULTI_CPU does not count)."""
-        return self.use_distributed and self.distributed_type == DistributedType.MULTI_GPU
+        return self.use_distributed and self.strategy.uses_ddp and self.device.type != "cpu"
 
     @property
     def is_fsdp2(self) -> bool:
         """True under FSDP (impel's FSDP is always FSDP2)."""
-        return self.distributed_type == DistributedType.FSDP
+        return self.strategy.fsdp2
 
     @property
     def is_composable_parallelism_enabled(self) -> bool:

@@ -14,13 +14,15 @@ import json
 import logging
 import os
 import re
+import secrets
 import shutil
 import uuid
 from collections.abc import Callable
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
-from impel.checkpoint import hashing
+from impel.checkpoint import hashing, tempdirs
+from impel.checkpoint.errors import CheckpointError
 
 logger = logging.getLogger("impel")
 
@@ -35,10 +37,6 @@ FORMAT_VERSION = 4
 ENDS_KEY = "block_ends"
 _NAME = re.compile(r"^checkpoint_(\d+)$")
 _WARNED: set[str] = set()
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be saved or loaded; the message names the directory or file and the fix."""
 
 
 # --- naming ---------------------------------------------------------------------------------------------------
@@ -110,21 +108,14 @@ def next_free_iteration(root: Path) -> int:
 # --- temporary directories and cleanup ---------------------------------------------------------------------------
 def temp_dir_for(final: Path, token: str | None = None) -> Path:
     """The hidden sibling directory a save of ``final`` is written into before the rename."""
-    return final.parent / f"{TMP_PREFIX}{final.name}-{token or uuid.uuid4().hex[:12]}"
+    return final.parent / f"{TMP_PREFIX}{final.name}-{token or secrets.token_hex(12)}"
 
 
 def clean_incomplete(root: Path, keep: Path | None = None) -> list[Path]:
-    """Delete the temporary and swapped-out directories interrupted saves left in ``root`` (all but ``keep``: the
-    temporary directory of the save that is cleaning, already in use)."""
-    removed: list[Path] = []
-    if not root.is_dir():
-        return removed
-    for entry in root.iterdir():
-        if entry.is_dir() and entry.name.startswith((TMP_PREFIX, OLD_PREFIX)) and entry != keep:
-            logger.warning("removing %s, left by an interrupted save", entry)
-            shutil.rmtree(entry, ignore_errors=True)
-            removed.append(entry)
-    return removed
+    """Delete the temporary and swapped-out directories interrupted saves left in ``root``, but only those provably
+    dead (:mod:`impel.checkpoint.tempdirs`): another job's save in flight there is left alone. ``keep``: the
+    temporary directory of the save that is cleaning, already in use."""
+    return tempdirs.clean(root, keep, (TMP_PREFIX, OLD_PREFIX))
 
 
 def recover_swap(final: Path) -> None:
@@ -262,6 +253,7 @@ def commit(temp: Path, final: Path, metadata: dict[str, Any], known: dict[str, d
     ``keep(final, temp)``: called when ``final`` is a complete checkpoint, after ``temp`` is sealed and before the
     swap, to bring what must survive the replacement into ``temp`` (the user's files, :mod:`.ownership`).
     """
+    tempdirs.release(temp)  # its lock file is no file of the checkpoint
     known = known or {}
     unsynced = [path for path in temp.rglob("*") if path.is_file() and path.relative_to(temp).as_posix() not in known]
     body = dict(metadata, format_version=FORMAT_VERSION, block_size=hashing.BLOCK, files=build_manifest(temp, known))
@@ -314,7 +306,28 @@ def read_metadata(directory: Path) -> dict[str, Any]:
                               "earlier checkpoint or save again")
     if not isinstance(data, dict) or not isinstance(data.get("files"), dict):
         raise CheckpointError(f"{path} has no file manifest; it was not written by this impel version")
+    version = data.get("format_version", 1)
+    if not isinstance(version, int) or isinstance(version, bool) or not 1 <= version <= FORMAT_VERSION:
+        raise CheckpointError(f"{path} has format_version {version!r}, which this impel does not read (it reads 1 "
+                              f"to {FORMAT_VERSION}); upgrade impel to load checkpoints written by a newer one")
+    for rel in data["files"]:
+        _check_confined(directory, rel, path)
     return data
+
+
+def _check_confined(directory: Path, rel: Any, manifest: Path) -> None:
+    """A manifest names files inside its checkpoint only: relative, no ``..``, no absolute path, nothing that
+    resolves outside it (a symlinked folder): rotation deletes what the manifest names."""
+    parts = PurePosixPath(rel).parts if isinstance(rel, str) else ()
+    inside = (bool(parts) and not PurePosixPath(rel).is_absolute() and "\\" not in rel
+              and all(part not in ("..", ".", "") for part in parts))
+    if inside:
+        root = directory.resolve()
+        inside = root in (directory / rel).resolve().parents
+    if not inside:
+        raise CheckpointError(f"{manifest} names {rel!r}, a path outside its checkpoint {directory} (absolute, with "
+                              "'..', or through a link); impel reads, verifies and deletes only files inside a "
+                              "checkpoint: this manifest was not written by impel as it is: load an earlier checkpoint")
 
 
 def verify(directory: Path, checksums: bool = True, skip: Callable[[str], bool] | None = None) -> dict[str, Any]:

@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import hashlib
+import hmac
 import itertools
+import secrets
 import sys
 import threading
-import uuid
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -128,11 +130,12 @@ def group_ready() -> bool:
 def background_group(timeout: timedelta) -> Any:
     """The gloo group background saves coordinate on (None on one process). Collective on the default group the
     first time (and after the default group changed): every rank calls it at the same point of ``save_state``.
-    It also agrees a random token for the job there, which :func:`temp_token` names the saves' directories by."""
+    It also agrees a random 128-bit secret for the job there, from which :func:`temp_token` names the saves'
+    directories."""
     if not is_distributed():
         return None
     if not group_ready():
-        token = [uuid.uuid4().hex[:8]]
+        token = [secrets.token_hex(16)]  # the job's secret: names are keyed hashes of it (temp_token), never it
         dist.broadcast_object_list(token, src=0)
         _group[:] = [dist.distributed_c10d._get_default_group(), dist.new_group(backend="gloo", timeout=timeout),
                      token[0]]
@@ -141,13 +144,16 @@ def background_group(timeout: timedelta) -> Any:
 
 def temp_token() -> str:
     """The token of the next asynchronous save's temporary directory (``layout.temp_dir_for``): the same on every
-    rank without a collective (the job's token from :func:`background_group`, and the count of this process's
-    asynchronous saves), and new for every save of every job: a crashed job's leftover is never reused, and a
+    rank without a collective (a keyed hash of the count of this process's asynchronous saves, with the job's secret
+    from :func:`background_group`: one save's name does not tell the next one's), and new for every save of every
+    job: a crashed job's leftover is never reused, and a
     retry never shares a directory with a failed save whose leader may still be removing it. Should the ranks'
     counts differ, the background job's agreement names the directories and fails the save. Random on one
     process."""
     n = next(_saves)
-    return f"{_group[2]}{n:04d}" if _group and is_distributed() else uuid.uuid4().hex[:12]
+    if _group and is_distributed():  # unpredictable to whoever watches the names (tempdirs: no planted symlink)
+        return hmac.new(_group[2].encode(), str(n).encode(), hashlib.sha256).hexdigest()[:24]
+    return secrets.token_hex(12)
 
 
 def release_group() -> None:

@@ -18,9 +18,13 @@ logger = logging.getLogger("impel")
 
 
 # --- RNG -------------------------------------------------------------------------------------------------------
-def collect_rng_state(device: torch.device) -> dict[str, Any]:
-    """This rank's python, numpy, torch and accelerator RNG states."""
+def collect_rng_state(device: torch.device, dataloaders: Sequence[Any] = ()) -> dict[str, Any]:
+    """This rank's python, numpy, torch and accelerator RNG states, and each dataloader's RNG state of its fetched
+    but unused batch (``PreparedLoader.fetch_rng_state``: a collator that draws random masks resumes exactly)."""
     state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    fetches = [getattr(dl, "fetch_rng_state", lambda: None)() for dl in dataloaders]
+    if any(f is not None for f in fetches):
+        state["dataloader_fetch"] = fetches
     try:
         import numpy as np
 
@@ -39,8 +43,11 @@ def collect_rng_state(device: torch.device) -> dict[str, Any]:
     return state
 
 
-def restore_rng_state(state: dict[str, Any], device: torch.device) -> None:
-    """Put back what :func:`collect_rng_state` returned."""
+def restore_rng_state(state: dict[str, Any], device: torch.device, dataloaders: Sequence[Any] = ()) -> None:
+    """Put back what :func:`collect_rng_state` returned (the dataloaders' positions restored first)."""
+    for dl, fetch in zip(dataloaders, state.get("dataloader_fetch", [])):
+        if hasattr(dl, "resume_fetch_rng"):
+            dl.resume_fetch_rng(fetch)
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     torch.set_rng_state(state["torch"])

@@ -1,4 +1,4 @@
-"""Layer 7, the command line: one module per ``impel`` subcommand; nothing here imports torch at import time.
+"""Layer 8, the command line: one module per ``impel`` subcommand; nothing here imports torch at import time.
 
 - ``main``: the ``impel`` command; ``launch`` (with ``flags``: launch flags from the config dataclasses), ``config``
   (with ``questionnaire``), ``env``, ``test`` (runs ``selftest`` on every rank), ``estimate`` (over ``planning/``:

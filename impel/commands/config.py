@@ -14,7 +14,7 @@ from impel.config import environment as env
 from impel.config.elastic import check_elastic_launch
 from impel.config.run_config import ConfigError, RunConfig
 from impel.config.yaml_file import LoadedConfig as LoadedConfig  # re-exported: Accelerate's accelerate.commands.config
-from impel.config.yaml_file import dump_yaml, file_document, read_config_file, write_config_file
+from impel.config.yaml_file import dump_yaml, file_document, load_config_mapping, read_config_file, write_config_file
 from impel.config.yaml_file import load_config_from_file as load_config_from_file
 
 # Accelerate's ``accelerate.commands.config.default_config_file``: the file ``impel config`` writes
@@ -103,10 +103,11 @@ def show(ns: argparse.Namespace) -> int:
 
 
 def convert_file(ns: argparse.Namespace) -> int:
-    from impel.config.convert import convert
+    from impel.config.convert import convert, readable
 
-    explicit = read_config_file(ns.file)
-    _check_deepspeed_json(RunConfig.from_dict(explicit))  # a contradiction is an error, not a value to translate
+    explicit = load_config_mapping(ns.file)  # an FSDP1 file (fsdp_version: 1) converts: impel launch refuses it
+    # a contradiction in the DeepSpeed JSON is an error, not a value to translate
+    _check_deepspeed_json(RunConfig.from_dict(readable(explicit, [])))
     translated, notes = convert(explicit, ns.to)
     for note in notes:
         print(f"note: {note}", file=sys.stderr)

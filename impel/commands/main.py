@@ -1,4 +1,4 @@
-"""The ``impel`` command: config, launch, env, test, estimate-memory, merge-weights, compare.
+"""The ``impel`` command: config, launch, env, test, estimate-memory, merge-weights, compare, to-fsdp2.
 
 Bad input (a ConfigError) prints one paragraph naming the problem and the fix and exits with code 2, without a
 Python traceback and before any process starts. ``impel --help`` and ``impel config show`` never import torch.
@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from impel.commands import compare, config, env, estimate, launch, merge, test
+from impel.commands import compare, config, env, estimate, launch, merge, test, to_fsdp2
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -18,8 +18,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      "one GPU, many GPUs or many machines, with DDP, FSDP2 or DeepSpeed.")
     parser.add_argument("--version", action="version", version=f"impel {__version__}")
     sub = parser.add_subparsers(dest="command",
-                                metavar="{config,launch,env,test,estimate-memory,merge-weights,compare}")
-    for module in (config, launch, env, test, estimate, merge, compare):
+                                metavar="{config,launch,env,test,estimate-memory,merge-weights,compare,to-fsdp2}")
+    for module in (config, launch, env, test, estimate, merge, compare, to_fsdp2):
         module.register(sub)
     return parser
 

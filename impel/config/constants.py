@@ -1,6 +1,6 @@
 """Accelerate's constants (``accelerate.utils.constants``): the file names of its checkpoints and weights, the
 accepted values of its FSDP settings, and the version floors it names. impel reads Accelerate's checkpoints under
-these names (:mod:`impel.checkpoint.accelerate_format`); scripts import them to find those files."""
+these names (:mod:`impel.accelerator.load_accelerate`); scripts import them to find those files."""
 from __future__ import annotations
 
 import enum

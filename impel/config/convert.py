@@ -38,16 +38,17 @@ def convert(explicit: Mapping[str, Any], target: str) -> tuple[dict[str, Any], l
     target = target.lower()
     if target not in ("deepspeed", "fsdp"):
         raise ConfigError(f"--to {target!r} is not a strategy impel translates to; use 'deepspeed' or 'fsdp'")
+    notes: list[str] = []
+    explicit = readable(explicit, notes)
     source = RunConfig.from_dict(explicit)
     want = "DEEPSPEED" if target == "deepspeed" else "FSDP"
     if source.distributed_type == want:
-        return dict(explicit), [f"the config already uses {want}; nothing to translate"]
+        return dict(explicit), [*notes, f"the config already uses {want}; nothing to translate"]
     if source.distributed_type not in ("FSDP", "DEEPSPEED"):
         raise ConfigError(f"distributed_type={source.distributed_type!r}: only FSDP and DEEPSPEED configs translate; "
                           "set distributed_type to FSDP or DEEPSPEED first")
     base = {k: v for k, v in explicit.items() if k not in ("fsdp_config", "deepspeed_config")}
     base["distributed_type"] = want
-    notes: list[str] = []
     if want == "DEEPSPEED" and base.pop("parallelism_config", None):
         notes.append("parallelism_config: impel runs no tensor / context parallelism or HSDP mesh under DeepSpeed; the "
                      "section is dropped and ZeRO partitions over every rank (keep FSDP for N-D parallelism)")
@@ -58,6 +59,17 @@ def convert(explicit: Mapping[str, Any], target: str) -> tuple[dict[str, Any], l
         notes.append(_PRECISION_NOTE[want])  # with 16-bit mixed precision both keep fp32 master weights
     RunConfig.from_dict(base)  # the translation is itself a valid config
     return base, notes
+
+
+def readable(explicit: Mapping[str, Any], notes: list[str]) -> dict[str, Any]:
+    """The config as impel reads it: an Accelerate FSDP1 file (``fsdp_version: 1``) names its options as FSDP1 did,
+    which impel reads as FSDP2's, so the version key is dropped with a note (``impel launch`` refuses it)."""
+    section = explicit.get("fsdp_config") or {}
+    if str(section.get("fsdp_version", 2)) == "1":
+        notes.append("fsdp_version=1 (FSDP1) read as FSDP2: its options carry over; impel to-fsdp2 rewrites the "
+                     "file for FSDP2")
+        explicit = {**explicit, "fsdp_config": {k: v for k, v in section.items() if k != "fsdp_version"}}
+    return RunConfig.from_dict(explicit).to_dict(explicit_only=True)
 
 
 def _zero_stage(strategy: str) -> int:
@@ -76,7 +88,10 @@ def _fsdp_to_deepspeed(cfg: RunConfig, given: Mapping[str, Any], notes: list[str
         notes.append(f"fsdp_sharding_strategy={strategy} (replicate across nodes, shard within) has no launch-config "
                      f"counterpart: ZeRO-{stage} shards over all ranks; DeepSpeed's hpZ (zero_hpz_partition_size in a "
                      "DeepSpeed JSON) is the closest")
-    if fsdp.offload_params:
+    if fsdp.offload_params and stage == 0:
+        notes.append("fsdp_offload_params has no ZeRO-0 counterpart (DeepSpeed offloads from ZeRO-1 up): nothing is "
+                     "offloaded; choose SHARD_GRAD_OP or FULL_SHARD to offload")
+    elif fsdp.offload_params:
         out["offload_optimizer_device"] = "cpu"
         if stage == 3:
             out["offload_param_device"] = "cpu"
@@ -84,15 +99,20 @@ def _fsdp_to_deepspeed(cfg: RunConfig, given: Mapping[str, Any], notes: list[str
             notes.append(f"fsdp_offload_params offloads parameters too, but ZeRO-{stage} can offload only the "
                          "optimizer: parameters stay on the GPU")
     if fsdp.cpu_ram_efficient_loading:
-        out["zero3_init_flag"] = True
-        if stage != 3:
-            notes.append(f"zero3_init_flag only acts under ZeRO-3 (this config is ZeRO-{stage})")
-    if "fsdp_state_dict_type" in given or stage == 3:
-        full = fsdp.state_dict_type == "FULL_STATE_DICT"
+        if stage == 3:
+            out["zero3_init_flag"] = True
+        else:  # zero3_init_flag needs ZeRO-3: writing it would give a file impel rejects
+            notes.append(f"fsdp_cpu_ram_efficient_loading has no ZeRO-{stage} counterpart (zero3_init_flag acts "
+                         "only under ZeRO-3): every rank loads the whole model")
+    full = fsdp.state_dict_type == "FULL_STATE_DICT"
+    if stage == 3:
         out["zero3_save_16bit_model"] = full
         if full:
             notes.append("FULL_STATE_DICT -> zero3_save_16bit_model: the consolidated weights are saved in 16 bits "
                          "(FSDP saves them in the parameter dtype, fp32 with mixed precision)")
+    elif full:  # zero3_save_16bit_model needs ZeRO-3: writing it would give a file impel rejects
+        notes.append(f"fsdp_state_dict_type=FULL_STATE_DICT has no ZeRO-{stage} counterpart: every rank holds the "
+                     "whole model, save_model writes full weights with nothing to set")
     for key in sorted(given):
         if key in _TRANSPARENT:
             notes.append(f"{key}: {_TRANSPARENT[key]}")

@@ -1,5 +1,5 @@
 """Arguments of Accelerate's plugins that impel accepts by name and refuses when set, each with the reason and
-what to use instead (so a setting never passes silently). The plugins in :mod:`impel.plugins` call
+what to use instead (so a setting never passes silently). The plugins in :mod:`impel.config.plugins` call
 :func:`refuse_set` from ``__post_init__``."""
 from __future__ import annotations
 

@@ -184,7 +184,9 @@ class FSDPConfig(Freezable):
             raise ConfigError("fsdp_version=1 selects FSDP1 (FullyShardedDataParallel), which impel does not run: "
                               "impel runs FSDP2 (fully_shard) only. Set fsdp_version to 2 (fsdp_version: 2 in the "
                               "config, --fsdp_version 2, FullyShardedDataParallelPlugin(fsdp_version=2)) or remove it; "
-                              "the other FSDP options carry over (docs/fsdp.md)")
+                              "the other FSDP options carry over (docs/fsdp.md). A config file converts in one "
+                              "command, as with accelerate to-fsdp2: impel to-fsdp2 --config_file FILE "
+                              "--output_file NEW.yaml")
         if not self.use_orig_params:
             raise ConfigError("fsdp_use_orig_params=false has no FSDP2 equivalent (FSDP2 always trains the original "
                               "parameters); set it to true or remove it")

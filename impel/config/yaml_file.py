@@ -126,6 +126,15 @@ def unique_key_loader() -> Any:
 
 def read_config_file(path: str) -> dict[str, Any]:
     """The explicitly set keys of a YAML (or JSON) config file, validated; raises ConfigError naming the file."""
+    data = load_config_mapping(path)
+    try:
+        return RunConfig.from_dict(data).to_dict(explicit_only=True)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+
+
+def load_config_mapping(path: str) -> dict[str, Any]:
+    """A config file's keys in impel's names (Accelerate's older names mapped), not yet validated."""
     import yaml
 
     if os.path.isdir(path):
@@ -153,11 +162,7 @@ def read_config_file(path: str) -> dict[str, Any]:
     if not isinstance(data, Mapping):
         raise ConfigError(f"config file {path!r} must hold a mapping of keys to values, not a "
                           f"{type(data).__name__}; see `impel config show` for the layout")
-    data = normalise_accelerate_keys(data, path)
-    try:
-        return RunConfig.from_dict(data).to_dict(explicit_only=True)
-    except ConfigError as exc:
-        raise ConfigError(f"{path}: {exc}") from None
+    return dict(normalise_accelerate_keys(data, path))
 
 
 def file_document(explicit: Mapping[str, Any]) -> dict[str, Any]:

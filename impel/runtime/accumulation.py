@@ -15,6 +15,7 @@ import dataclasses
 import logging
 import weakref
 from collections.abc import Iterator
+from operator import attrgetter
 from typing import Any, ClassVar
 
 from impel.config.plugins import GradientAccumulationPlugin
@@ -26,7 +27,7 @@ logger = logging.getLogger("impel")
 class GradientState:
     """The accumulation state of one Accelerator, read by the prepared model, optimizer, scheduler and dataloaders.
 
-    Its fields are private and change only through its methods, so the accumulation rules live here alone:
+    Its fields change only through its methods, so the accumulation rules live here alone:
     micro-steps (:meth:`begin`, :meth:`begin_auto` / :meth:`end_auto`, :meth:`enter_accumulate` /
     :meth:`exit_accumulate`), the dataloaders being iterated (:meth:`register_dataloader` /
     :meth:`unregister_dataloader`), user ``no_sync()`` blocks (:meth:`no_sync_block`), and the settings Accelerate
@@ -35,6 +36,9 @@ class GradientState:
     ``GradientState()`` without a plugin is Accelerate's shared state: the gradient state of the newest Accelerator
     still alive (one with ``num_steps=1`` when there is none), so ``GradientState().sync_gradients`` reads what the
     training loop sees.
+
+    What every step reads (``num_steps``, ``sync_gradients``, ``grad_sync_enabled``, ``item_scale``,
+    ``in_micro_step``) are read-only properties whose getter is C (``operator.attrgetter``): no Python call.
     """
 
     _newest: ClassVar[weakref.ref[GradientState] | None] = None
@@ -51,10 +55,12 @@ class GradientState:
         self._plugin = plugin or GradientAccumulationPlugin()
         self._num_steps: int = self._plugin.num_steps or 1  # resolve() fills a plugin's None from the launch
         self._sync = True
+        self._grad_sync = True  # the next backward reduces gradients across ranks: see _set_sync
         self._group_size = self._num_steps
         self._micro = 0  # micro-steps done in the current group
         self._in_context = False  # inside accumulate()
         self._open = False  # an automatic micro-step has begun and has not seen its backward yet
+        self._in_micro_step = False  # _in_context or _open: callers skip begin_auto() without a call
         self._no_sync_depth = 0  # depth of user no_sync() blocks
         self._dataloaders: list[Any] = []
         self._saw_backward = True  # accelerator.backward() ran in the current micro-step
@@ -74,6 +80,14 @@ class GradientState:
         return (_rebuild, (self._plugin, state))
 
     # --- what the loop and Accelerate's users read ------------------------------------------------------------
+    num_steps = property(attrgetter("_num_steps"), doc="Micro-steps per optimizer step.")
+    sync_gradients = property(attrgetter("_sync"), doc="This micro-step ends a group: the optimizer steps.")
+    grad_sync_enabled = property(attrgetter("_grad_sync"),
+                                 doc="The next backward reduces gradients across ranks (not inside no_sync()).")
+    item_scale = property(attrgetter("_item_scale"), doc="item_windows(): this batch's loss multiplier, or None.")
+    in_micro_step = property(attrgetter("_in_micro_step"),
+                             doc="Inside accumulate(), or an automatic micro-step is open (begin_auto is a no-op).")
+
     @property
     def plugin(self) -> GradientAccumulationPlugin:
         return self._plugin
@@ -84,14 +98,6 @@ class GradientState:
         default = GradientAccumulationPlugin()
         return {f.name: getattr(self._plugin, f.name) for f in dataclasses.fields(self._plugin)
                 if getattr(self._plugin, f.name) != getattr(default, f.name)}
-
-    @property
-    def num_steps(self) -> int:
-        return self._num_steps
-
-    @property
-    def sync_gradients(self) -> bool:
-        return self._sync
 
     @property
     def sync_with_dataloader(self) -> bool:
@@ -155,7 +161,11 @@ class GradientState:
 
     def set_sync_gradients(self, value: bool) -> None:
         """Until the next micro-step begins, as in Accelerate."""
+        self._set_sync(value)
+
+    def _set_sync(self, value: bool) -> None:
         self._sync = value
+        self._grad_sync = not self._no_sync_depth and (value or bool(self._plugin.sync_each_batch))
 
     _set_sync_gradients = set_sync_gradients  # Accelerate's name
 
@@ -163,10 +173,6 @@ class GradientState:
         self._step = int(value)
 
     # --- item_windows(): token-level losses -------------------------------------------------------------------
-    @property
-    def item_scale(self) -> Any:
-        return self._item_scale
-
     def set_item_window(self, length: int | None, item_scale: Any = None) -> None:
         """The window ``item_windows()`` read ahead (its length decides the group, whatever the dataloader's end
         flag says) and the multiplier of the batch it yields; ``(None, None)`` when it is done."""
@@ -187,26 +193,32 @@ class GradientState:
     @contextlib.contextmanager
     def no_sync_block(self) -> Iterator[None]:
         self._no_sync_depth += 1
+        self._set_sync(self._sync)
         try:
             yield
         finally:
             self._no_sync_depth -= 1
+            self._set_sync(self._sync)
 
     # --- micro-steps ------------------------------------------------------------------------------------------
     def begin(self) -> None:
-        at_end = self._plugin.sync_with_dataloader and self.end_of_dataloader
+        dataloaders = self._dataloaders  # (end_of_dataloader, inlined: this runs on every micro-step)
+        at_end = self._plugin.sync_with_dataloader and bool(dataloaders) and dataloaders[-1].end_of_dataloader
         self._step = 0 if at_end else self._step + 1
         at_end = at_end and self._planned_group is None  # item_windows() read the window ahead: it decides
         if self._num_steps == 1:
-            self._sync = True
+            if not self._sync:
+                self._set_sync(True)
             self._group_size = 1
             return
         self._saw_backward = False
         if self._micro == 0:
             self._group_size = self._planned_group or self._next_group_size()
         self._micro += 1
-        self._sync = self._micro >= self._group_size or at_end
-        if self._sync:
+        sync = self._micro >= self._group_size or at_end
+        self._sync = sync  # (_set_sync, inlined)
+        self._grad_sync = not self._no_sync_depth and (sync or bool(self._plugin.sync_each_batch))
+        if sync:
             self._micro = 0
 
     def _next_group_size(self) -> int:
@@ -218,22 +230,22 @@ class GradientState:
 
     def begin_auto(self) -> None:
         """Open a micro-step for loops that do not use ``accumulate()``; a no-op while one is open."""
-        if not self._in_context and not self._open:
+        if not self._in_micro_step:
             self.begin()
-            self._open = True
+            self._open = self._in_micro_step = True
 
     def end_auto(self) -> None:
         if not self._in_context:
-            self._open = False
+            self._open = self._in_micro_step = False
 
     def enter_accumulate(self) -> None:
         """``with accelerator.accumulate(model):`` begins a micro-step that lasts for the block."""
         self.begin()
-        self._in_context = True
+        self._in_context = self._in_micro_step = True
         self._open = False
 
     def exit_accumulate(self) -> None:
-        self._in_context = False
+        self._in_context = self._in_micro_step = False
 
     def on_optimizer_step(self) -> None:
         """The prepared optimizer's step ends an automatic micro-step even if backward bypassed impel."""
@@ -243,7 +255,8 @@ class GradientState:
                            "accelerator.backward(loss): the loss was not divided by the group length, so the "
                            "accumulated gradient is a sum; call accelerator.backward(loss) instead of "
                            "loss.backward()", self._num_steps)
-        self.end_auto()
+        if self._open:
+            self.end_auto()
 
     @property
     def loss_divisor(self) -> int:
@@ -256,13 +269,7 @@ class GradientState:
         self._saw_backward = True
         if self._item_scale is not None:
             return loss * self._item_scale.to(loss.dtype)
-        return loss / self.loss_divisor
-
-    @property
-    def grad_sync_enabled(self) -> bool:
-        if self._no_sync_depth:
-            return False
-        return self._sync or self._plugin.sync_each_batch
+        return loss / (self._group_size if self._plugin.short_group_divisor == "actual" else self._num_steps)
 
     def state_dict(self) -> dict[str, int]:
         return {"micro_in_group": self._micro, "group_size": self._group_size, "step": self._step}
@@ -282,7 +289,7 @@ def _rebuild(plugin: GradientAccumulationPlugin, state: dict[str, Any]) -> Gradi
 class MicroStep:
     """``with accelerator.accumulate(model):`` as a plain class: it runs on every micro-step, so no generator."""
 
-    __slots__ = ("state",)
+    __slots__ = ("state",)  # one per Accelerator, entered on every micro-step
 
     def __init__(self, state: GradientState) -> None:
         self.state = state

@@ -254,11 +254,16 @@ def send_to_device(tensor: Any, device: torch.device | str | int, non_blocking: 
                    skip_keys: str | list[str] | None = None) -> Any:
     """Move every tensor inside dicts, lists, tuples, namedtuples and ``.to``-able objects to ``device``; the values
     of a mapping under ``skip_keys`` (a key or a list of keys) stay where they are."""
-    if isinstance(tensor, torch.Tensor):
+    cls = type(tensor)
+    if cls is torch.Tensor or isinstance(tensor, torch.Tensor):
         return tensor if tensor.device == torch.device(device) else tensor.to(device, non_blocking=non_blocking)
+    if cls is list or cls is tuple:  # every batch: tensors already in place cost no call each
+        target = torch.device(device)
+        return cls([o if type(o) is torch.Tensor and o.device == target
+                    else send_to_device(o, device, non_blocking, skip_keys) for o in tensor])
     if isinstance(tensor, (list, tuple)):
         moved = [send_to_device(o, device, non_blocking, skip_keys) for o in tensor]
-        return type(tensor)(*moved) if hasattr(tensor, "_fields") else type(tensor)(moved)
+        return cls(*moved) if hasattr(tensor, "_fields") else cls(moved)
     if isinstance(tensor, Mapping):
         skip = [skip_keys] if isinstance(skip_keys, str) else (skip_keys or [])
         moved_map = {k: v if k in skip else send_to_device(v, device, non_blocking, skip_keys)

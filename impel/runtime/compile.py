@@ -36,7 +36,7 @@ from impel.config import environment as env
 from impel.config.dynamo import BACKENDS, DynamoBackend, DynamoConfig
 from impel.config.environment_settings import launched_settings
 from impel.config.plugins import KwargsHandler
-from impel.config.run_config import ConfigError, DistributedType
+from impel.config.run_config import ConfigError
 from impel.runtime.model_forward import ForwardContext, patch_forward, unpatch_forward
 
 if TYPE_CHECKING:
@@ -209,7 +209,7 @@ class _CompiledForward(ForwardContext):
 
 
 def settle_dynamo(config: RunConfig, given: TorchDynamoPlugin | None, device: torch.device,
-                  distributed_type: str) -> TorchDynamoPlugin:
+                  engine_managed: bool) -> TorchDynamoPlugin:
     """The plugin from the merged config (code > launch > defaults), checked to run here and with this strategy."""
     section = config.dynamo_config or DynamoConfig()
     extras = {"options": given.options, "disable": given.disable} if given is not None else {}
@@ -217,7 +217,7 @@ def settle_dynamo(config: RunConfig, given: TorchDynamoPlugin | None, device: to
                                dynamic=section.use_dynamic, use_regional_compilation=section.use_regional_compilation,
                                **extras)
     if plugin.backend != DynamoBackend.NO and not plugin.disable:
-        if distributed_type == DistributedType.DEEPSPEED:
+        if engine_managed:
             raise ConfigError(f"dynamo_backend={plugin.backend.value.lower()!r} under DeepSpeed is not supported "
                               "yet: impel does not compile a DeepSpeed engine; drop dynamo_backend (or "
                               "dynamo_config), or train with FSDP (--use_fsdp) or DDP")
@@ -228,9 +228,9 @@ def settle_dynamo(config: RunConfig, given: TorchDynamoPlugin | None, device: to
 class Compiler:
     """The resolved compile settings of one Accelerator and where they are applied (see the module docstring)."""
 
-    def __init__(self, plugin: TorchDynamoPlugin, distributed_type: str) -> None:
+    def __init__(self, plugin: TorchDynamoPlugin, per_block: bool) -> None:
         self.plugin = plugin
-        self.distributed_type = distributed_type
+        self.per_block = per_block  # the strategy compiles each block before sharding (FSDP2): nothing here
 
     def configure_backends(self, mixed_precision: str, device: torch.device) -> None:
         """As Accelerate: a compiled fp32 run on CUDA uses TF32 matmuls (called once, by the Accelerator)."""
@@ -244,7 +244,7 @@ class Compiler:
     # --- applying it ----------------------------------------------------------------------------------------
     def prepared(self, model: nn.Module, strategy: Unwrapping) -> nn.Module:
         """Compile a prepared (wrapped and forward-patched) model; returns what ``prepare`` hands back."""
-        if not self.active or self.distributed_type == DistributedType.FSDP:
+        if not self.active or self.per_block:
             return model  # FSDP: compiled per block in the strategy, before sharding
         inner = strategy.unwrap_model(model)
         if any(is_compiled_module(m) for m in inner.modules()):

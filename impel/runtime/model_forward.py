@@ -43,7 +43,7 @@ class ForwardContext:
 
     def before_forward(self, model: nn.Module) -> None:
         gs = self.gradient_state
-        if gs.num_steps > 1 and model.training and torch.is_grad_enabled():
+        if gs.num_steps > 1 and not gs.in_micro_step and model.training and torch.is_grad_enabled():
             gs.begin_auto()
         sync = gs.grad_sync_enabled
         if sync is not self.sync_state:

@@ -1,7 +1,7 @@
 """Accelerate's tensor-structure helpers (``accelerate.utils.operations`` beyond the collectives): concatenating,
 listing, slicing and casting nested lists / tuples / dicts of tensors, finding their batch size and device.
 
-The collectives themselves (gather, reduce, broadcast, ...) live in :mod:`impel.collectives`.
+The collectives themselves (gather, reduce, broadcast, ...) live in :mod:`impel.runtime.collectives`.
 
 Example::
 

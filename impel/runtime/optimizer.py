@@ -39,6 +39,9 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         self.step_was_skipped = False
         self.steps_taken = 0
         self.guard = guard  # impel.accelerator.resilience.Resilience when nonfinite_loss is checked, else None
+        # resolved once: torch's step / zero_grad called directly when the strategy would only forward them
+        plain = getattr(strategy, "plain_optimizer_calls", None)
+        self.plain_calls = bool(plain()) if plain is not None else False
 
     # torch.optim.Optimizer fields, read through
     @property
@@ -75,7 +78,11 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         self.optimizer.load_state_dict(state_dict)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if self.gradient_state.sync_gradients:
+        if not self.gradient_state.sync_gradients:
+            return
+        if self.plain_calls:
+            self.optimizer.zero_grad(set_to_none=set_to_none)
+        else:
             self.strategy.zero_grad(self.optimizer, set_to_none=set_to_none)
 
     # None even with a closure, as Accelerate's AcceleratedOptimizer.step (torch's returns the closure's loss)
@@ -87,6 +94,11 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
             return
         if self.guard is not None and not self.guard.allow_step(self):
             self.step_was_skipped = True
+            return
+        if self.plain_calls:
+            self.optimizer.step() if closure is None else self.optimizer.step(closure)
+            self.step_was_skipped = False
+            self.steps_taken += 1
             return
         stepped = self.strategy.optimizer_step(self.optimizer, closure)
         self.step_was_skipped = not stepped

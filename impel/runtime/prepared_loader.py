@@ -61,7 +61,8 @@ class PreparedLoader(DataLoader[Any]):
         self.original = original
         # epoch, position and the pass's random states live in one shared record, so a skip_first_batches() view
         # advances the original, consumes a resume pending on it, and leaves its pass start for state_dict()
-        self._progress: dict[str, Any] = {"epoch": 0, "position": 0, "pass_start": None, "resume_rng": None}
+        self._progress: dict[str, Any] = {"epoch": 0, "position": 0, "pass_start": None, "resume_rng": None,
+                                          "fetch_rng": None, "resume_fetch": None}
         self.hooks = hooks  # impel.accelerator.resilience.Resilience (auto-resume and preemption checks), or None
         self.end_of_dataloader = False
         self._skip_next = 0
@@ -157,12 +158,21 @@ class PreparedLoader(DataLoader[Any]):
         elif self._draws_from_global_rng():
             start["global"] = torch.get_rng_state()
         self._pass_start = start
-        live = torch.get_rng_state() if replay is not None else None
+        fetch, self._progress["resume_fetch"] = self._progress["resume_fetch"], None
+        if fetch is not None and (getattr(self.shard, "skip", 0) < 1 or hasattr(self.base_dataloader, "at_end")):
+            fetch = None
+        live = torch.get_rng_state() if replay is not None or fetch is not None else None
         if replay is not None:
             torch.set_rng_state(replay)
         try:
+            if fetch is not None:  # batch position+1 drew from the global RNG when first fetched: fetch it again so
+                self.shard.skip -= 1  # (one batch earlier, discarded, draws the pass's order as the first fetch did)
             it = iter(self.base_dataloader)
-            return it, next(it, _END)
+            first = next(it, _END)
+            if fetch is not None:
+                torch.set_rng_state(fetch)  # the global RNG as it was just before the interrupted run fetched it
+                first = next(it, _END)
+            return it, first
         finally:
             if live is not None:
                 torch.set_rng_state(live)
@@ -183,19 +193,32 @@ class PreparedLoader(DataLoader[Any]):
             # one batch of look-ahead, unless the base loader tells its end itself (a dispatcher reads one ahead
             # already: a second would draw the sampler further than Accelerate's does)
             knows_end = hasattr(self.base_dataloader, "at_end")
+            # per batch: plain dict writes (torch's DataLoader.__setattr__ and the position property are Python calls)
+            attributes, progress, device = self.__dict__, self._progress, self.device
+            draws: bool | None = None  # does fetching a batch draw from torch's global RNG (a masking collator)?
             while current is not _END:
                 if hooks is not None:
                     hooks.before_batch(self)  # preemption: a step boundary, before this batch counts as drawn
-                upcoming = None if knows_end else next(it, _END)
-                self.end_of_dataloader = self.base_dataloader.at_end if knows_end else upcoming is _END
-                self.position += 1
-                if self.device is not None:
-                    current = send_to_device(current, self.device, self.non_blocking)
+                if knows_end:
+                    upcoming = None
+                elif draws is False:
+                    upcoming = next(it, _END)
+                else:  # the global RNG before each look-ahead fetch, for a checkpoint taken before its batch is used
+                    before = torch.get_rng_state()
+                    upcoming = next(it, _END)
+                    if draws is None:
+                        draws = not torch.equal(before, torch.get_rng_state())
+                    progress["fetch_rng"] = (self.epoch, progress["position"] + 2, before) if draws else None
+                attributes["end_of_dataloader"] = self.base_dataloader.at_end if knows_end else upcoming is _END
+                progress["position"] += 1
+                if device is not None:
+                    current = send_to_device(current, device, self.non_blocking)
                 yield current
                 current = next(it, _END) if knows_end else upcoming
             finished = True
         finally:
             self.end_of_dataloader = False
+            self._progress["fetch_rng"] = None
             state.unregister_dataloader(self)
             if finished:
                 self.epoch += 1
@@ -215,6 +238,22 @@ class PreparedLoader(DataLoader[Any]):
         else:  # between passes: the generators as they are (the global RNG is saved with the process's RNG)
             state["rng"] = {name: gen.get_state() for name, gen in self._generators().items()}
         return state
+
+    def fetch_rng_state(self) -> dict[str, Any] | None:
+        """This rank's part of an exact resume when fetching batches draws from torch's global RNG (a collator that
+        masks at random): the global RNG just before the next batch, already fetched (one batch of look-ahead), was
+        drawn. Saved per rank with the RNG states; None between passes or when fetching draws nothing."""
+        pending = self._progress["fetch_rng"]
+        if pending is None or self._skip_next or pending[1] != self.position + 1:
+            return None
+        epoch, position, rng = pending
+        return {"epoch": epoch, "position": position - 1, "rng": rng}
+
+    def resume_fetch_rng(self, saved: dict[str, Any] | None) -> None:
+        """After :meth:`load_state_dict`: the next pass fetches its first batch from ``saved``'s RNG state (when it
+        belongs to the position being resumed: not after a change of world size moved it)."""
+        if saved is not None and int(saved["epoch"]) == self.epoch and int(saved["position"]) == self._skip_next:
+            self._progress["resume_fetch"] = saved["rng"]
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.epoch = int(state["epoch"])

@@ -389,7 +389,7 @@ class AcceleratorState(PartialState):
 
     def _named_deepspeed_plugin(self, name: str | None, what: str) -> Any:
         plugins = self.deepspeed_plugins
-        if self.distributed_type != DistributedType.DEEPSPEED or plugins is None:
+        if plugins is None:  # set under DeepSpeed only
             raise ValueError(f"AcceleratorState().{what}({name!r}): DeepSpeed is not enabled; build the Accelerator "
                              "with deepspeed_plugins={name: DeepSpeedPlugin(...)} (or launch with --use_deepspeed)")
         if not isinstance(plugins, dict):
@@ -412,7 +412,7 @@ class AcceleratorState(PartialState):
 
     @property
     def is_fsdp2(self) -> bool:
-        return self.distributed_type == DistributedType.FSDP
+        return bool(self._accelerator("is_fsdp2").is_fsdp2)
 
     @property
     def parallelism_config(self) -> Any:

@@ -14,13 +14,13 @@ peers then fail (the launcher's last line), not the peers.
 """
 from __future__ import annotations
 
-import contextlib
+import functools
 import json
 import logging
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,19 +35,40 @@ _last: tuple[str, int, float] = ("start", 0, time.monotonic())  # the last call 
 _watchdog: Watchdog | None = None
 
 
-@contextlib.contextmanager
-def blocking(what: str) -> Iterator[None]:
-    """Mark a call that waits for the other ranks (cheap: a counter and a tuple)."""
-    global _calls, _current, _last
-    with _lock:
-        outer = _current  # a collective inside another (gather_for_metrics -> gather): the outer one resumes
-        _calls += 1
-        _current = _last = (what, _calls, time.monotonic())
-    try:
-        yield
-    finally:
+watching = False  # a watchdog thread is running (2 or more ranks, the warning on): only then are calls marked
+
+
+class blocking:  # noqa: N801 - used as a function: ``with blocking("gather"):`` / ``@blocking("gather")``
+    """Mark a call that waits for the other ranks (cheap: a counter and a tuple; a plain class, not a generator,
+    since ``backward`` enters one on every step while a watchdog runs)."""
+
+    __slots__ = ("what", "outer")
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.outer: tuple[str, int, float] | None = None
+
+    def __enter__(self) -> None:
+        global _calls, _current, _last
         with _lock:
-            _current = outer
+            self.outer = _current  # a collective inside another (gather_for_metrics -> gather): the outer resumes
+            _calls += 1
+            _current = _last = (self.what, _calls, time.monotonic())
+
+    def __exit__(self, *exc: object) -> None:
+        global _current
+        with _lock:
+            _current = self.outer
+
+    def __call__(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        what = self.what
+
+        @functools.wraps(fn)
+        def marked(*args: Any, **kwargs: Any) -> Any:
+            with blocking(what):
+                return fn(*args, **kwargs)
+
+        return marked
 
 
 def _snapshot() -> dict[str, Any]:
@@ -119,7 +140,7 @@ class Watchdog:
 
 def start_watchdog(store: Any, rank: int, world_size: int, timeout_s: float) -> None:
     """Start this rank's heartbeat thread (once per process group; nothing when the warning is off)."""
-    global _watchdog
+    global _watchdog, watching
     stall = env.stall_warning_seconds()
     if world_size < 2 or stall == 0 or store is None:
         return
@@ -131,6 +152,7 @@ def start_watchdog(store: Any, rank: int, world_size: int, timeout_s: float) -> 
         return
     _watchdog = Watchdog(torch_prefix(own), rank, world_size, stall, timeout_s)
     _watchdog.thread.start()
+    watching = True
 
 
 def torch_prefix(store: Any) -> Any:
@@ -140,7 +162,8 @@ def torch_prefix(store: Any) -> Any:
 
 
 def stop_watchdog() -> None:
-    global _watchdog
+    global _watchdog, watching
+    watching = False
     if _watchdog is not None:
         _watchdog.stop.set()
         _watchdog.thread.join(2.0)

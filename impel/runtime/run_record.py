@@ -55,25 +55,6 @@ class PluginsInEffect:
     fsdp: FullyShardedDataParallelPlugin | None = None
 
 
-def plugins_in_effect(config: RunConfig, distributed_type: str, deepspeed_plugin: DeepSpeedPlugin | None
-                      ) -> PluginsInEffect:
-    from impel.config.plugins import _DEEPSPEED_KEYS, _FSDP_KEYS, DeepSpeedPlugin, FullyShardedDataParallelPlugin
-
-    if distributed_type == "DEEPSPEED":
-        if deepspeed_plugin is not None:
-            return PluginsInEffect(deepspeed=deepspeed_plugin)
-        ds = config.deepspeed
-        return PluginsInEffect(deepspeed=DeepSpeedPlugin(
-            hf_ds_config=ds.deepspeed_config_file, gradient_accumulation_steps=config.gradient_accumulation_steps,
-            **{attr: getattr(ds, name) for attr, name in _DEEPSPEED_KEYS.items()}))
-    if distributed_type == "FSDP":
-        fsdp = config.fsdp
-        return PluginsInEffect(fsdp=FullyShardedDataParallelPlugin(
-            mixed_precision_policy=config.mixed_precision,
-            **{attr: getattr(fsdp, name) for attr, name in _FSDP_KEYS.items()}))
-    return PluginsInEffect()
-
-
 @dataclass(frozen=True)
 class RunRecord:
     """A run, fully settled. ``config`` is read-only; ``deepspeed`` is the DeepSpeed JSON after settlement."""
@@ -93,12 +74,4 @@ class RunRecord:
     deepspeed_plugin_name: str | None = None  # Accelerate's deepspeed_plugins={name: plugin}: the plugin's key
     # every named plugin (the first is deepspeed_plugin) with its settled JSON; () when given without a name
     deepspeed_named: tuple[tuple[str, DeepSpeedPlugin, Resolved], ...] = ()
-
-    @property
-    def cpu_only(self) -> bool:
-        return cpu_only_config(self.config)
-
-
-def cpu_only_config(config: RunConfig) -> bool:
-    """Train on the CPU even where a GPU is visible: ``cpu=True`` / ``use_cpu``, or a MULTI_CPU launch."""
-    return bool(config.use_cpu or config.distributed_type == "MULTI_CPU")
+    cpu_only: bool = False  # cpu=True / use_cpu, or a MULTI_CPU launch (resolve.cpu_only_config)

@@ -10,6 +10,7 @@ real samples always come first, so ``gather_for_metrics`` drops the duplicates b
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from itertools import islice
 from typing import Any
 
 from torch.utils.data import BatchSampler, IterableDataset, Sampler
@@ -38,25 +39,24 @@ class _ShardLayout:
         g = per_rank * world
         mine = slice(rank * per_rank, (rank + 1) * per_rank)
         skip, self.skip = self.skip, 0
-        buf: list[Any] = []
-        initial: list[Any] = []
+        it = iter(items)
+        initial: list[Any] | None = None  # the first group (padding of a short last one starts over from it)
         produced = 0
-        for item in items:
-            if len(initial) < g:
-                initial.append(item)
-            buf.append(item)
-            if len(buf) == g:
-                self.last_real = size(buf)
-                if produced >= skip:
-                    yield buf[mine]
-                produced += 1
-                buf = []
-        if buf and not self.drop_last and produced >= skip:
+        while buf := list(islice(it, g)):  # a group per C call: this runs once per batch
+            if initial is None:
+                initial = buf[:]
+            if len(buf) < g:  # the short last group
+                if not self.drop_last and produced >= skip:
+                    self.last_real = size(buf)
+                    if self.even_batches and world > 1:
+                        buf.extend(initial[i % len(initial)] for i in range(g - len(buf)))
+                    if buf[mine]:
+                        yield buf[mine]
+                return
             self.last_real = size(buf)
-            if self.even_batches and world > 1:
-                buf.extend(initial[i % len(initial)] for i in range(g - len(buf)))
-            if buf[mine]:
+            if produced >= skip:
                 yield buf[mine]
+            produced += 1
 
     def _chunks(self, total: int, per_rank: int) -> int:
         """Chunks :meth:`_groups` yields to this rank for ``total`` items."""

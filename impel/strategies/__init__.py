@@ -1,4 +1,4 @@
-"""Layer 3, strategies: single device, DDP, FSDP2 and DeepSpeed behind one contract (:mod:`impel.strategies.base`).
+"""Layer 4, strategies: single device, DDP, FSDP2 and DeepSpeed behind one contract (:mod:`impel.strategies.base`).
 
 Nothing is imported here, so that importing one strategy does not load the others.
 

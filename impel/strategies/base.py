@@ -45,6 +45,11 @@ class Strategy:
     # Accelerate steps a prepared scheduler once per process per optimizer step (each rank consumed a batch), except
     # under DeepSpeed, whose engine owns the scheduler and steps it once: the prepared scheduler follows suit.
     scheduler_steps_per_process = True
+    # What this strategy is, asked by the faces instead of its name (a new strategy sets what applies to it):
+    whole_model = True  # every rank holds the whole model (LocalSGD averages it)
+    uses_ddp = False  # torch's DistributedDataParallel reduces the gradients (DDP kwargs and comm hooks, Join)
+    engine_managed = False  # an engine owns the optimizer step, the accumulation count and its own checkpoint files
+    fsdp2 = False  # FSDP2 shards the parameters (Accelerate's is_fsdp2); torch.compile runs per block, in the strategy
     def __init__(self, state: ProcessState, record: RunRecord, gradient_state: GradientState) -> None:
         self.state = state
         self.record = record
@@ -139,7 +144,10 @@ class Strategy:
         return contextlib.nullcontext()
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        self.precision.backward(loss, **kwargs)
+        if type(self.precision).backward is Precision.backward:  # plain: one Python call less on every step
+            loss.backward(**kwargs)
+        else:
+            self.precision.backward(loss, **kwargs)
 
     def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         self.precision.unscale_(optimizer)
@@ -165,6 +173,13 @@ class Strategy:
 
     def zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool = True) -> None:
         optimizer.zero_grad(set_to_none=set_to_none)
+
+    def plain_optimizer_calls(self) -> bool:
+        """Whether :meth:`optimizer_step` and :meth:`zero_grad` are just torch's calls (this base's, with a precision
+        whose step is plain): the prepared optimizer then makes them itself, decided once when it is built."""
+        return (getattr(self.optimizer_step, "__func__", None) is Strategy.optimizer_step
+                and getattr(self.zero_grad, "__func__", None) is Strategy.zero_grad
+                and type(self.precision).step is Precision.step)
 
     def precision_report(self, models: Sequence[nn.Module],
                          optimizers: Sequence[torch.optim.Optimizer]) -> PrecisionReport:
@@ -232,7 +247,11 @@ class Strategy:
 
 def load_strategy(record: RunRecord, state: ProcessState, gradient_state: GradientState) -> Strategy:
     """Build the strategy ``record.distributed_type`` names, from the resolved record."""
-    distributed_type = record.distributed_type
+    return strategy_class(record.distributed_type)(state, record, gradient_state)
+
+
+def strategy_class(distributed_type: str) -> type[Strategy]:
+    """The class of the strategy ``distributed_type`` names (its capabilities can be read before it is built)."""
     if distributed_type == "AUTO":
         raise ConfigError("distributed_type='AUTO' is resolved by impel launch from a memory estimate; run the script "
                           "with `impel launch --strategy auto --auto_model MODEL` or set a concrete distributed_type")
@@ -243,4 +262,5 @@ def load_strategy(record: RunRecord, state: ProcessState, gradient_state: Gradie
                          f"{sorted(REGISTRY)}") from None
     module_name, _, cls_name = target.partition(":")
     module = importlib.import_module(module_name)
-    return getattr(module, cls_name)(state, record, gradient_state)
+    cls: type[Strategy] = getattr(module, cls_name)
+    return cls

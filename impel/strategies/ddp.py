@@ -35,6 +35,7 @@ def _own_no_sync(model: DistributedDataParallel) -> Iterator[None]:
 
 class DDPStrategy(Strategy):
     name = "MULTI_CPU"
+    uses_ddp = True
 
     def wrap_model(self, model: nn.Module, device_placement: bool) -> nn.Module:
         model = super().wrap_model(model, device_placement)
@@ -56,8 +57,11 @@ class DDPStrategy(Strategy):
     def unwrap_model(self, model: nn.Module) -> nn.Module:
         return model.module if isinstance(model, DistributedDataParallel) else model
 
+    def forced_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
+        return self._forced_sync(model)
+
     @contextlib.contextmanager
-    def forced_sync(self, model: nn.Module) -> Iterator[None]:
+    def _forced_sync(self, model: nn.Module) -> Iterator[None]:
         """As Accelerate's ``trigger_sync_in_backward``: DDP reduces in the next backward (its reducer is told
         to expect one), then the flags are back as they were."""
         if not isinstance(model, DistributedDataParallel):

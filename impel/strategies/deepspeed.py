@@ -2,7 +2,7 @@
 
 ``prepare`` builds one ``deepspeed.initialize`` engine per model from the model, its optimizer (the user's torch
 optimizer, or DeepSpeed's own from the JSON through :class:`DummyOptim`) and the JSON that
-:mod:`.deepspeed_config` settled. The prepared model is the engine; the prepared optimizer wraps the engine's
+:mod:`impel.config.deepspeed_json` settled. The prepared model is the engine; the prepared optimizer wraps the engine's
 torch optimizer (whose parameter groups now hold DeepSpeed's float32 master partitions), so schedulers built on
 the user's optimizer keep driving the learning rate.
 
@@ -19,14 +19,14 @@ import importlib.util
 import logging
 import math
 import warnings
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from collections.abc import Set as AbstractSet
+from collections.abc import Iterable, Iterator, Mapping, Sequence, Set
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from impel.checkpoint.options import DEFAULT_LOAD, DEFAULT_SAVE, LoadOptions, SaveOptions
 from impel.config import environment as env
 from impel.config.deepspeed_json import (
     DummyOptim,
@@ -99,6 +99,8 @@ class DeepSpeedStrategy(Strategy):
     """ZeRO through ``deepspeed.initialize``; see the module docstring."""
 
     name = "DEEPSPEED"
+    whole_model = False
+    engine_managed = True
     scheduler_steps_per_process = False  # DeepSpeed's engine steps it once per optimizer step (as in Accelerate)
 
     def __init__(self, state: ProcessState, record: RunRecord, gradient_state: GradientState) -> None:
@@ -411,18 +413,18 @@ class DeepSpeedStrategy(Strategy):
 
     def save_checkpoint(self, models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
                         directory: Path, *, writer: bool, safe_serialization: bool,
-                        skip_models: AbstractSet[int] = frozenset(), options: Any = None) -> dict[str, Any]:
+                        skip_models: Set[int] = frozenset(), options: SaveOptions = DEFAULT_SAVE) -> dict[str, Any]:
         """Each engine's own checkpoint (its ZeRO partitions, written by every rank); see deepspeed_checkpoint."""
         trained = {i for i, m in enumerate(models) if any(m is e for e in self._by_optimizer.values())}
         return save_engines(models, directory, stages=[self.resolved_for(m).stage for m in models], trained=trained,
                             world=self.state.num_processes,
-                            dtype=self.resolved.dtype, engine_kwargs=getattr(options, "engine_kwargs", {}))
+                            dtype=self.resolved.dtype, engine_kwargs=options.engine_kwargs)
 
     def load_checkpoint(self, models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
                         directory: Path, metadata: Mapping[str, Any], *,
-                        skip_models: AbstractSet[int] = frozenset(), options: Any = None) -> None:
+                        skip_models: Set[int] = frozenset(), options: LoadOptions = DEFAULT_LOAD) -> None:
         load_engines(models, directory, metadata, skip_models, stages=[self.resolved_for(m).stage for m in models],
-                     world=self.state.num_processes, engine_kwargs=getattr(options, "engine_kwargs", {}))
+                     world=self.state.num_processes, engine_kwargs=options.engine_kwargs)
 
     def precision_report(self, models: Sequence[nn.Module],
                          optimizers: Sequence[torch.optim.Optimizer]) -> PrecisionReport:

@@ -17,8 +17,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-from collections.abc import Iterable, Mapping, Sequence
-from collections.abc import Set as AbstractSet
+from collections.abc import Iterable, Mapping, Sequence, Set
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -26,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from impel.checkpoint.options import DEFAULT_LOAD, DEFAULT_SAVE, LoadOptions, SaveOptions
 from impel.config import environment as env
 from impel.config.run_config import ConfigError, reshards_after_forward
 from impel.runtime.compile import Compiler
@@ -74,11 +74,13 @@ class FSDPStrategy(Strategy):
     """Shards every prepared model with FSDP2 and re-points its optimizers at the shards."""
 
     name = "FSDP"
+    whole_model = False
+    fsdp2 = True
 
     def __init__(self, state: ProcessState, record: RunRecord, gradient_state: GradientState) -> None:
         super().__init__(state, record, gradient_state)
         self.fsdp = self.config.fsdp
-        self.compiler = Compiler(record.dynamo_plugin, self.name)  # torch.compile per block, before sharding
+        self.compiler = Compiler(record.dynamo_plugin, per_block=True)  # torch.compile per block, before sharding
         self.sharding_strategy = self.fsdp.resolved_sharding_strategy
         self._mesh: Any = None
         self._upcast = False
@@ -226,7 +228,7 @@ class FSDPStrategy(Strategy):
 
     def save_checkpoint(self, models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
                         directory: Path, *, writer: bool, safe_serialization: bool,
-                        skip_models: AbstractSet[int] = frozenset(), options: Any = None) -> dict[str, Any]:
+                        skip_models: Set[int] = frozenset(), options: SaveOptions = DEFAULT_SAVE) -> dict[str, Any]:
         """SHARDED_STATE_DICT: every rank writes its shards (DCP). FULL_STATE_DICT: full files, each rank writing
         its shards' bytes into them (``checkpoint/cooperative.py``), or gathered on rank 0 with save_on_each_node."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions
@@ -239,19 +241,19 @@ class FSDPStrategy(Strategy):
 
         full_options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         # one shared directory: each rank writes its shards into the full files (nothing gathered on rank 0)
-        shared = getattr(options, "shared_dir", True)  # options: checkpoint.options.SaveOptions
+        shared = options.shared_dir
         return save_full(models, optimizers, directory, writer=writer, safe_serialization=safe_serialization,
                          skip_models=skip_models, options=full_options, all_ranks=True,
                          cooperative_rank=dist.get_rank() if shared else None)
 
     def load_checkpoint(self, models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
                         directory: Path, metadata: Mapping[str, Any], *,
-                        skip_models: AbstractSet[int] = frozenset(), options: Any = None) -> None:
+                        skip_models: Set[int] = frozenset(), options: LoadOptions = DEFAULT_LOAD) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions
 
         from impel.checkpoint import full, sharded
 
-        strict = True if options is None else options.strict
+        strict = options.strict
         if metadata.get("format") == sharded.FORMAT:
             sharded.load_sharded(models, optimizers, directory, metadata, skip_models=skip_models,
                                  options=StateDictOptions(strict=strict))

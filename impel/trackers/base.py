@@ -1,7 +1,6 @@
 """The custom-tracker contract: Accelerate's ``GeneralTracker``, its ``on_main_process`` decorator and ``LoggerType``
-(reach them as ``impel.trackers.registry.X``, Accelerate's paths), plus what the built-in trackers share: plain values
-and one
-warning per key a tracker cannot store.
+(reach them in ``impel.trackers.registry``, Accelerate's paths), plus what the built-in trackers share: plain values
+and one warning per key a tracker cannot store.
 
 Example::
 

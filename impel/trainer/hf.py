@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import functools
 import inspect
+import json
+from pathlib import Path
 from typing import Any
 
 try:
@@ -58,7 +60,7 @@ from impel.config.run_config import ConfigError
 from impel.runtime.compile import TorchDynamoPlugin
 from impel.runtime.data import skip_first_batches as impel_skip_first_batches
 from impel.runtime.prepared_loader import PreparedLoader
-from impel.trainer import hf_callbacks, hf_deepspeed, hf_fsdp
+from impel.trainer import hf_callbacks, hf_deepspeed, hf_fsdp, hf_resume
 
 # transformers' own classes, re-exported so that `from impel import TrainerCallback, ...` names them
 __all__ = ["EarlyStoppingCallback", "EvalPrediction", "PredictionOutput", "ProgressCallback", "TrainOutput", "Trainer",
@@ -226,9 +228,20 @@ class Trainer(transformers.Trainer):
     def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
         """transformers' ``train``; ``resume_from_checkpoint="auto"`` / True take the newest *complete*
         checkpoint (``"auto"`` starts from scratch when there is none)."""
-        resume = hf_callbacks.resolve_resume(resume_from_checkpoint, self.args.output_dir,
-                                             self.is_world_process_zero())
+        resume = hf_resume.resolve_resume(resume_from_checkpoint, self.args.output_dir, self.is_world_process_zero())
         return super().train(resume, *args, **kwargs)
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        """transformers' save, begun by impel's ``impel_saving.json`` (an older complete marker dropped first), so
+        a save cut short is provably impel's own (:mod:`impel.trainer.hf_resume`)."""
+        if self.is_world_process_zero() and self.args.should_save:
+            folder = Path(self._get_output_dir(trial=trial)) / f"checkpoint-{self.state.global_step}"
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / hf_resume.MARKER).unlink(missing_ok=True)
+            (folder / hf_resume.SAVING).write_text(json.dumps({"global_step": self.state.global_step}) + "\n",
+                                                   encoding="utf-8")
+        self.accelerator.wait_for_everyone()  # no rank writes into the folder before it is marked
+        super()._save_checkpoint(model, trial)
 
     def create_accelerator_and_postprocess(self) -> None:
         _check_auto_resume()

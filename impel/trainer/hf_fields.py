@@ -28,9 +28,9 @@ NOTES: dict[str, str] = {
     "parallelism_config": "impel's ParallelismConfig: `dp_replicate_size` / `dp_shard_size` (DDP, FSDP2, HSDP on "
                           "impel's device mesh); `tp_size`, `cp_size`, `sp_size` > 1 raise (not served on this "
                           "route: a custom loop on impel's Accelerator takes them)",
-    "resume_from_checkpoint": "transformers' behaviour, plus `\"auto\"` (impel: the newest complete checkpoint in "
-                              "`output_dir`, from scratch when there is none); `True` takes the newest *complete* "
-                              "one (impel.trainer.hf_callbacks)",
+    "resume_from_checkpoint": "transformers' behaviour, plus `\"auto\"` (impel: the newest resumable checkpoint in "
+                              "`output_dir`, from scratch when there is none); `True` takes the same one; nothing "
+                              "impel did not write is removed (impel.trainer.hf_resume)",
     "use_cpu": "transformers' behaviour; several CPU ranks outside `impel launch` (which sets ACCELERATE_USE_CPU) "
                "need it (transformers counts processes through Accelerate's process state): a run where that count "
                "differs from impel's raises naming it",

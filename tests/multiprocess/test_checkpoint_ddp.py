@@ -11,6 +11,7 @@ from checkpoint_helpers import (
     assert_bitwise_equal,
     first_half,
     make_run,
+    masking_run,
     resumed,
     train,
     uninterrupted,
@@ -117,3 +118,15 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(async_save
         assert loaded.endswith("checkpoint_0") and iteration == 1
         assert all(torch.equal(state[k], expected[k]) for k in expected)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["checkpoint_0"]  # partial one cleaned
+
+
+def test_a_collator_drawing_random_masks_resumes_exactly_on_each_rank(tmp_path):
+    """Each rank's batch after the save was fetched before it, drawing masks from that rank's RNG: each rank's
+    state then is saved with its RNG states, so both ranks see the uninterrupted run's batches and end on its
+    weights."""
+    full = run_on_ranks(masking_run, 2, args=(str(tmp_path), "full"), timeout=TIMEOUT)
+    again = run_on_ranks(masking_run, 2, args=(str(tmp_path), "position"), timeout=TIMEOUT)
+    assert full[0][0][3:] != full[1][0][3:]  # the ranks' batches differ: a state saved once would not do
+    for rank in range(2):
+        assert again[rank][0] == full[rank][0][3:]
+        assert again[rank][1] == full[rank][1]

@@ -256,6 +256,17 @@ def test_impel_modules_form_no_import_cycle():
                         + "\n".join(lines))
 
 
+def test_a_folders_docstring_names_its_layer():
+    """``Layer N`` at the top of a folder's ``__init__`` is the number in ``LAYERS`` (four had drifted by one)."""
+    wrong = []
+    for folder in sorted(k[:-2] for k in LAYERS if k.endswith(".*")):
+        doc = ast.get_docstring(tree(f"impel.{folder}")) or ""
+        said = re.match(r"Layer (\d+)", doc)
+        if said and int(said.group(1)) != LAYERS[f"{folder}.*"]:
+            wrong.append(f"impel/{folder}/__init__.py says layer {said.group(1)}, LAYERS {LAYERS[folder + '.*']}")
+    assert not wrong, wrong
+
+
 def test_every_module_has_a_layer():
     missing = sorted(m for m in modules() if layer_of(m) is None)
     assert not missing, f"place these modules in LAYERS (and in docs/design.md, 'Layers'): {missing}"
@@ -263,6 +274,32 @@ def test_every_module_has_a_layer():
                    not in modules())
     stale += sorted(k for k in LAYERS if k.endswith(".*") and f"impel.{k[:-2]}" not in modules())
     assert not stale, f"LAYERS names modules that do not exist: {stale}"
+
+
+def _names_a_strategy(node: ast.AST) -> bool:
+    """``x.distributed_type`` / ``distributed_type`` or ``DistributedType.FSDP`` (also inside a tuple)."""
+    if isinstance(node, ast.Attribute):
+        return node.attr == "distributed_type" or (isinstance(node.value, ast.Name)
+                                                   and node.value.id == "DistributedType")
+    if isinstance(node, ast.Name):
+        return node.id == "distributed_type"
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return any(_names_a_strategy(e) for e in node.elts)
+    return False
+
+
+def test_the_faces_ask_strategies_what_they_can_do_never_their_name():
+    """No comparison with a distributed type in ``accelerator/`` and ``runtime/``, except where a run is resolved
+    (``accelerator/resolve.py``): behaviour follows the strategy's capabilities (``whole_model``, ``uses_ddp``,
+    ``engine_managed``, ``fsdp2`` on :class:`impel.strategies.base.Strategy`), so a new strategy is found by no grep."""
+    found = []
+    for module, path in modules().items():
+        if not module.startswith(("impel.accelerator", "impel.runtime")) or module == "impel.accelerator.resolve":
+            continue
+        for node in ast.walk(tree(module)):
+            if isinstance(node, ast.Compare) and any(map(_names_a_strategy, [node.left, *node.comparators])):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
+    assert not found, "ask the strategy (a capability in strategies/base.py), not its name:\n" + "\n".join(found)
 
 
 def test_no_module_imports_from_a_higher_layer():
@@ -339,3 +376,24 @@ def test_only_the_accumulation_module_writes_the_gradient_state():
                     isinstance(node.value, ast.Name) and node.value.id == "self"):
                 writes.append(f"{_where(module, node.lineno)}: {ast.unparse(node)}")
     assert not writes, "change the gradient state through its methods:\n" + "\n".join(writes)
+
+
+def test_every_strategy_override_keeps_the_base_signature():
+    """A strategy that overrides a ``Strategy`` method takes exactly its parameters, with the same annotations (no
+    ``options: Any`` against a typed ``SaveOptions``): the facade calls every strategy the same way."""
+    import importlib
+    import inspect
+
+    from impel.strategies.base import REGISTRY, Strategy
+
+    classes = {getattr(importlib.import_module(t.partition(":")[0]), t.partition(":")[2]) for t in REGISTRY.values()}
+    differ = []
+    for cls in sorted(classes, key=lambda c: c.__name__):
+        for name, member in vars(cls).items():
+            base = vars(Strategy).get(name)
+            if name.startswith("__") or not callable(member) or not callable(base):
+                continue
+            if inspect.signature(member) != inspect.signature(base):
+                differ.append(f"{cls.__name__}.{name}{inspect.signature(member)} != Strategy.{name}"
+                              f"{inspect.signature(base)}")
+    assert not differ, "\n".join(differ)

@@ -83,8 +83,10 @@ def test_async_save_under_deepspeed_raises_with_the_way_out():
 
     from impel import ProjectConfiguration
     from impel.accelerator.save_load import Checkpointer
-    from impel.config.run_config import ConfigError, DistributedType
+    from impel.config.run_config import ConfigError
+    from impel.strategies.base import strategy_class
 
-    checkpointer = Checkpointer(ProjectConfiguration(), SimpleNamespace(distributed_type=DistributedType.DEEPSPEED))
+    engine = SimpleNamespace(engine_managed=strategy_class("DEEPSPEED").engine_managed)
+    checkpointer = Checkpointer(ProjectConfiguration(), SimpleNamespace(strategy=engine))
     with pytest.raises(ConfigError, match=r"not supported under DeepSpeed .* save with async_save=False"):
         checkpointer._check_async()

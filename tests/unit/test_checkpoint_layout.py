@@ -3,6 +3,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -167,8 +171,14 @@ def test_leftover_temporary_directories_are_cleaned_and_ignored(tmp_path):
     stale = tmp_path / "checkpoints" / f"{layout.TMP_PREFIX}checkpoint_1-dead"
     stale.mkdir()
     (stale / "model.safetensors").write_bytes(b"partial")
+    _age(stale)  # an earlier impel's leftover (no lock), untouched for two hours
     assert acc.load_state().endswith("checkpoint_0")
     assert not stale.exists()
+
+
+def _age(path, seconds=7200):
+    old = time.time() - seconds
+    os.utime(path, (old, old))
 
 
 @pytest.mark.parametrize("asynchronous", [False, True])
@@ -181,6 +191,7 @@ def test_a_save_cleans_leftovers_but_not_its_own_temporary_directory(tmp_path, a
     stale = root / f"{layout.TMP_PREFIX}checkpoint_1-dead"
     stale.mkdir()
     (stale / "model.safetensors").write_bytes(b"partial")
+    _age(stale)
     seen: list[list[str]] = []
     real = layout.clean_incomplete
 
@@ -301,3 +312,105 @@ def test_automatic_naming_needs_a_project_dir():
     acc.prepare(nn.Linear(2, 1))
     with pytest.raises(ConfigError, match="needs a project directory"):
         acc.save_state()
+
+
+def _reseal(ckpt, change):
+    """Edit a checkpoint's manifest and seal it again, as a forger (or a buggy tool) would."""
+    meta = json.loads((ckpt / layout.METADATA_FILE).read_text())
+    change(meta)
+    text = json.dumps(meta)
+    (ckpt / layout.METADATA_FILE).write_text(text)
+    (ckpt / layout.MARKER_FILE).write_text(hashlib.sha256(text.encode()).hexdigest() + "\n")
+
+
+@pytest.mark.parametrize("name", ["../../../victim.txt", "/ABS/victim.txt", "sub/../../victim.txt", "link/victim.txt"])
+def test_a_manifest_naming_a_file_outside_its_checkpoint_is_refused_and_rotation_deletes_nothing(tmp_path, name):
+    project = tmp_path / "p"
+    acc, _model, _opt = prepared(str(project), total_limit=1)
+    acc.save_state()
+    first = project / "checkpoints" / "checkpoint_0"
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    (first / "notes.txt").write_text("mine")
+    if name.startswith("link/"):
+        (first / "link").symlink_to(tmp_path, target_is_directory=True)
+    name = name.replace("/ABS", str(tmp_path))
+    entry = {"size": 8, "xxh3_128_blocks": ["0" * 32]}
+    _reseal(first, lambda meta: meta["files"].__setitem__(name, entry))
+    with pytest.raises(CheckpointError, match=r"names .*victim.txt.*a path outside its checkpoint"):
+        acc.load_state(first)
+    acc.save_state()  # rotation: total_limit=1 would delete checkpoint_0's files
+    assert victim.read_text() == "precious" and (first / "notes.txt").read_text() == "mine"
+
+
+def test_a_manifest_of_a_newer_format_is_refused_naming_the_version(tmp_path):
+    acc, _model, _opt = prepared()
+    acc.save_state(tmp_path / "ckpt")
+    _reseal(tmp_path / "ckpt", lambda meta: meta.__setitem__("format_version", 99))
+    with pytest.raises(CheckpointError, match=r"format_version 99, which this impel does not read \(it reads 1 to "
+                                              r"\d\); upgrade impel"):
+        acc.load_state(tmp_path / "ckpt")
+
+
+_HOLD = """
+import sys, time
+from pathlib import Path
+from impel.checkpoint import tempdirs
+tempdirs.make(Path(sys.argv[1]))
+print("holding", flush=True)
+time.sleep(60)
+"""
+
+
+def test_cleaning_spares_another_jobs_save_in_flight_and_removes_it_once_dead(tmp_path):
+    """An evaluation job loading a checkpoint while training saves the next one (or two runs saving siblings): the
+    other job's temporary directory is locked by its live save, so the cleaning leaves it; once that process is
+    gone (a crash), the next cleaning removes it."""
+    acc, _model, _opt = prepared()
+    acc.save_state(tmp_path / "ck0")
+    other = tmp_path / f"{layout.TMP_PREFIX}ck1-{'a' * 24}"
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD, str(other)], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        (other / "model.safetensors").write_bytes(b"being written")
+        _age(other)  # however old: a held lock means a live save
+        acc.load_state(tmp_path / "ck0")  # a load cleans the parent's leftovers
+        acc.save_state(tmp_path / "ck2")  # and so does a save
+        assert (other / "model.safetensors").read_bytes() == b"being written"
+    finally:
+        holder.kill()
+        holder.wait()
+    acc.load_state(tmp_path / "ck0")
+    assert not other.exists()
+
+
+def test_a_symlink_planted_at_the_temporary_name_is_refused_and_receives_nothing(tmp_path, monkeypatch):
+    from impel.checkpoint import staging
+
+    acc, _model, _opt = prepared()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.setattr(staging, "temp_token", lambda: "guessed")
+    (tmp_path / f"{layout.TMP_PREFIX}ck-guessed").symlink_to(elsewhere, target_is_directory=True)
+    with pytest.raises(CheckpointError, match=r"ck-guessed, the temporary directory of this save, already exists and "
+                                              r"is a symlink; .*nothing was written"):
+        acc.save_state(tmp_path / "ck", async_save=True)
+        acc.wait_for_checkpoint()
+    assert list(elsewhere.iterdir()) == [] and not (tmp_path / "ck").exists()
+
+
+def test_temporary_names_do_not_tell_the_next_one():
+    """On several ranks the names are keyed hashes of the save count with the job's secret: consecutive names share
+    no visible counter (on one process they are random)."""
+    from impel.checkpoint import staging
+
+    monkey = pytest.MonkeyPatch()
+    monkey.setattr(staging, "is_distributed", lambda: True)
+    monkey.setattr(staging, "_group", [None, None, "0" * 32])
+    try:
+        names = [staging.temp_token() for _ in range(3)]
+    finally:
+        monkey.undo()
+    assert len(set(names)) == 3 and all(len(n) == 24 for n in names)
+    assert len({n[:6] for n in names}) == 3  # not a shared prefix plus a count

@@ -13,6 +13,7 @@ from checkpoint_helpers import (
     assert_bitwise_equal,
     first_half,
     make_run,
+    masking_run,
     resumed,
     train,
     uninterrupted,
@@ -143,3 +144,16 @@ def test_project_dir_argument_and_save_iteration(tmp_path):
     acc.prepare(torch.nn.Linear(2, 2))  # something to save (save_state before prepare raises)
     assert acc.save_state().endswith("checkpoint_0")
     assert acc.save_iteration == 1
+
+
+@pytest.mark.parametrize("seedable", [True, False])
+@pytest.mark.parametrize("mode", ["skip", "position"])
+def test_a_collator_drawing_random_masks_resumes_exactly(tmp_path, mode, seedable):
+    """The batch after the save was fetched (one batch of look-ahead) before the save, drawing its masks from the
+    global RNG: the resumed run fetches it again from the RNG state it had then (saved per rank), so every later
+    batch, dropout mask and weight is the uninterrupted run's."""
+    seen, weights = masking_run(str(tmp_path), "full", seedable)
+    ProcessState._reset()
+    resumed_seen, resumed_weights = masking_run(str(tmp_path), mode, seedable)
+    assert len(resumed_seen) == len(seen) - 3
+    assert resumed_seen == seen[3:] and resumed_weights == weights

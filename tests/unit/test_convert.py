@@ -8,7 +8,7 @@ import pytest
 
 from impel.config.convert import convert
 from impel.config.run_config import ConfigError, RunConfig
-from impel.config.yaml_file import read_config_file
+from impel.config.yaml_file import load_config_mapping, read_config_file
 
 FIXTURES = Path(__file__).resolve().parents[1] / "cli" / "fixtures"
 
@@ -113,3 +113,105 @@ def test_every_value_taken_from_the_deepspeed_json_is_noted(tmp_path):
                  f"train_micro_batch_size_per_gpu=8 in {path} has no config key"):
         assert any(n.startswith(note) for n in notes), (note, notes)
     RunConfig.from_dict(out)
+
+
+# --- every Accelerate-written file converts, round trips keep what has a counterpart, the output launches ----------
+FSDP1 = FIXTURES / "fsdp1" / "accelerate_fsdp1.yaml"  # fsdp_version 1: impel launch refuses it, convert takes it
+ACCELERATE_FILES = [*sorted(FIXTURES.glob("*.yaml")), FSDP1]
+FSDP_FILES = [p for p in ACCELERATE_FILES if load_config_mapping(str(p))["distributed_type"] == "FSDP"]
+DEEPSPEED_FILES = [p for p in ACCELERATE_FILES if load_config_mapping(str(p))["distributed_type"] == "DEEPSPEED"]
+GENERATED_FSDP = [fsdp(sharding_strategy=s, offload_params=o, cpu_ram_efficient_loading=r, **extra)
+                  for s in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD") for o in (False, True) for r in (False, True)
+                  for extra in ({}, {"state_dict_type": "FULL_STATE_DICT"}, {"version": 1})]
+GENERATED_DS = [ds(zero_stage=z, offload_optimizer_device=o, offload_param_device=o if z == 3 else "none", **extra)
+                for z in (0, 2, 3) for o in (("none", "cpu") if z else ("none",))
+                for extra in ({}, {"zero3_save_16bit_model": False}, *([{"zero3_save_16bit_model": True}] * (z == 3)))
+                ] + [ds(zero_stage=3, zero3_init_flag=True, zero3_save_16bit_model=s) for s in (False, True)]
+
+
+def _shared(cfg: RunConfig) -> dict:
+    return {k: v for k, v in cfg.to_dict().items() if k not in ("distributed_type", "fsdp_config", "deepspeed_config")}
+
+
+def _fsdp_counterparts(explicit):
+    cfg = RunConfig.from_dict(explicit)
+    strategy = cfg.fsdp.resolved_sharding_strategy
+    zero3 = strategy == "FULL_SHARD"  # ZeRO-3 alone has the loading and saving switches; ZeRO-0 offloads nothing
+    return {"shared": _shared(cfg), "strategy": strategy, "offload": cfg.fsdp.offload_params and strategy != "NO_SHARD",
+            "state_dict_type": cfg.fsdp.state_dict_type if zero3 else None,
+            "ram_efficient": cfg.fsdp.cpu_ram_efficient_loading if zero3 else None}
+
+
+def _deepspeed_counterparts(explicit):
+    cfg = RunConfig.from_dict(explicit)
+    d = cfg.deepspeed
+    devices = {d.offload_optimizer_device or "none", d.offload_param_device or "none"}
+    stage = 2 if d.zero_stage is None else d.zero_stage
+    return {"shared": _shared(cfg), "stage": stage, "offload": devices != {"none"},
+            "zero3_init_flag": bool(d.zero3_init_flag),
+            "save_16bit": bool(d.zero3_save_16bit_model) if stage == 3 else None}
+
+
+def _without_version_1(explicit):
+    section = {k: v for k, v in explicit["fsdp_config"].items() if k != "fsdp_version" or str(v) != "1"}
+    return {**explicit, "fsdp_config": section}
+
+
+def _launches(explicit, tmp_path, name):
+    """The written file passes everything impel launch checks before a rank starts."""
+    from impel.commands.flags import bool_values_joined
+    from impel.commands.launch import plan_launch
+    from impel.commands.main import build_parser
+    from impel.config.yaml_file import write_config_file
+
+    (tmp_path / "train.py").write_text("")
+    path = write_config_file(explicit, str(tmp_path / f"{name}.yaml"))
+    argv = ["launch", "--config_file", path, str(tmp_path / "train.py")]
+    plan = plan_launch(build_parser().parse_args(bool_values_joined(argv)))
+    assert plan.config.distributed_type == explicit["distributed_type"]
+
+
+@pytest.mark.parametrize("source", FSDP_FILES + GENERATED_FSDP,
+                         ids=lambda s: s.name if isinstance(s, Path) else str(sorted(s["fsdp_config"].items())))
+def test_fsdp_to_deepspeed_and_back_keeps_every_counterpart(source, tmp_path):
+    explicit = load_config_mapping(str(source)) if isinstance(source, Path) else source
+    there, notes = convert(explicit, "deepspeed")
+    section = there["deepspeed_config"]
+    assert section.get("zero3_init_flag") is not True or section["zero_stage"] == 3, section  # the issue-39 file
+    back, _ = convert(there, "fsdp")
+    assert _fsdp_counterparts(back) == _fsdp_counterparts(_without_version_1(explicit))
+    if str(explicit["fsdp_config"].get("fsdp_version")) == "1":
+        assert any("fsdp_version=1 (FSDP1) read as FSDP2" in n and "impel to-fsdp2" in n for n in notes)
+    _launches(there, tmp_path, "ds")
+    _launches(back, tmp_path, "fsdp")
+
+
+@pytest.mark.parametrize("source", DEEPSPEED_FILES + GENERATED_DS,
+                         ids=lambda s: s.name if isinstance(s, Path) else str(sorted(s["deepspeed_config"].items())))
+def test_deepspeed_to_fsdp_and_back_keeps_every_counterpart(source, tmp_path):
+    explicit = read_config_file(str(source)) if isinstance(source, Path) else source
+    there, _ = convert(explicit, "fsdp")
+    back, _ = convert(there, "deepspeed")
+    want, got = _deepspeed_counterparts(explicit), _deepspeed_counterparts(back)
+    if want["stage"] == 2:  # ZeRO-2 offloads only the optimizer: FSDP's all-or-nothing offload comes back as that
+        assert (back["deepspeed_config"].get("offload_param_device") or "none") == "none"
+    assert got == want
+    _launches(there, tmp_path, "fsdp")
+    _launches(back, tmp_path, "ds")
+
+
+def test_shard_grad_op_with_ram_efficient_loading_never_writes_zero3_init_flag():
+    """issue 39: SHARD_GRAD_OP + fsdp_cpu_ram_efficient_loading wrote zero_stage 2 with zero3_init_flag: true."""
+    out, notes = convert(load_config_mapping(str(FSDP1)), "deepspeed")
+    assert out["deepspeed_config"]["zero_stage"] == 2 and "zero3_init_flag" not in out["deepspeed_config"]
+    assert any("fsdp_cpu_ram_efficient_loading has no ZeRO-2 counterpart" in n for n in notes)
+
+
+def test_the_command_converts_an_fsdp1_file_impel_launch_refuses(tmp_path, capsys):
+    from impel.commands.main import main
+
+    assert main(["config", "convert", "--to", "deepspeed", str(FSDP1), "-o", str(tmp_path / "ds.yaml")]) == 0
+    assert "note: fsdp_version=1 (FSDP1) read as FSDP2" in capsys.readouterr().err
+    assert read_config_file(str(tmp_path / "ds.yaml"))["deepspeed_config"]["zero_stage"] == 2
+    assert main(["config", "convert", "--to", "fsdp", str(tmp_path / "ds.yaml"), "-o", str(tmp_path / "f.yaml")]) == 0
+    assert read_config_file(str(tmp_path / "f.yaml"))["fsdp_config"]["fsdp_sharding_strategy"] == "SHARD_GRAD_OP"
