@@ -89,7 +89,5 @@ def _set_strategy(state: Any, accelerator: Any) -> None:
     state.distributed_type = kind
     state.dynamo_plugin = accelerator.state.dynamo_plugin
     PartialState._shared_state["distributed_type"] = kind  # as Accelerate's constructor leaves it
-    if kind == DistributedType.FSDP:
-        state.fsdp_plugin = accelerator.fsdp_plugin
-    elif kind == DistributedType.DEEPSPEED:
-        state.deepspeed_plugins = accelerator.state.deepspeed_plugins
+    state.fsdp_plugin = accelerator.fsdp_plugin  # None unless the run shards with FSDP2
+    state.deepspeed_plugins = getattr(accelerator.state, "deepspeed_plugins", None)  # None unless DeepSpeed
