@@ -9,6 +9,9 @@ import importlib
 from typing import Any
 
 __version__ = "0.1.0"
+# the Accelerate release whose behaviour impel provides (and its tests compare with): renamed code that gates
+# features on ``accelerate.__version__`` reads this one, not impel's own version
+__accelerate_version__ = "1.15.0"
 
 _EXPORTS = {
     "Accelerator": "impel.accelerator.facade",
@@ -68,7 +71,7 @@ _EXPORTS = {
     "prepare_pippy": "impel.config.unsupported",
 }
 
-__all__ = sorted(_EXPORTS) + ["__version__"]
+__all__ = sorted(_EXPORTS) + ["__accelerate_version__", "__version__"]
 
 
 def __getattr__(name: str) -> Any:

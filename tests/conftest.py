@@ -17,6 +17,16 @@ def _settings_variables():
 _SETTINGS = _settings_variables()
 
 
+def _reset_accelerate_state():
+    """Accelerate's process-wide state (its Accelerator's, or the mirror impel's Accelerator sets up when Accelerate
+    is imported: impel.accelerator.accelerate_state) does not outlive a test, as in Accelerate's own suite."""
+    if "accelerate" in sys.modules:
+        from accelerate.state import AcceleratorState, GradientState
+
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+
+
 @pytest.fixture(autouse=True)
 def _fresh_process_state(monkeypatch):
     """Each in-process test starts as a plain single process with no launch config."""
@@ -30,7 +40,9 @@ def _fresh_process_state(monkeypatch):
     from impel.runtime.process import ProcessState
 
     ProcessState._reset()
+    _reset_accelerate_state()
     yield
     ProcessState._reset()
+    _reset_accelerate_state()
     for var in [k for k in os.environ if k in _SETTINGS]:
         del os.environ[var]

@@ -29,6 +29,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader
 
+from impel.accelerator import accelerate_state
 from impel.accelerator.not_provided import NotProvidedMembers
 from impel.accelerator.prepared import Prepared, TrainingRun
 from impel.accelerator.process_methods import ProcessUtilities
@@ -112,8 +113,7 @@ class Accelerator(ProcessUtilities, RunSettings, NotProvidedMembers):
         self.step_scheduler_per_process = step_scheduler_per_process
         self.cast_outputs_to_fp32 = cast_outputs_to_fp32
         self.project_configuration = resolve_project_configuration(project_dir, project_config)
-        self._warn_unused_handlers()
-        # build: each part gets what it needs in its constructor
+        self._warn_unused_handlers()  # build, from here: each part gets what it needs in its constructor
         init = self.handlers.init
         self.state = AcceleratorState(cpu=self.record.cpu_only, backend=init.backend if init else None,
                                       timeout=init.timeout if init else None,
@@ -128,8 +128,8 @@ class Accelerator(ProcessUtilities, RunSettings, NotProvidedMembers):
                           self.config.mixed_precision)
         self._checkpointer = Checkpointer(self.project_configuration, run, async_save=self.config.async_save,
                                           elastic=self.config.min_machines is not None)
-        # None unless auto_resume or nonfinite_loss is on
         self._resilience = Resilience.create(self.config, self.project_configuration, run, self._checkpointer)
+        accelerate_state.mirror(self)  # Accelerate's own state for TRL / PEFT helpers, when Accelerate is imported
 
     def _warn_unused_handlers(self) -> None:
         h = self.handlers

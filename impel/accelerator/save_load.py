@@ -125,7 +125,7 @@ class Checkpointer:
         if self.config.project_dir is None:
             raise ConfigError("automatic_checkpoint_naming=True needs a project directory; pass "
                               "Accelerator(project_dir=...) or ProjectConfiguration(project_dir=...)")
-        return Path(self.config.project_dir).expanduser().absolute() / layout.CHECKPOINTS_DIR
+        return target.local_path(self.config.project_dir, "project_dir") / layout.CHECKPOINTS_DIR
 
     def _save_target(self, output_dir: Any) -> Path:
         if self.config.automatic_checkpoint_naming:
@@ -136,7 +136,7 @@ class Checkpointer:
         if output_dir is None:
             raise ConfigError("save_state() needs output_dir, or ProjectConfiguration(project_dir=..., "
                               "automatic_checkpoint_naming=True)")
-        return Path(output_dir).expanduser().absolute()
+        return target.local_path(output_dir, "save_state(output_dir)")
 
     def _leader(self) -> bool:
         run = self.run
@@ -432,7 +432,7 @@ class Checkpointer:
             directory = max(layout.list_complete(root) + accelerate_format.list_accelerate(root),
                             default=(None, None))[1] or layout.latest_complete(root)
         else:
-            directory = Path(input_dir).expanduser().absolute()
+            directory = target.local_path(input_dir, "load_state(input_dir)")
             layout.recover_swap(directory)
             layout.clean_incomplete(directory.parent)
         if layout.is_accelerate_dir(directory):

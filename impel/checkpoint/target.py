@@ -3,11 +3,30 @@ not inside a checkpoint, not an existing checkpoint under automatic naming, and 
 room for the state; and the room a save asks for (:class:`NeededBytes`)."""
 from __future__ import annotations
 
+import os
+import re
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from impel.checkpoint import layout, ownership, storage
+
+_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+def local_path(value: Any, what: str) -> Path:
+    """A checkpoint location as a local (or mounted) path: ``file://`` URLs become their path; any other URL
+    (``s3://``, ``gs://``, ...) raises instead of becoming a local folder named ``s3:``."""
+    text = os.fspath(value)
+    match = _URL.match(text)
+    if match and match.group(1).lower() == "file":
+        text = text[len("file://"):]
+    elif match:
+        raise layout.CheckpointError(
+            f"{what}={text!r} is a {match.group(1)}:// URL; impel writes and reads checkpoints on a local or mounted "
+            "filesystem path only (object storage is not supported yet): save to a path (e.g. where the bucket is "
+            "mounted) and copy the checkpoint directory to the bucket after it is complete")
+    return Path(text).expanduser().absolute()
 
 
 def prepare(final: Path, temp: Path, clean: bool, automatic_naming: bool, iteration: int,

@@ -43,11 +43,24 @@ def _devices() -> list[str]:
     return lines
 
 
+def _placement() -> str:
+    """Which launcher's variables place this process (impel.config.cluster), as a rank of the job would read them."""
+    try:
+        topo = env.read_topology()
+    except ValueError as exc:  # ConfigError included: launchers that disagree
+        return f"launcher: {exc}"
+    if not topo.distributed and topo.source == "single process":
+        return "launcher: none found (a single process; torchrun, impel launch, mpirun, srun set the variables)"
+    return (f"launcher: {topo.source}, rank {topo.rank} of {topo.world_size} (local {topo.local_rank} of "
+            f"{topo.local_world_size}), rendezvous {topo.master_addr}:{topo.master_port}")
+
+
 def main(ns: argparse.Namespace) -> int:
     from impel import __version__
 
     lines = [f"impel: {__version__}", f"Python: {sys.version.split()[0]} ({platform.platform()})"]
     lines += _devices()
+    lines.append(_placement())
     for dist in ("deepspeed", "transformers", "accelerate", "safetensors", "numpy"):
         lines.append(f"{dist}: {_version(dist)}")
     path, accelerates = env.config_to_read(ns.config_file)

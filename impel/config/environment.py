@@ -1,7 +1,9 @@
 """The only module that reads or writes ``os.environ``.
 
-torchrun exports RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE / MASTER_ADDR / MASTER_PORT; ``impel launch``
-adds one JSON variable, ``IMPEL_CONFIG``, holding the validated run config. Ranks never re-parse flags.
+torchrun exports RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE / MASTER_ADDR / MASTER_PORT (MPI, SLURM and other
+launchers their own: :mod:`impel.config.cluster` reads them all, :func:`export_topology` writes torchrun's for
+them); ``impel launch`` adds one JSON variable, ``IMPEL_CONFIG``, holding the validated run config. Ranks never
+re-parse flags.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from collections.abc import Iterable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
+from impel.config import cluster
 from impel.config.schema import ConfigError
 
 CONFIG_VAR = "IMPEL_CONFIG"
@@ -29,39 +32,45 @@ class Topology:
     master_port: int | None = None
     restart_count: int | None = None  # set by torchrun's elastic agent: 0 on the first attempt
     agent_store: bool = False  # the agent hosts the TCPStore (ranks connect as clients)
+    source: str = "single process"  # the launcher whose variables placed this process (impel.config.cluster)
 
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
 
 
-def _int(environ: Mapping[str, str], name: str, default: int) -> int:
-    raw = environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"environment variable {name}={raw!r} is not an integer; unset it or fix the "
-                         "launcher") from None
-
-
 def read_topology(environ: Mapping[str, str] | None = None) -> Topology:
-    """Read torchrun's variables; without them this is a single process."""
+    """Read the launcher's variables (torchrun's, MPI's, SLURM's, ...: :mod:`impel.config.cluster`); without any,
+    this is a single process."""
     env = os.environ if environ is None else environ
-    world = _int(env, "WORLD_SIZE", 1)
-    rank = _int(env, "RANK", 0)
-    local_rank = _int(env, "LOCAL_RANK", rank if world > 1 else 0)
-    local_world = _int(env, "LOCAL_WORLD_SIZE", world)
-    port = env.get("MASTER_PORT")
-    restarts = env.get("TORCHELASTIC_RESTART_COUNT")
-    topo = Topology(rank, world, local_rank, local_world, env.get("MASTER_ADDR"), int(port) if port else None,
-                    int(restarts) if restarts not in (None, "") else None,
-                    env.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
+    placement = cluster.settle(env)
+    if placement is None:
+        return Topology()
+    rank, world = placement.rank, placement.world_size
     if world < 1 or not 0 <= rank < world:
-        raise ValueError(f"RANK={rank} WORLD_SIZE={world} is not a valid placement; launch with torchrun or "
-                         "impel launch")
-    return topo
+        raise ValueError(f"{placement.source}: rank {rank} of world size {world} is not a valid placement; launch "
+                         "with torchrun, impel launch, mpirun or srun")
+    if placement.source == "torchrun":
+        port = env.get("MASTER_PORT")
+        addr, master_port = env.get("MASTER_ADDR"), int(port) if port else None
+    else:
+        addr, master_port = cluster.rendezvous(env, placement)
+    restarts = env.get("TORCHELASTIC_RESTART_COUNT")
+    return Topology(rank, world, placement.local_rank, placement.local_world_size, addr, master_port,
+                    int(restarts) if restarts not in (None, "") else None,
+                    env.get("TORCHELASTIC_USE_AGENT_STORE") == "True", placement.source)
+
+
+def export_topology(topology: Topology, environ: MutableMapping[str, str] | None = None) -> None:
+    """A job placed by another launcher than torchrun: torchrun's variables for what reads them (torch's ``env://``
+    rendezvous, scripts reading ``LOCAL_RANK``), as Accelerate sets them; the values given are left as they are."""
+    env = os.environ if environ is None else environ
+    values = {"RANK": topology.rank, "WORLD_SIZE": topology.world_size, "LOCAL_RANK": topology.local_rank,
+              "LOCAL_WORLD_SIZE": topology.local_world_size, "MASTER_ADDR": topology.master_addr,
+              "MASTER_PORT": topology.master_port}
+    for name, value in values.items():
+        if value is not None and not env.get(name):
+            env[name] = str(value)
 
 
 def read_launch_config(environ: Mapping[str, str] | None = None) -> dict[str, Any] | None:

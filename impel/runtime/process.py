@@ -119,6 +119,9 @@ class ProcessState:
         if init_method is None and (topo.master_addr is None or topo.master_port is None):
             raise RuntimeError(f"WORLD_SIZE={topo.world_size} but MASTER_ADDR/MASTER_PORT are not set; "
                                "launch with `impel launch` or torchrun")
+        if topo.source != "torchrun":
+            env.export_topology(topo)  # torch's env:// rendezvous (and scripts) read torchrun's variables
+            logger.info("impel: rank %d of %d, placed by %s", topo.rank, topo.world_size, topo.source)
         kwargs: dict[str, Any] = {"backend": self.backend, "timeout": self.timeout,
                                   "rank": topo.rank, "world_size": topo.world_size}
         if init_method:

@@ -44,6 +44,7 @@ from impel.strategies.fsdp_loading import (
     rank0_state,
     upcast_low_precision,
 )
+from impel.strategies.fsdp_pretrained import guard_save_pretrained
 from impel.strategies.fsdp_wrap import check_requested, checkpoint_units, select_units
 from impel.strategies.tensor_parallel import clip_by_total_norm
 
@@ -91,6 +92,17 @@ class FSDPStrategy(Strategy):
                            "previous unit before each unit's gradient computation (BACKWARD_PRE). Set BACKWARD_PRE "
                            "(or NO_PREFETCH) to silence this")
         self.mp_policy, self.offload_policy = self._policies()
+        self._publish_policies(record.plugins.fsdp)
+
+    def _publish_policies(self, plugin: Any) -> None:
+        """The plugin in effect (``accelerator.state.fsdp_plugin``) holds torch's objects this strategy shards with,
+        as Accelerate's FSDP2 plugin does: libraries that shard more models themselves (TRL's ``prepare_fsdp`` for
+        reference models) pass them to ``fully_shard``. ``mixed_precision_policy`` is None without mixed precision."""
+        if plugin is None:
+            return
+        plugin.mixed_precision_policy = self.mp_policy if self.precision.dtype is not None else None
+        plugin.cpu_offload = self.offload_policy
+        plugin.reshard_after_forward = reshards_after_forward(self.sharding_strategy)
 
     def _policies(self) -> tuple[Any, Any]:
         from torch.distributed.fsdp import (
@@ -175,6 +187,7 @@ class FSDPStrategy(Strategy):
         del full_state
         self.replacements.record(owners)
         self._set_prefetch(sharded_root, sharded_units)
+        guard_save_pretrained(model)  # PEFT / transformers: state_dict= or a named error, not safetensors' one
         return model
 
     def _set_prefetch(self, root: FSDPModule, units: list[FSDPModule]) -> None:

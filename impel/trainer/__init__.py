@@ -4,7 +4,8 @@ Modules by job: ``hf`` (``Trainer``: transformers' Trainer with impel's Accelera
 ``TrainingArguments``, callbacks and state classes re-exported), ``hf_fields`` (what impel does with each
 ``TrainingArguments`` field, the generated docs table), ``hf_fsdp`` / ``hf_deepspeed`` (the ``fsdp`` and
 ``deepspeed`` knobs on impel's strategies), ``hf_callbacks`` (impel's additions: metrics.jsonl, loss.png, complete
-checkpoints, auto-resume), ``plot`` (loss PNGs and ``metrics.jsonl`` reading, shared with ``impel compare``). Names
+checkpoints, auto-resume), ``plot`` (loss PNGs and ``metrics.jsonl`` reading, shared with ``impel compare``), ``route``
+(``on_impel(cls)``: any transformers Trainer subclass, e.g. TRL's trainers, on impel's Accelerator). Names
 resolve lazily, so ``import impel.trainer`` does not import transformers; using one without it raises
 ``ImportError`` naming ``pip install 'impel[transformers]'``.
 
@@ -24,6 +25,7 @@ _EXPORTS = {
     "Trainer": "hf", "TrainingArguments": "hf", "TrainerCallback": "hf", "EarlyStoppingCallback": "hf",
     "ProgressCallback": "hf", "default_data_collator": "hf", "get_scheduler": "hf", "EvalPrediction": "hf",
     "PredictionOutput": "hf", "TrainerControl": "hf", "TrainerState": "hf", "TrainOutput": "hf",
+    "on_impel": "route",
 }
 
 __all__ = sorted(_EXPORTS)

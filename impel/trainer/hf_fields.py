@@ -19,7 +19,8 @@ import inspect
 # field -> what impel does with it (every other field is transformers' behaviour, unchanged)
 NOTES: dict[str, str] = {
     "fsdp": "impel's FSDP2 plugin, built from transformers' `fsdp_plugin_args`; checkpoints in Accelerate's layout "
-            "(impel.trainer.hf_fsdp); a PEFT model's adapter-only FSDP checkpoint raises",
+            "(impel.trainer.hf_fsdp); a PEFT model's checkpoint holds its adapters only (trainable parameters), as "
+            "Accelerate's FSDP2 one",
     "fsdp_config": "impel's FSDP2 plugin (with `fsdp`); a key transformers drops under FSDP2 (FSDP1's "
                    "`forward_prefetch`, `use_orig_params`, ..., a typo) raises, naming it",
     "deepspeed": "impel's DeepSpeed strategy (ZeRO 0-3) with the JSON transformers filled; on a machine without "

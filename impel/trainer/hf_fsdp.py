@@ -13,6 +13,7 @@ Example::
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -61,11 +62,16 @@ def _inner(optimizer: Any) -> Any:
     return getattr(optimizer, "optimizer", optimizer)  # impel's AcceleratedOptimizer wraps torch's
 
 
-def _refuse_adapters(model: Any, adapter_only: bool) -> None:
+def _adapters(model: Any, adapter_only: bool) -> bool:
     """transformers passes ``adapter_only=True`` always; it means "the adapters alone" for a PEFT model only."""
-    if adapter_only and getattr(model, "peft_config", None) is not None:
-        raise ConfigError("a PEFT model's adapter-only FSDP checkpoint is not served on impel's FSDP yet: train it "
-                          "without fsdp, or in a custom loop on impel's Accelerator (accelerator.save_state)")
+    return adapter_only and getattr(model, "peft_config", None) is not None
+
+
+def _model_options(plugin: Any, accelerator: Any, adapters: bool) -> StateDictOptions:
+    """A PEFT model's adapter-only checkpoint holds its trainable parameters only, as Accelerate's FSDP2 one (the
+    frozen base is left out on save and left as it is on load)."""
+    options = _options(plugin, accelerator)
+    return dataclasses.replace(options, ignore_frozen_params=True, strict=False) if adapters else options
 
 
 def _save(accelerator: Any, state: dict[str, Any], path: str, key: str, full: bool) -> None:
@@ -90,10 +96,9 @@ def save_fsdp_model(plugin: Any, accelerator: Any, model: Any, output_dir: str, 
     if not isinstance(plugin, FullyShardedDataParallelPlugin):
         return _ACCELERATE["save_fsdp_model"](plugin, accelerator, model, output_dir, model_index, adapter_only,
                                               **kwargs)
-    _refuse_adapters(model, adapter_only)
     os.makedirs(output_dir, exist_ok=True)
     full = _full(plugin)
-    state = get_model_state_dict(model, options=_options(plugin, accelerator))
+    state = get_model_state_dict(model, options=_model_options(plugin, accelerator, _adapters(model, adapter_only)))
     _save(accelerator, state, _path(output_dir, MODEL_NAME, model_index, full), "model", full)
 
 
@@ -102,12 +107,11 @@ def load_fsdp_model(plugin: Any, accelerator: Any, model: Any, input_dir: str, m
     if not isinstance(plugin, FullyShardedDataParallelPlugin):
         return _ACCELERATE["load_fsdp_model"](plugin, accelerator, model, input_dir, model_index, adapter_only,
                                               **kwargs)
-    _refuse_adapters(model, adapter_only)
     full = _full(plugin)
-    options = _options(plugin, accelerator)
+    options = _model_options(plugin, accelerator, _adapters(model, adapter_only))
     state = _load(get_model_state_dict(model, options=options), _path(input_dir, MODEL_NAME, model_index, full),
                   "model", full)
-    return set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=full))
+    return set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=full, strict=options.strict))
 
 
 def save_fsdp_optimizer(plugin: Any, accelerator: Any, optimizer: Any, model: Any, output_dir: str,

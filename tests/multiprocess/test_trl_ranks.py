@@ -1,0 +1,59 @@
+"""TRL 1.16's trainers on 2 CPU ranks through ``impel.trainer.on_impel``: the same weights, losses and rewards as TRL
+on Accelerate under the same launch (``ACCELERATE_USE_CPU=1``), and under impel's FSDP2 a LoRA run (adapter-only
+checkpoints) and a DPO run (its reference model sharded by TRL with the plugin's policies) resumed from a mid-run
+checkpoint end as the uninterrupted ones."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+pytest.importorskip("peft")
+
+from impel.testing import run_on_ranks  # noqa: E402
+from trl_helpers import KINDS, max_diff, run_kinds, run_trl  # noqa: E402
+
+pytestmark = pytest.mark.multiprocess
+
+FSDP = {"fsdp": "full_shard", "fsdp_config": {"transformer_layer_cls_to_wrap": ["GPT2Block"]}}
+
+
+def test_trl_trainers_on_two_ranks_equal_trl_on_accelerate(tmp_path):
+    theirs = run_on_ranks(run_kinds, 2, args=(KINDS, "accelerate", str(tmp_path / "accelerate"), {}),
+                          env={"ACCELERATE_USE_CPU": "1"}, timeout=240)
+    ours = run_on_ranks(run_kinds, 2, args=(KINDS, "impel", str(tmp_path / "impel"), {}), timeout=240)
+    assert theirs[0]["world"] == ours[0]["world"] == 2
+    for kind in KINDS:
+        assert ours[0][kind]["accelerator"] == "impel.accelerator.facade"
+        assert max_diff(ours[1][kind]["weights"], ours[0][kind]["weights"]) == 0.0, kind  # one model
+        assert max_diff(ours[0][kind]["weights"], theirs[0][kind]["weights"]) <= 1e-6, kind
+        assert ours[0][kind]["loss"] == pytest.approx(theirs[0][kind]["loss"], abs=1e-6), kind
+        assert ours[0][kind]["reward"] == pytest.approx(theirs[0][kind]["reward"], abs=1e-6), kind
+
+
+def _fsdp_runs(output_dir: str) -> dict[str, dict]:
+    results = {}
+    for kind in ("sft_lora", "dpo"):
+        run = os.path.join(output_dir, kind)
+        results[kind] = run_trl(kind, "impel", run, save_strategy="steps", save_steps=2, **FSDP)
+        results[f"{kind} resumed"] = run_trl(kind, "impel", f"{run}-resumed",
+                                             resume=os.path.join(run, "checkpoint-2"), **FSDP)
+        saved = torch.load(os.path.join(run, "checkpoint-2", "pytorch_model_fsdp.bin"), weights_only=True)
+        results[kind]["saved keys"] = sorted(saved)
+    return results
+
+
+def test_lora_and_dpo_under_fsdp2_resume_from_a_checkpoint_exactly(tmp_path):
+    results = run_on_ranks(_fsdp_runs, 2, args=(str(tmp_path),), timeout=240)[0]
+    for kind in ("sft_lora", "dpo"):
+        assert results[kind]["checkpoints"] == ["checkpoint-2", "checkpoint-4"]
+        assert results[f"{kind} resumed"]["step"] == 4
+        assert max_diff(results[f"{kind} resumed"]["weights"], results[kind]["weights"]) == 0.0, kind
+        assert results[f"{kind} resumed"]["loss"][2:] == results[kind]["loss"][2:]
+    # the LoRA run's checkpoint holds its adapters (the trainable parameters), plus the tied lm_head weight that
+    # torch's ignore_frozen_params keeps (named_parameters lists a tied weight once), as Accelerate's FSDP2 one does
+    adapters = results["sft_lora"]["saved keys"]
+    assert len(adapters) == 5 and [k for k in adapters if "lora_" not in k] == ["base_model.model.lm_head.weight"]
+    assert len(results["dpo"]["saved keys"]) > len(adapters)  # a full model's holds every parameter
