@@ -101,3 +101,27 @@ def test_machines_that_disagree_on_nnodes_fail_naming_both(tmp_path):
         for pid in pids:
             (tmp_path / "pids" / f"rank{pid}.pid").write_text(str(pid))
         _assert_no_rank_left(tmp_path / "pids")
+
+
+DIFFERENT = """from datetime import timedelta
+import torch
+from impel import Accelerator, InitProcessGroupKwargs
+acc = Accelerator(cpu=True, kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=8))])
+for step in range(3):
+    acc.wait_for_everyone()
+if acc.process_index == 0:
+    acc.wait_for_everyone()
+else:
+    acc.gather(torch.ones(3))
+"""
+
+
+@pytest.mark.slow
+def test_ranks_in_different_collectives_are_named_with_their_call_sites(tmp_path):
+    _, line, limit = LAUNCH_CASES["different_collectives"]
+    (tmp_path / "collectives.py").write_text(DIFFERENT)
+    res = impel(["launch", "--cpu", "--num_processes", "2", "--stall_warning", "2", str(tmp_path / "collectives.py")],
+                tmp_path, timeout=limit)
+    assert res.returncode != 0, res.stderr[-3000:]  # the group timeout ends it
+    assert re.search(line, res.stderr), res.stderr[-3000:]
+    assert "network?" not in res.stderr
