@@ -45,6 +45,25 @@ def _any_rank(flag: bool, device: torch.device) -> bool:
     return bool(t.item() > 0)
 
 
+def _same_plan_on_every_machine(low: int, high: int, asked: int, steps: int) -> None:
+    """Every machine of an elastic job was launched with the same ``--nnodes`` and accumulation; machines that
+    disagree would each train with their own gradient accumulation (6 on one, 9 on another) and never say so."""
+    import torch.distributed as dist
+
+    from impel.runtime.collectives import is_distributed
+
+    if not is_distributed():
+        return
+    plans: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(plans, (low, high, asked, steps))
+    other = next((rank for rank, plan in enumerate(plans) if plan != plans[0]), None)
+    if other is not None:
+        shown = [f"rank {r} --nnodes {p[0]}:{p[1]} --gradient_accumulation_steps {p[2]} (accumulating {p[3]})"
+                 for r, p in ((0, plans[0]), (other, plans[other]))]
+        raise ConfigError(f"the machines of this elastic job were launched with different settings: {shown[0]}, "
+                          f"{shown[1]}; launch every machine with the same --nnodes and --gradient_accumulation_steps")
+
+
 class Resilience:
     """The Accelerator's crash-safety switches over one training run and its checkpointer; created only when one
     of them is on."""
@@ -85,6 +104,8 @@ class Resilience:
 
             planned = planned_world(config, run.process.topology)
             elastic = (planned, config.gradient_accumulation_steps * run.num_processes // planned)
+            _same_plan_on_every_machine(config.min_machines, config.num_machines, elastic[1],
+                                        config.gradient_accumulation_steps)
         return cls(run, checkpointer, auto, nonfinite, elastic)
 
     # --- preemption -------------------------------------------------------------------------------------------
