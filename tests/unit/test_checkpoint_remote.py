@@ -55,7 +55,7 @@ def test_save_and_load_on_a_memory_url_writes_the_commit_object_last_and_no_loca
     train(acc, model, opt)
     saved = weights(model)
     assert acc.save_state(f"{url}/run") == f"{url}/run"
-    assert order[-1] == layout.MARKER_FILE and layout.METADATA_FILE in order[:-1]
+    assert order.index(layout.MARKER_FILE) == len(order) - 1 and layout.METADATA_FILE in order  # once, last
     assert {"model.safetensors", "optimizer.pt", "training_state.pt", "random_states_0.pt"} <= set(order)
     assert list(tmp_path.iterdir()) == []  # never a local folder named memory:
     train(acc, model, opt)
@@ -94,7 +94,6 @@ def test_async_save_to_a_memory_url_uploads_in_the_background(url):
     train(acc, model, opt)
     saved = weights(model)
     assert acc.save_state(f"{url}/a", async_save=True) == f"{url}/a"
-    assert acc.wait_for_checkpoint() if hasattr(acc, "wait_for_checkpoint") else True
     train(acc, model, opt)
     acc.load_state(f"{url}/a")
     assert all(torch.equal(a, b) for a, b in zip(weights(model), saved))
