@@ -20,6 +20,13 @@ LAUNCH_CASES = {
         r"ranks were still running \(every rank must reach the same collectives\); rank 0 then failed with exit code "
         r"1 \(its output is above\); the job stopped",
         120),
+    "machines_disagree_on_nnodes": (
+        "two machines of an elastic job, `--gradient_accumulation_steps 6` on both, machine 0 `--nnodes 1:2`, "
+        "machine 1 `--nnodes 1:3` (each would accumulate its own: 6 and 9)",
+        r"ConfigError: the machines of this elastic job were launched with different settings: rank 0 --nnodes 1:2 "
+        r"--gradient_accumulation_steps 6 \(accumulating 6\), rank 1 --nnodes 1:3 --gradient_accumulation_steps 6 "
+        r"\(accumulating 9\); launch every machine with the same --nnodes and --gradient_accumulation_steps",
+        180),
 }
 
 
