@@ -410,3 +410,15 @@ def test_one_lazy_export_implementation():
                 if "importlib.import_module" in calls:
                     copies.append(str(path.relative_to(ROOT)))
     assert not copies, f"use impel.exports.lazy_face instead: {copies}"
+
+
+def test_no_two_classes_share_a_name():
+    """A class name names one class in impel (two ``RunRecord`` classes, a run's record and a Trainer callback, were
+    confused by readers); Accelerate's faces that re-export a class by another module's name do not count."""
+    seen: dict[str, list[str]] = {}
+    for module in modules():
+        for node in tree(module).body:
+            if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                seen.setdefault(node.name, []).append(module)
+    shared = {name: where for name, where in seen.items() if len(where) > 1}
+    assert not shared, shared
