@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader
 from impel.accelerator import accelerate_state
 from impel.accelerator.not_provided import NotProvidedMembers
 from impel.accelerator.prepared import Prepared, TrainingRun
-from impel.accelerator.process_methods import ProcessUtilities
+from impel.accelerator.process_methods import ProcessMethods
 from impel.accelerator.resilience import Resilience
 from impel.accelerator.resolve import RunArguments, accelerate_plugins, resolve
 from impel.accelerator.save_load import Checkpointer, resolve_project_configuration
@@ -68,7 +68,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("impel")
 
 
-class Accelerator(ProcessUtilities, RunSettings, NotProvidedMembers):
+class Accelerator(ProcessMethods, RunSettings, NotProvidedMembers):
     """Runs one training loop unchanged on CPU, one GPU, several GPUs or several machines."""
 
     def __init__(self, device_placement: bool = True, split_batches: bool | None = None,
