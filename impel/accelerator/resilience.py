@@ -151,12 +151,14 @@ class Resilience:
             raise SystemExit(PREEMPTED_EXIT_CODE)
 
     def _resume(self) -> str | None:
-        from impel.checkpoint import layout
+        from impel.checkpoint import layout, remote
         from impel.runtime.collectives import broadcast_object_list
 
         run = self.run
-        root = self.checkpointer.checkpoints_root()
-        found = broadcast_object_list([bool(layout.list_complete(root)) if run.is_main_process else None])
+        url = remote.parse(self.checkpointer.config.project_dir, "project_dir")
+        root: Any = self.checkpointer.checkpoints_root() if url is None else url.child(layout.CHECKPOINTS_DIR)
+        listed = (lambda: layout.list_complete(root)) if url is None else (lambda: remote.list_complete(root))
+        found = broadcast_object_list([bool(listed()) if run.is_main_process else None])
         if not found[0]:
             if run.is_main_process:
                 change = self._elastic_change(None)

@@ -23,9 +23,8 @@ def local_path(value: Any, what: str) -> Path:
         text = text[len("file://"):]
     elif match:
         raise layout.CheckpointError(
-            f"{what}={text!r} is a {match.group(1)}:// URL; impel writes and reads checkpoints on a local or mounted "
-            "filesystem path only (object storage is not supported yet): save to a path (e.g. where the bucket is "
-            "mounted) and copy the checkpoint directory to the bucket after it is complete")
+            f"{what}={text!r} is a {match.group(1)}:// URL, where a local path is needed here; save_state, "
+            "load_state and auto-resume take object-storage URLs (docs/checkpoints.md#object-storage)")
     return Path(text).expanduser().absolute()
 
 
