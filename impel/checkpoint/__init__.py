@@ -17,16 +17,9 @@ The sequence that runs them for ``save_state`` / ``load_state`` is the Accelerat
 """
 from __future__ import annotations
 
-from typing import Any
-
-from impel.checkpoint.layout import CheckpointError
+from impel.checkpoint.errors import CheckpointError
+from impel.exports import lazy_face
 
 __all__ = ["CheckpointError", "merge_weights"]
-
-
-def __getattr__(name: str) -> Any:
-    if name == "merge_weights":  # lazily: it imports torch.distributed.checkpoint
-        from impel.checkpoint.merge import merge_weights
-
-        return merge_weights
-    raise AttributeError(f"module 'impel.checkpoint' has no attribute {name!r}")
+_EXPORTS = {"merge_weights": "impel.checkpoint.merge"}  # lazily: it imports torch.distributed.checkpoint
+__getattr__, __dir__ = lazy_face(__name__, _EXPORTS, ("CheckpointError",))

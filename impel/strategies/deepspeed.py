@@ -107,13 +107,7 @@ class DeepSpeedStrategy(Strategy):
         self.deepspeed = import_deepspeed(state.device, state.local_process_index)
         self.configs = PluginConfigs(record, self._on_select)  # one settled JSON per plugin; the first is active
         super().__init__(state, record, gradient_state)
-        handlers = self.handlers
-        if self.resolved.dtype != torch.float32:
-            self.precision = EnginePrecision(self.config.mixed_precision, self.resolved.dtype, state.device,
-                                             handlers.autocast)
-        else:
-            self.precision = Precision(state.device, handlers.autocast)
-        if handlers.scaler is not None:
+        if self.handlers.scaler is not None:
             logger.warning("GradScalerKwargs has no effect under DeepSpeed, whose engine scales fp16 losses itself; "
                            "set fp16.loss_scale / fp16.initial_scale_power in the DeepSpeed JSON instead")
         self._check_nvme()
@@ -147,6 +141,13 @@ class DeepSpeedStrategy(Strategy):
             return  # during construction
         self._unregister_from_transformers()
         self._hf_config = self._register_with_transformers()
+
+    def build_precision(self) -> Precision:
+        """Autocast at the engine's dtype; loss scaling and the optimizer step are the engine's (no GradScaler)."""
+        if self.resolved.dtype != torch.float32:
+            return EnginePrecision(self.config.mixed_precision, self.resolved.dtype, self.device,
+                                   self.handlers.autocast)
+        return Precision(self.device, self.handlers.autocast)
 
     def _check_nvme(self) -> None:
         from deepspeed.accelerator import get_accelerator

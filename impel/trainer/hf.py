@@ -235,7 +235,7 @@ class Trainer(transformers.Trainer):
 
     def __init__(self, *args: Any, plot_loss: bool | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.add_callback(hf_callbacks.RunRecord(plot_loss))
+        self.add_callback(hf_callbacks.MetricsLog(plot_loss))
         self.add_callback(hf_callbacks.CompleteCheckpoints(self.accelerator))
 
     def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
