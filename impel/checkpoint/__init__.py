@@ -5,7 +5,9 @@ Modules, by job: ``layout`` (names, atomic commit, manifest, verification, rotat
 writers: safetensors, ``torch.load(weights_only=True)``), ``state`` (RNG, counters, dataloaders, registered
 objects), ``collective`` (every rank must call; errors shared), ``full`` (model/optimizer as full files: single
 device, DDP, FSDP FULL_STATE_DICT), ``sharded`` (DCP: FSDP SHARDED_STATE_DICT, resharding), ``hf`` (Hugging Face
-weight layout), ``merge`` (any checkpoint to full weights), ``staging`` (asynchronous saves: the state staged at
+weight layout), ``merge`` (any checkpoint to full weights), ``deepspeed_engines`` (DeepSpeed engines' own
+checkpoints, loaded safely, and their merge), ``tempdirs`` (a save's temporary directory, its lock and the cleaning
+of dead ones), ``errors`` (``CheckpointError``), ``staging`` (asynchronous saves: the state staged at
 the call, written and committed on a background thread), ``restricted`` (Accelerate's pickles, unpickled through
 an allowlist), ``options`` (save_state / load_state keyword arguments), ``digests`` / ``hashing`` (the manifest's
 checksums), ``cooperative`` (FULL_STATE_DICT written by every rank), ``full_slices`` (FULL_STATE_DICT read back

@@ -26,6 +26,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from impel.checkpoint.deepspeed_engines import (
+    load_engines,
+    merge_zero_checkpoint,
+    safe_loading,
+    save_engines,
+)
 from impel.checkpoint.options import DEFAULT_LOAD, DEFAULT_SAVE, LoadOptions, SaveOptions
 from impel.config import environment as env
 from impel.config.deepspeed_json import (
@@ -37,12 +43,6 @@ from impel.config.deepspeed_json import (
 from impel.config.run_config import ConfigError
 from impel.runtime.precision import AutocastPrecision, Precision
 from impel.strategies.base import Strategy
-from impel.strategies.deepspeed_checkpoint import (
-    load_engines,
-    merge_zero_checkpoint,
-    safe_loading,
-    save_engines,
-)
 from impel.strategies.deepspeed_plugins import PluginConfigs
 
 if TYPE_CHECKING:
@@ -415,7 +415,7 @@ class DeepSpeedStrategy(Strategy):
     def save_checkpoint(self, models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
                         directory: Path, *, writer: bool, safe_serialization: bool,
                         skip_models: Set[int] = frozenset(), options: SaveOptions = DEFAULT_SAVE) -> dict[str, Any]:
-        """Each engine's own checkpoint (its ZeRO partitions, written by every rank); see deepspeed_checkpoint."""
+        """Each engine's own checkpoint (its ZeRO partitions, written by every rank): checkpoint/deepspeed_engines."""
         trained = {i for i, m in enumerate(models) if any(m is e for e in self._by_optimizer.values())}
         return save_engines(models, directory, stages=[self.resolved_for(m).stage for m in models], trained=trained,
                             world=self.state.num_processes,

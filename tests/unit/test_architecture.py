@@ -422,3 +422,27 @@ def test_no_two_classes_share_a_name():
                 seen.setdefault(node.name, []).append(module)
     shared = {name: where for name, where in seen.items() if len(where) > 1}
     assert not shared, shared
+
+
+def test_no_string_names_a_module_of_a_higher_layer():
+    """A dotted path in a string (``"impel.x.y:attr"``, imported by name later) is an import the layer test cannot
+    see: it may only name the same layer or a lower one (``checkpoint/merge.py`` once reached up into
+    ``impel.strategies.deepspeed`` this way). The faces' lazy tables, checked above, are not strings of code."""
+    path_string = re.compile(r"^impel(\.\w+)+(:\w+)?$")
+    found = []
+    for module, path in modules().items():
+        mine = layer_of(module)
+        tables = {id(n) for node in tree(module).body if isinstance(node, ast.Assign)
+                  and any(isinstance(t, ast.Name) and t.id == "_EXPORTS" for t in node.targets)
+                  for n in ast.walk(node)}
+        tables |= {id(arg) for node in ast.walk(tree(module)) if isinstance(node, ast.Call)
+                   and ast.unparse(node.func) == "logging.getLogger" for arg in node.args}  # a logger's name
+        for node in ast.walk(tree(module)):
+            if id(node) in tables:
+                continue
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and path_string.match(node.value):
+                target = _known(node.value.partition(":")[0])
+                if target and mine is not None and (layer_of(target) or 0) > mine:
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value} (layer {layer_of(target)} "
+                                 f"from layer {mine})")
+    assert not found, "\n".join(found)
