@@ -93,5 +93,27 @@ def run(mode: str, project: str, out: str) -> None:
     torch.save({"steps": counter.steps, "weights": acc.unwrap_model(model).state_dict()}, out)
 
 
+def ranks_save(project: str, steps: int, save_at: list[int]) -> dict[str, Any]:
+    """On every rank (run_on_ranks): train ``steps`` optimizer steps with asynchronous saves to ``project`` (a URL)
+    at ``save_at`` (total_limit=1); the final state (saving changes nothing: the uninterrupted run)."""
+    from checkpoint_helpers import make_run, snapshot, train
+
+    acc, model, opt, loader, sched = make_run(project, total_limit=1)
+    acc.project_configuration.async_save = True
+    train(acc, model, opt, loader, sched, steps, save_at)
+    acc.end_training()  # the last upload is committed
+    return snapshot(acc, model, opt, sched)
+
+
+def ranks_resume(project: str, steps: int) -> dict[str, Any]:
+    """On every rank: a differently seeded job that loads the newest committed checkpoint and trains to ``steps``."""
+    from checkpoint_helpers import make_run, snapshot, train
+
+    acc, model, opt, loader, sched = make_run(project, seed=1234, total_limit=1)
+    loaded = acc.load_state()
+    train(acc, model, opt, loader, sched, steps)
+    return dict(snapshot(acc, model, opt, sched), loaded=loaded)
+
+
 if __name__ == "__main__":
     run(*sys.argv[1:4])

@@ -97,7 +97,7 @@ class Checkpointer:
         self.load_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
         self.elastic = elastic  # an elastic job: a load on another world size is expected (resilience reports it)
         self._uploads: dict[str, remote.Remote] = {}  # a save's local staging directory -> its object-storage URL
-        self._downloaded: tuple[Path, str] | None = None  # the leader's local copy of a loaded URL, and the URL
+        self._downloaded: Path | None = None  # the leader's local copy of a loaded URL
 
     # --- registration -----------------------------------------------------------------------------------------
     def register(self, *objects: Any) -> None:
@@ -417,17 +417,18 @@ class Checkpointer:
         collective.barrier()
         downloaded, self._downloaded = self._downloaded, None
         if downloaded is not None:  # the leader's local copy of a URL
-            shutil.rmtree(downloaded[0].parent, ignore_errors=True)
-            return downloaded[1]
-        return str(directory)
+            shutil.rmtree(downloaded.parent, ignore_errors=True)
+        config = self.config
+        return remote.source_url(directory, input_dir, config.project_dir, config.automatic_checkpoint_naming) \
+            or str(directory)
 
     def _locate_remote(self, input_dir: Any) -> tuple[str, dict[str, Any], int] | None:
         """``_locate`` for an object-storage URL: the newest committed checkpoint (or ``input_dir``) downloaded."""
         found = remote.locate(input_dir, self.config.project_dir, self.config.automatic_checkpoint_naming)
         if found is None:
             return None
-        local, url, next_free = found
-        self._downloaded = (local, url)
+        local, _url, next_free = found
+        self._downloaded = local
         return str(local), layout.verify(local, skip=verified.checked_on_read), next_free
 
     def _locate(self, input_dir: Any) -> tuple[str, dict[str, Any], int]:

@@ -127,6 +127,15 @@ def locate(input_dir: Any, project_dir: Any, automatic_naming: bool) -> tuple[Pa
     return download(newest), newest.url, next_free_iteration(root)
 
 
+def source_url(local: Path, input_dir: Any, project_dir: Any, automatic_naming: bool) -> str | None:
+    """The URL a ``load_state`` read from (its local copy: ``local``), on every rank; None for a local source."""
+    if input_dir is not None:
+        url = parse(input_dir, "load_state(input_dir)")
+        return None if url is None else url.url
+    root = parse(project_dir, "project_dir") if automatic_naming else None
+    return None if root is None else root.child(layout.CHECKPOINTS_DIR).child(local.name).url
+
+
 # --- local staging -------------------------------------------------------------------------------------------
 def _private_dir(path: Path) -> Path:
     """Create ``path`` (mode 0700) or accept it when it is this user's own directory, never a symlink."""
