@@ -423,3 +423,10 @@ def test_file_urls_are_paths(tmp_path, monkeypatch):
     saved = acc.save_state(f"file://{tmp_path}/ck")
     assert saved == str(tmp_path / "ck") and acc.load_state(f"file://{tmp_path}/ck") == saved
     assert [p.name for p in tmp_path.iterdir()] == ["ck"]
+
+
+@pytest.mark.skipif(not os.path.ismount("/dev/shm"), reason="no mount point to try (/dev/shm is not one here)")
+def test_a_mount_point_as_the_target_is_refused_in_one_line():
+    acc, _model, _opt = prepared()
+    with pytest.raises(CheckpointError, match=r"output_dir /dev/shm is a mount point; .*pass a directory inside it"):
+        acc.save_state("/dev/shm")
