@@ -161,9 +161,12 @@ class ProcessMethods(ProcessControl):
             for shard in shards:
                 shard.even_batches = bool(even_batches)
         uneven = not (self.dataloader_config.even_batches if even_batches is None else even_batches)
+        for shard in shards:
+            shard.joined = True
         try:
             with Join(list(joinables), enable=uneven, throw_on_early_termination=False):
                 yield
         finally:
             for shard, value in zip(shards, before):
                 shard.even_batches = value
+                shard.joined = False
