@@ -56,6 +56,8 @@ def add_launcher_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--log_dir", default=None, metavar="DIR", help="where the agent writes the ranks' logs")
     g.add_argument("--no_python", action="store_true", help="run the script as an executable, not with python")
     g.add_argument("--rdzv_conf", default=None, metavar="K=V,...", help="extra rendezvous settings (c10d)")
+    g.add_argument("--role", default=None, metavar="NAME", help="the workers' role name in torchrun's agent "
+                   "(default: 'default')")
     g.add_argument("--nnodes", default=None, metavar="[MIN:]MAX", help="torchrun's spelling of the machine count: "
                    "N is --num_machines N; MIN:MAX an elastic job (--min_machines MIN --num_machines MAX) that "
                    "continues on the machines left when one is lost")
@@ -248,7 +250,7 @@ def _check_mpirun(config: RunConfig, ns: argparse.Namespace) -> None:
     from impel.commands import mpirun
 
     mpirun.check(config)
-    given = [f"--{name}" for name in ("tee", "log_dir", "rdzv_conf") if getattr(ns, name, None) is not None]
+    given = [f"--{name}" for name in ("tee", "log_dir", "rdzv_conf", "role") if getattr(ns, name, None) is not None]
     if given:
         raise ConfigError(f"{', '.join(given)} set(s) torchrun's agent, which does not run with --mpirun_hostfile "
                           "(mpirun starts the ranks and prints their output): drop them")
@@ -312,6 +314,8 @@ def _agent_arguments(ns: argparse.Namespace) -> list[str]:
         args += ["--log_dir", ns.log_dir]
     if getattr(ns, "no_python", False):
         args.append("--no_python")
+    if getattr(ns, "role", None) is not None:
+        args += ["--role", ns.role]
     if getattr(ns, "rdzv_conf", None) is not None:
         pairs = [p.partition("=") for p in ns.rdzv_conf.split(",")]
         if not all(key.strip() and eq and value.strip() for key, eq, value in pairs):
