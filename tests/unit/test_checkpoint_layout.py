@@ -430,3 +430,21 @@ def test_a_mount_point_as_the_target_is_refused_in_one_line():
     acc, _model, _opt = prepared()
     with pytest.raises(CheckpointError, match=r"output_dir /dev/shm is a mount point; .*pass a directory inside it"):
         acc.save_state("/dev/shm")
+
+
+def test_a_temporary_directory_removed_while_a_rank_joins_it_is_a_checkpoint_error(tmp_path, monkeypatch):
+    """Another rank's failed save (or a cleaner) removed the directory between this rank's mkdir and its lock: one
+    CheckpointError naming it, not a raw FileNotFoundError that kills the rank."""
+    from impel.checkpoint import tempdirs
+
+    real_open = tempdirs.os.open
+
+    def vanished(path, *args, **kwargs):
+        if str(path).endswith(tempdirs.LOCK_NAME):
+            raise FileNotFoundError(2, "No such file or directory", str(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(tempdirs.os, "open", vanished)
+    with pytest.raises(CheckpointError, match=r"\.impel-tmp-x, the temporary directory of this save, was removed "
+                                              r"while this rank joined it"):
+        tempdirs.make(tmp_path / ".impel-tmp-x")
