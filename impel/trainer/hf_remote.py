@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -54,13 +55,12 @@ class RemoteOutput:
     # --- upload -----------------------------------------------------------------------------------------------
     def upload_checkpoint(self, name: str) -> bool:
         """Upload ``checkpoint-N`` when impel marked it complete, its marker last; False when it is not."""
+        from impel.checkpoint import remote
+
         folder = self.local / name
         if not hf_resume.is_complete(folder):
             return False
-        target = f"{self.url}/{name}"
-        for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != hf_resume.MARKER):
-            self.root.fs.put_file(str(path), f"{target}/{path.relative_to(folder).as_posix()}")
-        self.root.fs.put_file(str(folder / hf_resume.MARKER), f"{target}/{hf_resume.MARKER}")
+        remote.put_tree(folder, self.root.child(name), hf_resume.MARKER)
         return True
 
     def upload_outputs(self) -> None:
@@ -142,7 +142,8 @@ class RemoteOutput:
             return resume
         local = self.local / name
         if accelerator.is_local_main_process and not _same_marker(source, local):
-            _download(source, local)
+            shutil.rmtree(local, ignore_errors=True)
+            remote.get_tree(source, local, hf_resume.MARKER)
         accelerator.wait_for_everyone()
         logger.info("impel: resuming from %s (downloaded to %s)", source.url, local)
         return str(local)
@@ -157,22 +158,6 @@ def _same_marker(source: Any, local: Path) -> bool:
             and hf_resume.is_complete(local)
     except (OSError, ValueError):
         return False
-
-
-def _download(source: Any, local: Path) -> None:
-    """Every object under ``source`` into ``local``, the marker last (a download cut short is not complete)."""
-    import shutil
-
-    shutil.rmtree(local, ignore_errors=True)
-    local.mkdir(parents=True)
-    prefix = source.fs._strip_protocol(source.url)
-    keys = sorted(str(key) for key in source.fs.find(source.url))
-    for key in sorted(keys, key=lambda k: k.endswith("/" + hf_resume.MARKER)):
-        rel = key[len(prefix):].lstrip("/")
-        if not rel or ".." in rel.split("/"):
-            continue
-        (local / rel).parent.mkdir(parents=True, exist_ok=True)
-        source.fs.get_file(key, str(local / rel))
 
 
 class UploadOutput(TrainerCallback):

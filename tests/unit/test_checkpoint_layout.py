@@ -13,6 +13,7 @@ import torch
 import xxhash
 from torch import nn
 
+from checkpoint_helpers import prepared_mlp
 from helpers import make_mlp
 from impel import Accelerator, CheckpointError, ConfigError, ProjectConfiguration
 from impel.accelerator import save_load as checkpointer
@@ -21,15 +22,7 @@ from impel.runtime.process import ProcessState
 
 
 def prepared(project_dir=None, total_limit=None, **config):
-    pc = ProjectConfiguration(project_dir, automatic_checkpoint_naming=project_dir is not None,
-                              total_limit=total_limit, **config)
-    acc = Accelerator(cpu=True, project_config=pc)
-    model = make_mlp()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    model, opt = acc.prepare(model, opt)
-    model(torch.randn(4, 6)).sum().backward()
-    opt.step()
-    return acc, model, opt
+    return prepared_mlp(project_dir, total_limit, steps=1, **config)
 
 
 def test_a_committed_checkpoint_has_marker_metadata_and_a_true_manifest(tmp_path):
