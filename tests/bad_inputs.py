@@ -76,6 +76,22 @@ BAD_FLAGS = {
                                    "static", "--max_restarts", "3"], ["needs the c10d rendezvous"]),
     "elastic_deepspeed": (["--use_deepspeed", "--nnodes", "1:2", "--main_process_ip", "127.0.0.1",
                            "--max_restarts", "3"], ["(elastic) is not supported with DeepSpeed"]),
+    # issue 36: a range no accumulation keeps (a traceback, or a hang for 1:3000000), and launcher values that torch
+    # failed on with a traceback or passed on unchecked
+    "nnodes_range_too_wide": (["--cpu", "--max_restarts", "1", "--main_process_ip", "127.0.0.1", "--nnodes",
+                               "1:100000"], ["--nnodes 1:100000: no gradient_accumulation_steps up to 1000000",
+                                             "raise MIN closer to MAX"]),
+    "nnodes_range_huge": (["--cpu", "--max_restarts", "1", "--main_process_ip", "127.0.0.1", "--nnodes",
+                           "1:3000000"], ["--nnodes 1:3000000: no gradient_accumulation_steps"]),
+    "gpu_ids_not_ids": (["--gpu_ids", "abc"], ["gpu_ids='abc' must be 'all' or GPU ids separated by commas"]),
+    "monitor_interval_zero": (["--cpu", "--num_processes", "2", "--monitor_interval", "0"],
+                              ["monitor_interval=0.0 must be a number of seconds above 0"]),
+    "rdzv_conf_not_pairs": (["--cpu", "--num_processes", "2", "--rdzv_conf", "garbage"],
+                            ["--rdzv_conf 'garbage' must be KEY=VALUE pairs separated by commas"]),
+    "no_python_of_a_python_file": (["--no_python"], ["--no_python runs", "as a program", "drop --no_python"]),
+    "main_process_ip_with_port": (["--cpu", "--num_processes", "2", "--main_process_ip", "127.0.0.1:29500"],
+                                  ["main_process_ip='127.0.0.1:29500' includes a port",
+                                   "--main_process_ip 127.0.0.1 --main_process_port 29500"]),
 }
 
 # `impel config validate` / `impel config convert --to fsdp` of DS_YAML, whose DeepSpeed JSON (ds.json) is missing
@@ -96,6 +112,14 @@ BAD_DEEPSPEED_JSON = {
                                                         "(= 8)"]),
     "duplicate_key": ('{"zero_optimization": {"stage": 2, "stage": 3}}',
                       ["deepspeed_config_file='ds.json' sets 'stage' twice in one object; keep one"]),
+    # issue 36: values DeepSpeed failed on later with a traceback, or not at all
+    "micro_batch_negative": ('{"train_micro_batch_size_per_gpu": -1}',
+                             ["train_micro_batch_size_per_gpu=-1 in the DeepSpeed JSON 'ds.json' must be a whole "
+                              "number >= 1"]),
+    "clipping_not_a_number": ('{"gradient_clipping": "big"}',
+                              ["gradient_clipping='big' in the DeepSpeed JSON 'ds.json' must be a number >= 0"]),
+    "offload_device_unknown": ('{"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "gpu9"}}}',
+                               ["zero_optimization.offload_optimizer.device='gpu9'", "none, cpu, nvme"]),
     "accumulation": ('{"gradient_accumulation_steps": 1}',
                      ["gradient_accumulation_steps=4 contradicts gradient_accumulation_steps=1 in the DeepSpeed JSON "
                       "'ds.json'"]),

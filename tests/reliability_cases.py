@@ -18,6 +18,7 @@ from torch import nn
 import process_cases
 from bad_inputs import BAD_FILES, BAD_FLAGS
 from reliability_round2 import _raises, round2_rows
+from reliability_round3_launch import round3_launch_rows
 
 Row = tuple[str, str, str]
 
@@ -134,7 +135,8 @@ def collect(work: Path) -> list[Row]:
     os.chdir(work)
     try:
         return (_config_rows(work) + _checkpoint_rows(work) + round2_rows(work)
-                + process_cases.rows(work, _cli, _raises, _prepared))
+                + process_cases.rows(work, _cli, _raises, _prepared)
+                + round3_launch_rows(work, _cli, _raises, _prepared))
     finally:
         os.chdir(cwd)
         for name, value in old.items():

@@ -73,16 +73,18 @@ def add_field_flag(parser: argparse.ArgumentParser, name: str, **overrides: Any)
     parser.add_argument(f"--{meta['flag'] or name}", **{**options, **overrides})
 
 
-def bool_values_joined(argv: list[str]) -> list[str]:
+def bool_values_joined(argv: list[str], valued_flags: set[str] | frozenset[str] = frozenset()) -> list[str]:
     """Accelerate's bool flags work alone (``--cpu``) or with a value (``--fsdp_offload_params false``).
 
     argparse cannot take an optional value without eating the script name that may follow, so before parsing
     each bool flag becomes ``--flag=VALUE`` (or ``--flag=true``). Only the tokens before the script are touched:
-    the subcommand is the first positional token, the script the second.
+    the subcommand is the first positional token, the script the second. ``valued_flags``: the commands' other
+    flags that take a value (``--nnodes 1:2``, ``--tee 3``), whose value is not the script.
     """
     bools = {f"--{flag}": {str(a) for a in meta["aliases"]} for _, _, flag, meta in config_fields()
              if meta["kind"] == "bool"}  # with the words a bool takes besides true/false (FULL_SHARD)
-    valued = {f"--{flag}" for _, _, flag, meta in config_fields() if meta["kind"] != "bool"} | {"--config_file"}
+    valued = {f"--{flag}" for _, _, flag, meta in config_fields() if meta["kind"] != "bool"}
+    valued |= {"--config_file", *valued_flags}
     out: list[str] = []
     positionals = 0
     i = 0

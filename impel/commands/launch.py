@@ -166,13 +166,48 @@ def _count_devices(config: RunConfig) -> int:
 
 def _script_command(ns: argparse.Namespace) -> list[str]:
     if ns.module:
-        if importlib.util.find_spec(ns.script.split(".")[0]) is None:
-            raise ConfigError(f"module {ns.script!r} cannot be found; check the name or install its package")
+        _check_module(ns.script)
         return ["-m", ns.script, *ns.script_args]
-    if not os.path.isfile(ns.script):
+    if getattr(ns, "no_python", False):
+        _check_program(ns.script)
+    elif os.path.isdir(ns.script) and not os.path.isfile(os.path.join(ns.script, "__main__.py")):
+        package = os.path.isfile(os.path.join(ns.script, "__init__.py"))
+        raise ConfigError(f"script {ns.script!r} is a directory, not a script: " + (
+            f"a package runs with -m and a __main__.py (impel launch -m {os.path.basename(ns.script.rstrip('/'))})"
+            if package else "pass the script inside it (impel launch DIR/train.py)"))
+    elif not os.path.exists(ns.script):
         raise ConfigError(f"script {ns.script!r} does not exist (working directory {os.getcwd()}); check the path, "
                           "or pass -m for a module")
     return [ns.script, *ns.script_args]
+
+
+def _check_module(name: str) -> None:
+    """``-m name`` runs as ``python -m`` does, which finds modules in the working directory too."""
+    sys.path.insert(0, os.getcwd())
+    try:
+        spec = importlib.util.find_spec(name.split(".")[0])
+    finally:
+        sys.path.remove(os.getcwd())
+    if spec is None:
+        raise ConfigError(f"module {name!r} cannot be found (working directory {os.getcwd()}); check the name or "
+                          "install its package")
+    where = spec.submodule_search_locations
+    if "." not in name and where is not None and \
+            not any(os.path.isfile(os.path.join(d, "__main__.py")) for d in where):
+        raise ConfigError(f"module {name!r} is a package without a __main__.py, so python -m cannot run it; add "
+                          f"{name}/__main__.py, or pass the module to run (-m {name}.train)")
+
+
+def _check_program(script: str) -> None:
+    """``--no_python`` runs the script as a program, found as the shell would (a path, or a name on PATH)."""
+    import shutil
+
+    found = shutil.which(script) if os.sep not in script else (script if os.access(script, os.X_OK) and
+                                                                 os.path.isfile(script) else None)
+    if found is None:
+        hint = f"./{script}" if os.path.isfile(script) and os.access(script, os.X_OK) else "chmod +x it"
+        raise ConfigError(f"--no_python runs {script!r} as a program, but it is not an executable file on PATH "
+                          f"or at that path; drop --no_python to run it with python, or {hint}")
 
 
 def plan_launch(ns: argparse.Namespace) -> LaunchPlan:
@@ -262,6 +297,10 @@ def _agent_arguments(ns: argparse.Namespace) -> list[str]:
     if getattr(ns, "no_python", False):
         args.append("--no_python")
     if getattr(ns, "rdzv_conf", None) is not None:
+        pairs = [p.partition("=") for p in ns.rdzv_conf.split(",")]
+        if not all(key.strip() and eq and value.strip() for key, eq, value in pairs):
+            raise ConfigError(f"--rdzv_conf {ns.rdzv_conf!r} must be KEY=VALUE pairs separated by commas, e.g. "
+                              "--rdzv_conf join_timeout=600,last_call_timeout=30")
         args += ["--rdzv_conf", ns.rdzv_conf]
     return args
 
@@ -375,7 +414,7 @@ def _run_single(plan: LaunchPlan, variables: dict[str, str]) -> int:
     return code if code >= 0 else 128 - code
 
 
-def _explain(code: int, rank: int | None, first: tuple[int, str] | None = None) -> None:
+def _explain(code: int, rank: int | None, first: tuple[int, str, int] | None = None) -> None:
     """The launcher's last line. ``first``: (rank, how) of the rank that left first; when it is another rank than
     the failed one, it left early (e.g. ``sys.exit(0)``) and its peers failed in their next collective."""
     if code == PREEMPTED_EXIT_CODE:
@@ -404,7 +443,10 @@ def run_torchrun(arguments: list[str], variables: dict[str, str]) -> int:
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
         code = failure.exitcode
-        _explain(code, rank, watch.first_exit())
+        first = watch.first_exit()
+        _explain(code, rank, first)
+        if first is not None and first[0] != rank and first[2] != 0:
+            code = first[2]  # the job's exit code is the cause's (a rank's sys.exit(3)), not its peer's failure
         return 128 - code if code < 0 else code
     except SignalException as exc:
         print(f"impel launch: stopped by {exc.sigval.name}; the ranks were told to stop (with auto_resume they save a "

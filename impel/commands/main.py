@@ -24,12 +24,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def valued_flags(parser: argparse.ArgumentParser) -> set[str]:
+    """The ``--flags`` of every subcommand that take a value: the token after one is its value, not the script."""
+    out: set[str] = set()
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                out |= valued_flags(sub)
+        elif action.option_strings and action.nargs != 0:
+            out |= {s for s in action.option_strings if s.startswith("--")}
+    return out
+
+
+def parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """``argv`` as the user wrote it: bool flags alone or with a value, the script after the flags."""
     from impel.commands.flags import bool_values_joined
+
+    return parser.parse_args(bool_values_joined(argv, valued_flags(parser)))
+
+
+def main(argv: list[str] | None = None) -> int:
     from impel.config.run_config import ConfigError
 
     parser = build_parser()
-    ns = parser.parse_args(bool_values_joined(sys.argv[1:] if argv is None else list(argv)))
+    ns = parse(parser, sys.argv[1:] if argv is None else list(argv))
     handler = getattr(ns, "handler", None)
     if handler is None:
         parser.print_help()

@@ -28,13 +28,34 @@ def main(ns: argparse.Namespace) -> int:
     if not os.path.isdir(ns.checkpoint):
         raise ConfigError(f"checkpoint {ns.checkpoint!r} is not a directory; pass a directory written by save_state "
                           "(e.g. project_dir/checkpoints/checkpoint_3)")
+    _check_writable(ns.out)
     try:
         files = merge_weights(ns.checkpoint, ns.out, model_index=ns.model_index,
                               safe_serialization=not ns.unsafe_serialization, max_shard_size=ns.max_shard_size)
     except CheckpointError as exc:
         raise ConfigError(str(exc)) from None
+    except OSError as exc:  # the output directory: e.g. a parent under /proc, a full disk
+        raise ConfigError(f"cannot write the weights into {ns.out!r}: {exc.strerror} ({exc.filename}); pass an OUT "
+                          "directory you can write (missing parents are created)") from None
     total = sum(os.path.getsize(f) for f in files)
     print(f"wrote {len(files)} file(s), {total / 1e6:.1f} MB, to {ns.out}:")
     for f in files:
         print(f"  {f}")
     return 0
+
+
+def _check_writable(out: str) -> None:
+    """OUT can be made: its nearest existing ancestor is a directory this user may write (checked before reading
+    the checkpoint, instead of a traceback after it)."""
+    import os
+
+    from impel.config.run_config import ConfigError
+
+    ancestor = os.path.abspath(out)
+    while not os.path.exists(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    if os.path.isdir(out) or (os.path.isdir(ancestor) and os.access(ancestor, os.W_OK | os.X_OK)):
+        return
+    what = "is not a directory" if not os.path.isdir(ancestor) else "cannot be written by this user"
+    raise ConfigError(f"cannot write the weights into {out!r}: {ancestor} {what}; pass an OUT directory under one "
+                      "you can write (missing parents are created)")

@@ -120,13 +120,18 @@ class RankWatch:
                 continue
         return found
 
-    def first_exit(self) -> tuple[int, str] | None:
-        """(rank, how) of the rank that left first: the first to begin a normal exit while in impel's process
-        group (its script ended or called ``sys.exit``: it noted it) or to fail; None when none has. A bare exit
-        with code 0 (a script without impel, or one that has left the group) is no cause for the others."""
+    def first_exit(self) -> tuple[int, str, int] | None:
+        """(rank, how, exit code) of the rank that left first: the first to begin a normal exit while in impel's
+        process group (its script ended or called ``sys.exit``: it noted it) or to fail; None when none has. A bare
+        exit with code 0 (a script without impel, or one that has left the group) is no cause for the others."""
         with self._lock:
-            events = [(t, rank, describe_exit(code)) for t, rank, code in self.exits if code != 0]
-        events += [(t, rank, "its script ending (it returned or called sys.exit())") for t, rank in self.notes]
+            codes = {rank: code for _, rank, code in self.exits}
+            events = [(t, rank, describe_exit(code), code) for t, rank, code in self.exits if code != 0]
+        for t, rank in self.notes:
+            code = codes.get(rank, 0)
+            how = "its script ending (it returned or called sys.exit())" if code == 0 else \
+                f"its script ending with {describe_exit(code)}" + (f" (sys.exit({code}))" if code > 0 else "")
+            events.append((t, rank, how, code))
         return min(events)[1:] if events else None
 
 

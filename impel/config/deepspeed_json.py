@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
+from impel.config.deepspeed_values import check_json_values
 from impel.config.run_config import DEFAULT_ZERO_STAGE, ConfigError, check_zero_stage
 from impel.config.yaml_file import read_json_object
 
@@ -187,6 +188,7 @@ def resolve_static(ds: dict[str, Any], source: str, config: RunConfig,
                    json_given: bool) -> tuple[Resolved, dict[str, Any]]:
     """Settle what is known before prepare; returns the settled JSON and the accumulation steps and precision the
     run takes from it (``config`` is not changed)."""
+    check_json_values(ds, source)
     section = config.deepspeed
     explicit = config.explicit
     key = "zero_optimization.stage"

@@ -38,13 +38,19 @@ def check_elastic(config: Any) -> None:
                           "sizes are fixed for one world size; remove one of them")
 
 
-def smallest_steps(low: int, high: int) -> int:
+_MOST_STEPS = 10**6  # an accumulation above this is no plan: the launcher asks for a narrower MIN:MAX instead
+
+
+def smallest_steps(low: int, high: int) -> int | None:
     """The smallest accumulation that keeps the global batch exactly on every machine count from ``low`` to
-    ``high`` (``steps x high / n`` whole for each ``n``)."""
+    ``high`` (``steps x high / n`` whole for each ``n``); None when it is above a million (a wide range: 1:64
+    needs about 10**25)."""
     out = 1
     for n in range(low, high + 1):
         need = n // math.gcd(high, n)
         out = out * need // math.gcd(out, need)
+        if out > _MOST_STEPS:
+            return None
     return out
 
 
@@ -65,10 +71,24 @@ def check_elastic_batch(steps: int, low: int, high: int) -> None:
     for n in range(low, high):
         if steps * high % n:
             least = smallest_steps(low, high)
+            if least is None:
+                raise ConfigError(f"--nnodes {low}:{high}: no gradient_accumulation_steps up to {_MOST_STEPS} keeps "
+                                  f"the global batch on every machine count from {low} to {high} (on {n} machines "
+                                  f"{steps} x {high} / {n} micro-steps is not a whole number); raise MIN closer to "
+                                  f"MAX (with gradient_accumulation_steps={steps}: --nnodes "
+                                  f"{_narrower(high, steps)}:{high})")
             raise ConfigError(f"gradient_accumulation_steps={steps} cannot keep the global batch when the job "
                               f"planned for {high} machines runs on {n} ({steps} x {high} / {n} micro-steps is "
                               f"not a whole number); set gradient_accumulation_steps to a multiple of {least}, or "
                               f"raise min_machines")
+
+
+def _narrower(high: int, steps: int) -> int:
+    """The smallest MIN for which ``steps`` keeps the global batch on every count from MIN to ``high``."""
+    low = high
+    while low > 1 and steps * high % (low - 1) == 0:
+        low -= 1
+    return low
 
 
 def scaled_accumulation(steps: int, planned_world: int, world: int) -> int:

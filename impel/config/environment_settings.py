@@ -24,7 +24,7 @@ from dataclasses import fields
 from typing import Any
 
 from impel.config import environment as env
-from impel.config.run_config import SECTIONS, ConfigError, RunConfig, coerce
+from impel.config.run_config import FALSE_WORDS, SECTIONS, TRUE_WORDS, ConfigError, RunConfig, coerce
 
 # Accelerate's variable -> the run config key it sets ("section.key" inside a section)
 PLAIN = {
@@ -104,7 +104,7 @@ def environment_settings() -> dict[str, Any]:
     """The run config keys the environment sets (sections as nested mappings); ``{}`` when it sets none."""
     found = set_variables()
     _refuse_unsupported(found)
-    chosen = [(kind, table) for var, (kind, table) in STRATEGIES.items() if _flag(found, var)]
+    chosen = [(kind, table) for var, (kind, table) in STRATEGIES.items() if _switch(found, var)]
     if len(chosen) > 1:
         raise ConfigError("both ACCELERATE_USE_FSDP and ACCELERATE_USE_DEEPSPEED are true; set only one of them")
     out: dict[str, Any] = {}
@@ -140,6 +140,17 @@ def describe() -> list[str]:
 
 def _flag(found: Mapping[str, tuple[str, str]], name: str) -> bool:
     return name in found and found[name][1].lower() not in _OFF_WORDS
+
+
+def _switch(found: Mapping[str, tuple[str, str]], name: str) -> bool:
+    """A variable that turns a strategy on or off: a word Accelerate's ``str_to_bool`` takes, else a ConfigError."""
+    if name not in found or not found[name][1]:
+        return False
+    shown, value = found[name]
+    if value.lower() not in TRUE_WORDS + FALSE_WORDS:
+        raise ConfigError(f"environment variable {shown}={value!r} must be true or false (also 1/0, yes/no, on/off, "
+                          "y/n, t/f); fix or unset the variable")
+    return value.lower() in TRUE_WORDS
 
 
 def _refuse_unsupported(found: Mapping[str, tuple[str, str]]) -> None:

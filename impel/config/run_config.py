@@ -17,6 +17,7 @@ from typing import Any
 
 from impel.config.dynamo import DynamoConfig
 from impel.config.elastic import check_elastic
+from impel.config.launch_values import check_launch_values
 from impel.config.mesh_sizes import ParallelismSection, check_strategy, check_world_size, total_size
 from impel.config.schema import (  # noqa: F401 - re-exported: impel.config.run_config is where the rest of impel imports them from
     FALSE_WORDS,
@@ -341,6 +342,7 @@ class RunConfig(Freezable):
             if section is not None:
                 section.validate()
         self._check_combination()
+        check_launch_values(self)
         return self
 
     def _check_combination(self) -> None:

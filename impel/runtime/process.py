@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import signal
 import sys
 import weakref
 from datetime import timedelta
@@ -270,6 +271,9 @@ def _destroy_at_exit() -> None:
     if getattr(sys, "last_value", None) is None and ProcessState._shared.get("initialized"):
         if ProcessState._shared.get("owns_group") and dist.is_initialized() and dist.get_world_size() > 1:
             rank_health.note_normal_exit(dist.get_rank())  # still in the group: its peers may be waiting for it
+            # its peers now fail, and the agent stops this rank with SIGTERM: it finishes its exit instead, so the
+            # launcher reports the script's own exit code (a sys.exit(3)), not the signal (issue 36)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         ProcessState().destroy_process_group()
         release_process_groups()
 

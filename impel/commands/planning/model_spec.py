@@ -48,6 +48,26 @@ def _from_transformers_config(config: Any) -> Any:
     raise ConfigError(f"no transformers model class builds {type(config).__name__}; pass module:callable instead")
 
 
+def _built(factory: Any, spec: str) -> Any:
+    """``factory()`` of a module:callable spec: a Python function or class taking no arguments that returns a
+    ``torch.nn.Module`` (a builtin such as ``os:system`` is not called)."""
+    import inspect
+
+    from torch import nn
+
+    usage = "module:callable must name a function or class that takes no arguments and returns a torch.nn.Module"
+    if not callable(factory) or inspect.isbuiltin(factory):
+        raise ConfigError(f"model spec {spec!r} names {type(factory).__name__} {factory!r}, not a model factory; "
+                          f"{usage}")
+    try:
+        model = factory()
+    except TypeError as exc:
+        raise ConfigError(f"model spec {spec!r}: calling it failed ({exc}); {usage}") from None
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model spec {spec!r} returned {type(model).__name__}, not a torch.nn.Module; {usage}")
+    return model
+
+
 def build_meta_model(spec: str) -> tuple[Any, str]:
     """(model on the meta device, a display name)."""
     import torch
@@ -66,7 +86,7 @@ def build_meta_model(spec: str) -> tuple[Any, str]:
             except (ImportError, AttributeError) as exc:
                 raise ConfigError(f"model spec {spec!r} cannot be imported ({exc}); use "
                                   "package.module:callable") from None
-            return factory(), spec
+            return _built(factory, spec), spec
         call = _config_call(spec)
         if call is None or not call[0].endswith("Config"):
             raise ConfigError(f"model spec {spec!r} is not a directory, a config class such as "

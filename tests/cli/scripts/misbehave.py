@@ -1,6 +1,6 @@
 """A DDP training loop in which one rank misbehaves at step 3 (issue 27's launcher cases).
 
-    misbehave.py PID_DIR exit0 RANK     that rank calls sys.exit(0) while the others train on
+    misbehave.py PID_DIR exitN RANK     that rank calls sys.exit(N) while the others train on (exit0, exit3)
     misbehave.py PID_DIR stall RANK S   that rank sleeps S seconds while the others wait in the all-reduce
     misbehave.py PID_DIR forever        every rank trains until it is killed
 
@@ -26,8 +26,8 @@ model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.01))
 step = 0
 while mode == "forever" or step < 6:
     if step == 3 and acc.process_index == target:
-        if mode == "exit0":
-            sys.exit(0)
+        if mode.startswith("exit"):
+            sys.exit(int(mode[4:]))
         if mode == "stall":
             time.sleep(float(sys.argv[4]))
     acc.backward(model(torch.randn(8, 4)).pow(2).mean())

@@ -1,0 +1,67 @@
+"""Rows of docs/reliability.md for issue 36's launcher, CLI and config inputs (round 3) that
+``reliability_cases.collect`` runs in this process (none starts a rank), and the cases that need running ranks
+(:data:`LAUNCH_CASES`, run by ``tests/cli/test_round3_launch.py``; listed here with the line their test requires).
+The launch flags and DeepSpeed JSONs of this round are in ``bad_inputs.py`` (BAD_FLAGS, BAD_DEEPSPEED_JSON)."""
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+Row = tuple[str, str, str]
+
+# name -> (the input, the line the launch must print (a regular expression), the limit in seconds of its test)
+LAUNCH_CASES = {
+    "rank_exits_with_code": (
+        "rank 1 calls `sys.exit(3)` at step 3 while rank 0 trains",
+        r"impel launch: rank 1 left first, by its script ending with exit code 3 \(sys\.exit\(3\)\), while the other "
+        r"ranks were still running \(every rank must reach the same collectives\); rank 0 then failed with exit code "
+        r"1 \(its output is above\); the job stopped",
+        120),
+}
+
+
+def round3_launch_rows(work: Path, cli: Callable[[list[str]], str], raises: Callable[[Callable[[], object]], str],
+                       prepared: Callable[[int], Any]) -> list[Row]:
+    """The one-process cases of issue 36's launcher part, then :data:`LAUNCH_CASES` as listed rows."""
+    rows = _script_rows(work, cli) + _tool_rows(work, cli, prepared)
+    os.environ["ACCELERATE_USE_FSDP"] = "maybe"
+    try:
+        rows.append(("environment", "`ACCELERATE_USE_FSDP=maybe`, `impel launch train.py`",
+                     cli(["launch", "train.py"])))
+        rows.append(("environment", "`ACCELERATE_USE_FSDP=maybe`, `Accelerator()`", raises(_accelerator)))
+    finally:
+        del os.environ["ACCELERATE_USE_FSDP"]
+    for what, line, limit in LAUNCH_CASES.values():
+        shown = re.sub(r"\\(.)", r"\1", line.replace(r"\d+", "N"))
+        rows.append((f"ranks (`tests/cli/test_round3_launch.py`, {limit} s limit, no rank left)", what, shown))
+    return rows
+
+
+def _accelerator() -> Any:
+    from impel import Accelerator
+
+    return Accelerator(cpu=True)
+
+
+def _script_rows(work: Path, cli: Callable[[list[str]], str]) -> list[Row]:
+    """A directory, a package directory, or a package without ``__main__.py`` given to ``impel launch``."""
+    (work / "adir").mkdir()
+    (work / "apkg").mkdir()
+    (work / "apkg" / "__init__.py").write_text("")
+    return [("launch flags", "`impel launch adir` (a directory)", cli(["launch", "adir"])),
+            ("launch flags", "`impel launch apkg` (a package directory)", cli(["launch", "apkg"])),
+            ("launch flags", "`impel launch -m apkg` (a package without `__main__.py`)", cli(["launch", "-m", "apkg"]))]
+
+
+def _tool_rows(work: Path, cli: Callable[[list[str]], str], prepared: Callable[[int], Any]) -> list[Row]:
+    (work / "ip.yaml").write_text('num_machines: 2\nnum_processes: 2\nmain_process_ip: "127.0.0.1:29500"\n')
+    ck = work / "ck36"
+    prepared(8).save_state(str(ck))
+    return [("config file", "`impel config validate` of `num_machines: 2` / `main_process_ip: \"127.0.0.1:29500\"`",
+             cli(["config", "validate", str(work / "ip.yaml")])),
+            ("tools", "`impel merge-weights CK /proc/no_such_dir/out`",
+             cli(["merge-weights", str(ck), "/proc/no_such_dir/out"])),
+            ("tools", "`impel estimate-memory os:system`", cli(["estimate-memory", "os:system"]))]
