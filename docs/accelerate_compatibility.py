@@ -5,8 +5,10 @@ Run in the dev venv (accelerate is installed there): ``.venv/bin/python docs/acc
 import importlib
 import inspect
 import os
+import pkgutil
 import sys
 import types
+import warnings
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 import accelerate
@@ -308,7 +310,8 @@ lines = ["# Accelerate compatibility", "",
          "importing it (a script in the dev venv, where accelerate is installed, wrote this file).",
          "After `sed 's/\\baccelerate\\b/impel/g'` the \"supported\" names resolve; \"not provided\" ones import",
          "and raise `NotProvidedError` (a `NotImplementedError`) naming the reason on use",
-         "(`impel.config.unsupported`);",
+         "(`impel.config.unsupported`); `help()`, `inspect.signature`, mock autospec and completion work on them,",
+         "and an attribute they lack is an AttributeError (`hasattr` is False) that names the reason;",
          "\"missing\" ones raise AttributeError / ImportError (or TypeError for constructor arguments), with the",
          "reason here: nothing is accepted and ignored. Where a supported name refuses some of its settings, the",
          "notes say which and why.",
@@ -323,7 +326,33 @@ lines += ["| `accelerate.utils` | `impel.utils` supported | see below | |",
           "| `accelerate.hooks` | `impel.hooks` (Accelerate's own names when installed, else NotProvidedError on "
           "use) | "
           f"{', '.join(importlib.import_module('impel.hooks').__all__)} | big-model inference hooks: "
-          f"{REASONS['add_hook_to_module']} |", ""]
+          f"{REASONS['add_hook_to_module']} |"]
+# the rest of the installed Accelerate's top-level module paths (tests/unit/test_accelerate_module_paths.py)
+OTHER_PATHS = {
+    "optimizer": "supported: AcceleratedOptimizer; move_to_device (impel's send_to_device); patch_optimizer_step "
+                 f"imports and raises NotProvidedError on use: {REASONS['patch_optimizer_step']}",
+    "scheduler": "supported: AcceleratedScheduler",
+    "parallelism_config": "supported: ParallelismConfig",
+    "commands": "supported: impel's commands (`impel config`, `impel launch`, `impel to-fsdp2`, ...; docs/cli.md)",
+    "memory_utils": "supported: importing it gives Accelerate's FutureWarning (it moved to utils.memory); "
+                    "find_executable_batch_size and release_memory resolve",
+    "checkpointing": "every name imports (save_accelerator_state, load_accelerator_state, save_custom_state, "
+                     f"load_custom_state); NotProvidedError on use: {REASONS['save_accelerator_state']}",
+    "inference": "every name imports (prepare_pippy, generate_device_map, find_pippy_batch_size, build_pipeline, "
+                 f"pippy_forward); NotProvidedError on use: {REASONS['prepare_pippy']}",
+}
+listed = {a.removeprefix("accelerate.") for a, _, _ in paths} | {"utils", "hooks"}
+for info in sorted(pkgutil.iter_modules(accelerate.__path__), key=lambda m: m.name):
+    if info.name in listed:
+        continue
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            importlib.import_module(f"impel.{info.name}")
+        lines.append(f"| `accelerate.{info.name}` | `impel.{info.name}` | | {OTHER_PATHS[info.name]} |")
+    except ImportError as error:  # a path impel does not provide: its ImportError names the reason
+        lines.append(f"| `accelerate.{info.name}` | not provided (ImportError) | | {error} |")
+lines.append("")
 lines += ["## Module paths below `accelerate.utils`", "",
           "Each of Accelerate's `accelerate.utils.<submodule>` paths is a face over impel's modules. Checked: the",
           "names of each submodule that are in `accelerate.utils`' namespace (its documented names) or constants.",

@@ -61,6 +61,8 @@ def main(ns: argparse.Namespace) -> int:
     lines = [f"impel: {__version__}", f"Python: {sys.version.split()[0]} ({platform.platform()})"]
     lines += _devices()
     lines.append(_placement())
+    if env.requested_device():
+        lines.append(f"device named by ACCELERATE_TORCH_DEVICE: {env.requested_device()}")
     for dist in ("deepspeed", "transformers", "accelerate", "safetensors", "numpy"):
         lines.append(f"{dist}: {_version(dist)}")
     path, accelerates = env.config_to_read(ns.config_file)

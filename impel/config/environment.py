@@ -152,6 +152,16 @@ def config_to_read(named: str | None = None, environ: Mapping[str, str] | None =
     return (theirs, True) if os.path.isfile(theirs) else (own, False)
 
 
+def requested_device() -> str | None:
+    """The device ``ACCELERATE_TORCH_DEVICE`` (or ``IMPEL_TORCH_DEVICE``) names, as Accelerate reads it (Ray Train
+    sets it on every worker); None when unset."""
+    for name in ("IMPEL_TORCH_DEVICE", "ACCELERATE_TORCH_DEVICE"):
+        value = os.environ.get(name, "").strip()
+        if value:
+            return value
+    return None
+
+
 def read_variables(names: Iterable[str]) -> dict[str, str]:
     """The variables among ``names`` that are set and not empty (blank counts as unset), in ``names``' order."""
     found = {name: os.environ.get(name, "") for name in names}

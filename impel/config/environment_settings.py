@@ -62,8 +62,6 @@ UNSUPPORTED = {
                                 "with impel launch or torchrun",
     "ACCELERATE_FP8_BACKEND": "selects fp8 training, which impel does not run; use bf16",
     "ACCELERATE_DOWNCAST_BF16": "is for TPUs (torch_xla), which impel does not drive",
-    "ACCELERATE_TORCH_DEVICE": "picks a device by name; impel uses cuda:LOCAL_RANK (set CUDA_VISIBLE_DEVICES to "
-                               "choose GPUs) or the CPU (ACCELERATE_USE_CPU=true)",
     "ACCELERATE_CPU_AFFINITY": "asks for CPU affinity per GPU, which impel does not set; pin processes with "
                                "numactl or taskset",
     "ACCELERATE_DEEPSPEED_MOE_LAYER_CLS_NAMES": "marks DeepSpeed MoE leaf modules, which impel does not set; "

@@ -2,10 +2,12 @@
 
 Accelerate's module paths under impel's name (``impel.utils.modeling``, ``impel.hooks``, ...) resolve these names
 so that ``from impel.hooks import add_hook_to_module`` imports, as it does under Accelerate; *using* one (calling
-it, building it, reading an attribute) raises :class:`NotProvidedError` naming it, why impel does not have it and
-what to use instead. A name Accelerate does not have at all stays an ``AttributeError``. The big-model pieces that
-hold no distributed state (hooks, dispatch, device maps, offloading: :data:`ACCELERATES_OWN`, which PEFT imports)
-are Accelerate's own objects when Accelerate is installed, and such placeholders only without it.
+it, building it) raises :class:`NotProvidedError` naming it, why impel does not have it and what to use instead.
+Introspection works (``inspect.signature``, ``help()``, mock autospec, completion); reading an attribute of one
+raises :class:`NotProvidedAttributeError`, an ``AttributeError`` with the same reason, so ``hasattr`` answers
+False. A name Accelerate does not have at all stays an ``AttributeError``. The big-model pieces that hold no
+distributed state (hooks, dispatch, device maps, offloading: :data:`ACCELERATES_OWN`, which PEFT imports) are
+Accelerate's own objects when Accelerate is installed, and such placeholders only without it.
 
 Example::
 
@@ -33,6 +35,9 @@ _LAUNCH_INTERNAL = "an internal step of `accelerate launch`; use `impel launch` 
 _SAGEMAKER = "SageMaker launching is not in impel's scope; use `impel launch` inside the job"
 _PIPPY = "pipeline-parallel inference (PiPPy) is not in impel's scope"
 _OTHER_DEVICES = "impel runs on CPUs and CUDA GPUs only"
+_CHECKPOINT_INTERNAL = "an internal step of Accelerate's save_state / load_state; use accelerator.save_state / " \
+                       "load_state (they read Accelerate's folders too) and register_for_checkpointing for your " \
+                       "own objects"
 
 _TRACKER = "not one of impel's built-in trackers (tensorboard, wandb, mlflow, trackio, jsonl); wrap its client in " \
            "a GeneralTracker subclass and pass an instance to log_with= (or register_tracker_class it)"
@@ -79,7 +84,12 @@ REASONS: dict[str, str] = {
         "prepare_tpu", "TORCH_LAUNCH_PARAMS")},
     **{name: _SAGEMAKER for name in (
         "SageMakerDistributedType", "prepare_sagemager_args_inputs")},
-    "prepare_pippy": _PIPPY,
+    **{name: _PIPPY for name in (
+        "prepare_pippy", "generate_device_map", "find_pippy_batch_size", "build_pipeline", "pippy_forward")},
+    **{name: _CHECKPOINT_INTERNAL for name in (
+        "save_accelerator_state", "load_accelerator_state", "save_custom_state", "load_custom_state")},
+    "patch_optimizer_step": "an internal step of Accelerate's AcceleratedOptimizer (it marks that optimizer.step ran); "
+                            "read optimizer.step_was_skipped / accelerator.optimizer_step_was_skipped",
     "GatheredParameters": "DeepSpeed ZeRO-3's parameter gathering; use deepspeed.zero.GatheredParameters",
     "write_basic_config": "use `impel config default` (it writes the same file for this machine's hardware)",
     "get_gpu_info": _OTHER_DEVICES + "; read torch.cuda.device_count() / get_device_name()",
@@ -112,12 +122,19 @@ class NotProvidedError(NotImplementedError):
     """A name of Accelerate's API that impel deliberately does not provide was used."""
 
 
+class NotProvidedAttributeError(NotProvidedError, AttributeError):
+    """An attribute of a name impel does not provide was read: a :class:`NotProvidedError` that is also an
+    ``AttributeError``, so ``hasattr``, ``getattr(x, name, default)``, ``inspect``, ``help()``, mock autospec and
+    IDE completion treat it as absent instead of crashing."""
+
+
 def _refuse(name: str) -> NoReturn:
     raise NotProvidedError(f"impel does not provide {name}: {REASONS[name]}")
 
 
 class _NotProvided(type):
-    """The type of a placeholder: building or calling it, or reading an attribute of it, raises."""
+    """The type of a placeholder: building or calling it raises :class:`NotProvidedError`; reading an attribute it
+    does not have raises :class:`NotProvidedAttributeError` (an AttributeError); introspection works."""
 
     def __call__(cls, *args: Any, **kwargs: Any) -> NoReturn:
         _refuse(cls.__name__)
@@ -125,7 +142,8 @@ class _NotProvided(type):
     def __getattr__(cls, attr: str) -> NoReturn:
         if attr.startswith("__"):
             raise AttributeError(attr)
-        _refuse(cls.__name__)
+        raise NotProvidedAttributeError(f"impel does not provide {cls.__name__} (so not {cls.__name__}.{attr}): "
+                                        f"{REASONS[cls.__name__]}")
 
 
 def placeholder(name: str) -> type:

@@ -38,7 +38,10 @@ DEFAULT_TIMEOUT = timedelta(minutes=10)
 
 
 def pick_device(local_rank: int, cpu: bool) -> torch.device:
-    """cuda:LOCAL_RANK, else mps, else cpu; ``cpu=True`` forces the CPU."""
+    """cuda:LOCAL_RANK, else mps, else cpu; ``cpu=True`` forces the CPU; ``ACCELERATE_TORCH_DEVICE`` names one."""
+    named = env.requested_device()
+    if named is not None:
+        return _named_device(named, local_rank, cpu)
     if not cpu and torch.cuda.is_available():
         if local_rank >= torch.cuda.device_count():
             raise RuntimeError(f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} CUDA devices are "
@@ -48,6 +51,29 @@ def pick_device(local_rank: int, cpu: bool) -> torch.device:
     if not cpu and mps is not None and mps.is_available():
         return torch.device("mps")
     return torch.device("cpu")
+
+
+def _named_device(named: str, local_rank: int, cpu: bool) -> torch.device:
+    """``ACCELERATE_TORCH_DEVICE``: ``cpu``, ``cuda`` (cuda:LOCAL_RANK) or ``cuda:N`` (a device this process sees),
+    ``mps``; anything else raises naming the value."""
+    try:
+        device = torch.device(named)
+    except (RuntimeError, ValueError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda", "mps"):
+        raise ConfigError(f"ACCELERATE_TORCH_DEVICE={named!r} is not a device impel runs on; use cpu, cuda, cuda:N "
+                          "or mps, or unset it (impel then picks cuda:LOCAL_RANK, else the CPU)")
+    if cpu:
+        return torch.device("cpu")
+    if device.type == "cpu":
+        return device  # cpu:N as given, as Accelerate keeps it
+    if device.type == "cuda":
+        index = local_rank if device.index is None else device.index
+        if not torch.cuda.is_available() or index >= torch.cuda.device_count():
+            raise ConfigError(f"ACCELERATE_TORCH_DEVICE={named!r} but this process sees "
+                              f"{torch.cuda.device_count()} CUDA devices; fix CUDA_VISIBLE_DEVICES or the variable")
+        return torch.device("cuda", index)
+    return device
 
 
 def live_device(cpu: bool) -> torch.device | None:

@@ -138,3 +138,87 @@ def test_commands_config_loaders(tmp_path):
     assert loaded.to_dict()["mixed_precision"] == "bf16" and loaded.num_processes == 2
     with pytest.raises(FileNotFoundError, match="missing.yaml"):
         load_config_from_file(str(tmp_path / "missing.yaml"))
+
+
+# --- every top-level module path of the installed Accelerate ------------------------------------------------------
+# the one path impel does not provide (importing it raises ImportError naming the reason)
+NO_MODULE = {"test_utils": "Accelerate's own test-suite helpers"}
+# names defined in those modules that impel leaves out (internals; listed in the compatibility page)
+TOP_INTERNAL = NOT_FACED | {("launchers", "test_launch"), ("tracking", "filter_trackers")}
+
+
+def _accelerate_module_paths() -> list[str]:
+    import pkgutil
+
+    return sorted(m.name for m in pkgutil.iter_modules(importlib.import_module("accelerate").__path__))
+
+
+def test_every_accelerate_module_path_imports_under_impel_or_names_its_reason():
+    import warnings
+
+    paths = _accelerate_module_paths()
+    assert len(paths) >= 18 and {"optimizer", "scheduler", "checkpointing", "memory_utils", "inference"} <= set(paths)
+    page = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "accelerate-compatibility.md").read_text()
+    missing = []
+    for path in paths:
+        assert f"`accelerate.{path}`" in page, f"docs/accelerate-compatibility.md does not list accelerate.{path}"
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # memory_utils warns, as Accelerate's does
+            theirs = importlib.import_module(f"accelerate.{path}")
+            if path in NO_MODULE:
+                with pytest.raises(ImportError, match=f"impel.{path} is not provided: .*{NO_MODULE[path]}.*; "):
+                    importlib.import_module(f"impel.{path}")
+                continue
+            mine = importlib.import_module(f"impel.{path}")
+        names = [n for n in dir(theirs) if not n.startswith("_")
+                 and getattr(getattr(theirs, n), "__module__", None) == f"accelerate.{path}"]
+        missing += [f"impel.{path}.{n}" for n in names if (path, n) not in TOP_INTERNAL and not hasattr(mine, n)]
+    assert not missing
+
+
+def test_moved_paths_are_the_same_objects_and_memory_utils_warns_as_accelerate():
+    import sys
+
+    from impel.runtime.collectives import send_to_device
+    from impel.runtime.optimizer import AcceleratedOptimizer, AcceleratedScheduler
+
+    assert importlib.import_module("impel.optimizer").AcceleratedOptimizer is AcceleratedOptimizer
+    assert importlib.import_module("impel.optimizer").move_to_device is send_to_device
+    assert importlib.import_module("impel.scheduler").AcceleratedScheduler is AcceleratedScheduler
+    sys.modules.pop("impel.memory_utils", None)
+    with pytest.warns(FutureWarning, match="memory_utils has been reorganized to utils.memory"):
+        importlib.import_module("impel.memory_utils")
+
+
+def _placeholders():
+    import impel.config.unsupported as unsupported
+
+    # the big-model names are Accelerate's own objects where it is installed (tests/unit/test_accelerate_big_model.py)
+    return [getattr(unsupported, name) for name in sorted(set(REASONS) - unsupported.ACCELERATES_OWN)]
+
+
+def test_placeholders_raise_on_use_not_on_introspection():
+    """Every name impel does not provide: inspect.signature, help(), dir, mock autospec and completion work; an
+    attribute it lacks is an AttributeError (hasattr False) naming the reason; building or calling it raises."""
+    import pydoc
+    import rlcompleter
+    from unittest import mock
+
+    from impel.config.unsupported import NotProvidedAttributeError
+
+    placeholders = _placeholders()
+    assert len(placeholders) >= 70
+    for value in placeholders:
+        name = value.__name__
+        inspect.signature(value)
+        assert REASONS[name] in pydoc.render_doc(value, renderer=pydoc.plaintext)
+        dir(value)
+        spec = mock.create_autospec(value)
+        spec(1, key=2)  # the autospec mock is callable as the name is
+        completer = rlcompleter.Completer({"x": value})
+        completer.complete("x.", 0)
+        assert not hasattr(value, "some_attribute") and getattr(value, "from_pretrained", None) is None
+        with pytest.raises(NotProvidedAttributeError, match=f"impel does not provide {name} "):
+            value.some_attribute  # noqa: B018
+        with pytest.raises(NotProvidedError, match=f"impel does not provide {name}: "):
+            value()

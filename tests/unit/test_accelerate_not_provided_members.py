@@ -41,13 +41,40 @@ def test_every_accelerate_accelerator_member_resolves_or_raises_not_provided():
     assert bare == []
 
 
+METHODS = {"lomo_backward", "deepspeed_ulysses_dl_adapter"}  # methods in Accelerate: they raise when called
+
+
 @pytest.mark.parametrize("name", MEMBERS)
 def test_fp8_lomo_and_deepspeed_internal_members_raise_not_provided(name):
     acc = Accelerator(cpu=True)
     with pytest.raises(NotProvidedError, match=f"impel does not provide Accelerator.{name}: .*(use|read|train|raises|"
                                                 "prepared model)"):
-        getattr(acc, name)
+        getattr(acc, name)(None, None) if name in METHODS else getattr(acc, name)
     assert hasattr(Accelerator, name)  # the class shows Accelerate's name
+
+
+def test_members_raise_on_use_not_on_introspection():
+    """Introspection never raises: help(), inspect, mock autospec and completion see the members; an attribute
+    reads as absent (an AttributeError: hasattr is False), a method is a function that raises when called."""
+    import inspect
+    import pydoc
+    from unittest import mock
+
+    from impel.accelerator.not_provided import NotProvidedMember, NotProvidedMembers
+
+    members = sorted(n for n, v in vars(NotProvidedMembers).items() if isinstance(v, NotProvidedMember))
+    assert members == sorted(MEMBERS)
+    acc = Accelerator(cpu=True)
+    text = pydoc.render_doc(acc, renderer=pydoc.plaintext)  # help(accelerator)
+    assert all(n in text for n in members) and set(members) <= set(dir(acc))
+    spec = mock.create_autospec(Accelerator, instance=True)
+    for name in members:
+        assert hasattr(spec, name)
+        if name in METHODS:
+            inspect.signature(getattr(acc, name))
+            assert getattr(acc, name).__doc__.startswith("Not provided by impel: ")
+        else:
+            assert not hasattr(acc, name) and getattr(acc, name, "absent") == "absent"
 
 
 def test_flags_answer_as_accelerate_without_fp8_or_lomo():

@@ -81,3 +81,20 @@ def test_impel_env_names_the_launcher_it_found(monkeypatch):
         monkeypatch.setenv(name, value)
     assert env_command._placement() == ("launcher: MPICH / Intel MPI, rank 3 of 4 (local 1 of 2), rendezvous "
                                         "node0:29600")
+
+
+def test_accelerate_torch_device_names_the_device_as_in_accelerate(monkeypatch):
+    """Ray Train sets ACCELERATE_TORCH_DEVICE on its workers; impel reads it as Accelerate does."""
+    import torch
+
+    from impel.runtime.process import pick_device
+
+    monkeypatch.setenv("ACCELERATE_TORCH_DEVICE", "cpu")
+    assert pick_device(0, cpu=False) == torch.device("cpu")
+    monkeypatch.setenv("ACCELERATE_TORCH_DEVICE", "tpu:0")
+    with pytest.raises(ConfigError, match=r"ACCELERATE_TORCH_DEVICE='tpu:0' is not a device impel runs on"):
+        pick_device(0, cpu=False)
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("ACCELERATE_TORCH_DEVICE", "cuda:1")
+        with pytest.raises(ConfigError, match=r"ACCELERATE_TORCH_DEVICE='cuda:1' but this process sees 0 CUDA"):
+            pick_device(0, cpu=False)
