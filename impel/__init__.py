@@ -5,8 +5,7 @@ deepspeed or transformers.
 """
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from impel.exports import lazy_face
 
 __version__ = "0.1.0"
 # the Accelerate release whose behaviour impel provides (and its tests compare with): renamed code that gates
@@ -72,16 +71,4 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS) + ["__accelerate_version__", "__version__"]
-
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'impel' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return __all__
+__getattr__, __dir__ = lazy_face(__name__, _EXPORTS, ("__accelerate_version__", "__version__"))

@@ -18,6 +18,8 @@ from torch import nn
 import process_cases
 from bad_inputs import BAD_FILES, BAD_FLAGS
 from reliability_round2 import _raises, round2_rows
+from reliability_round3_checkpoints import round3_checkpoint_rows
+from reliability_round3_data import round3_data_rows
 from reliability_round3_launch import round3_launch_rows
 
 Row = tuple[str, str, str]
@@ -136,7 +138,8 @@ def collect(work: Path) -> list[Row]:
     try:
         return (_config_rows(work) + _checkpoint_rows(work) + round2_rows(work)
                 + process_cases.rows(work, _cli, _raises, _prepared)
-                + round3_launch_rows(work, _cli, _raises, _prepared))
+                + round3_launch_rows(work, _cli, _raises, _prepared)
+                + round3_checkpoint_rows(work, _raises, _prepared) + round3_data_rows())
     finally:
         os.chdir(cwd)
         for name, value in old.items():

@@ -20,6 +20,20 @@ LAUNCH_CASES = {
         r"ranks were still running \(every rank must reach the same collectives\); rank 0 then failed with exit code "
         r"1 \(its output is above\); the job stopped",
         120),
+    "machines_disagree_on_nnodes": (
+        "two machines of an elastic job, `--gradient_accumulation_steps 6` on both, machine 0 `--nnodes 1:2`, "
+        "machine 1 `--nnodes 1:3` (each would accumulate its own: 6 and 9)",
+        r"ConfigError: the machines of this elastic job were launched with different settings: rank 0 --nnodes 1:2 "
+        r"--gradient_accumulation_steps 6 \(accumulating 6\), rank 1 --nnodes 1:3 --gradient_accumulation_steps 6 "
+        r"\(accumulating 9\); launch every machine with the same --nnodes and --gradient_accumulation_steps",
+        180),
+    "different_collectives": (
+        "rank 0 calls `wait_for_everyone()` while rank 1 calls `gather(...)` at the same step (`--stall_warning 2`, "
+        "group timeout 8 s)",
+        r"impel watchdog: rank 0 has waited \d+ s in wait_for_everyone #4 for rank 1 \(in gather #4 at "
+        r"collectives\.py:10, while this rank is in wait_for_everyone at collectives\.py:8: the two ranks are in "
+        r"different collectives, which never meet; every rank must call the same collectives in the same order\)",
+        120),
 }
 
 

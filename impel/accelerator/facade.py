@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader
 from impel.accelerator import accelerate_state
 from impel.accelerator.not_provided import NotProvidedMembers
 from impel.accelerator.prepared import Prepared, TrainingRun
-from impel.accelerator.process_methods import ProcessUtilities
+from impel.accelerator.process_methods import ProcessMethods
 from impel.accelerator.resilience import Resilience
 from impel.accelerator.resolve import RunArguments, accelerate_plugins, resolve
 from impel.accelerator.save_load import Checkpointer, resolve_project_configuration
@@ -67,11 +67,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("impel")
 
-_PREPARABLE = ("torch.nn.Module, torch.optim.Optimizer, torch.utils.data.DataLoader, "
-               "torch.optim.lr_scheduler.LRScheduler")
 
-
-class Accelerator(ProcessUtilities, RunSettings, NotProvidedMembers):
+class Accelerator(ProcessMethods, RunSettings, NotProvidedMembers):
     """Runs one training loop unchanged on CPU, one GPU, several GPUs or several machines."""
 
     def __init__(self, device_placement: bool = True, split_batches: bool | None = None,
@@ -113,6 +110,7 @@ class Accelerator(ProcessUtilities, RunSettings, NotProvidedMembers):
         self.step_scheduler_per_process = step_scheduler_per_process
         self.cast_outputs_to_fp32 = cast_outputs_to_fp32
         self.project_configuration = resolve_project_configuration(project_dir, project_config)
+        self._tracking.check_logging_dir(self.project_configuration.logging_dir)
         self._warn_unused_handlers()  # build, from here: each part gets what it needs in its constructor
         init = self.handlers.init
         self.state = AcceleratorState(cpu=self.record.cpu_only, backend=init.backend if init else None,
@@ -176,7 +174,7 @@ class Accelerator(ProcessUtilities, RunSettings, NotProvidedMembers):
     def prepare(self, *args: Any, device_placement: Sequence[bool] | None = None) -> Any:
         """Prepare models, optimizers, dataloaders and schedulers, in any order; returns them in the same order
         (``None`` comes back as ``None``, as in Accelerate: ``prepare(model, optimizer, None)`` for a missing
-        scheduler)."""
+        scheduler; any other object, a list or a tokenizer, comes back unchanged, as in Accelerate)."""
         if device_placement is not None and len(device_placement) != len(args):
             raise ConfigError(f"device_placement has {len(device_placement)} entries for {len(args)} objects")
         places = list(device_placement) if device_placement is not None else [self.device_placement] * len(args)
@@ -213,8 +211,7 @@ class Accelerator(ProcessUtilities, RunSettings, NotProvidedMembers):
         if isinstance(obj, (LRScheduler, AcceleratedScheduler)) or (
                 hasattr(obj, "step") and isinstance(getattr(obj, "optimizer", None), torch.optim.Optimizer)):
             return "scheduler"
-        raise TypeError(f"prepare() got {type(obj).__module__}.{type(obj).__qualname__}, which it cannot prepare; "
-                        f"it accepts {_PREPARABLE}")
+        return "other"  # anything else (a list, a tokenizer) comes back unchanged, as from Accelerate's prepare
 
     def _finish_model(self, model: nn.Module) -> nn.Module:
         inner = self.strategy.unwrap_model(model)

@@ -1,7 +1,7 @@
 """The Accelerator's collectives and process-control methods (Accelerate's names), split out of the facade.
 
 :class:`~impel.runtime.process_control.ProcessControl` needs only the topology properties and ``wait_for_everyone``
-(``PartialState`` uses it too); :class:`ProcessUtilities` adds what works over ``self.state`` and
+(``PartialState`` uses it too); :class:`ProcessMethods` adds what works over ``self.state`` and
 ``self.gradient_state`` (the Accelerator's): collectives, triggers, ``save``, ``profile``, ``join_uneven_inputs``.
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from impel.strategies.base import Strategy
 
 
-class ProcessUtilities(ProcessControl):
+class ProcessMethods(ProcessControl):
     """The Accelerator's gather / reduce / broadcast, wait_for_everyone, triggers, save, profile and join."""
 
     state: ProcessState
@@ -161,9 +161,12 @@ class ProcessUtilities(ProcessControl):
             for shard in shards:
                 shard.even_batches = bool(even_batches)
         uneven = not (self.dataloader_config.even_batches if even_batches is None else even_batches)
+        for shard in shards:
+            shard.joined = True
         try:
             with Join(list(joinables), enable=uneven, throw_on_early_termination=False):
                 yield
         finally:
             for shard, value in zip(shards, before):
                 shard.even_batches = value
+                shard.joined = False

@@ -45,6 +45,25 @@ def _any_rank(flag: bool, device: torch.device) -> bool:
     return bool(t.item() > 0)
 
 
+def _same_plan_on_every_machine(low: int, high: int, asked: int, steps: int) -> None:
+    """Every machine of an elastic job was launched with the same ``--nnodes`` and accumulation; machines that
+    disagree would each train with their own gradient accumulation (6 on one, 9 on another) and never say so."""
+    import torch.distributed as dist
+
+    from impel.runtime.collectives import is_distributed
+
+    if not is_distributed():
+        return
+    plans: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(plans, (low, high, asked, steps))
+    other = next((rank for rank, plan in enumerate(plans) if plan != plans[0]), None)
+    if other is not None:
+        shown = [f"rank {r} --nnodes {p[0]}:{p[1]} --gradient_accumulation_steps {p[2]} (accumulating {p[3]})"
+                 for r, p in ((0, plans[0]), (other, plans[other]))]
+        raise ConfigError(f"the machines of this elastic job were launched with different settings: {shown[0]}, "
+                          f"{shown[1]}; launch every machine with the same --nnodes and --gradient_accumulation_steps")
+
+
 class Resilience:
     """The Accelerator's crash-safety switches over one training run and its checkpointer; created only when one
     of them is on."""
@@ -85,6 +104,8 @@ class Resilience:
 
             planned = planned_world(config, run.process.topology)
             elastic = (planned, config.gradient_accumulation_steps * run.num_processes // planned)
+            _same_plan_on_every_machine(config.min_machines, config.num_machines, elastic[1],
+                                        config.gradient_accumulation_steps)
         return cls(run, checkpointer, auto, nonfinite, elastic)
 
     # --- preemption -------------------------------------------------------------------------------------------
@@ -130,12 +151,14 @@ class Resilience:
             raise SystemExit(PREEMPTED_EXIT_CODE)
 
     def _resume(self) -> str | None:
-        from impel.checkpoint import layout
+        from impel.checkpoint import layout, remote
         from impel.runtime.collectives import broadcast_object_list
 
         run = self.run
-        root = self.checkpointer.checkpoints_root()
-        found = broadcast_object_list([bool(layout.list_complete(root)) if run.is_main_process else None])
+        url = remote.parse(self.checkpointer.config.project_dir, "project_dir")
+        root: Any = self.checkpointer.checkpoints_root() if url is None else url.child(layout.CHECKPOINTS_DIR)
+        listed = (lambda: layout.list_complete(root)) if url is None else (lambda: remote.list_complete(root))
+        found = broadcast_object_list([bool(listed()) if run.is_main_process else None])
         if not found[0]:
             if run.is_main_process:
                 change = self._elastic_change(None)

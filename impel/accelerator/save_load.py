@@ -22,12 +22,10 @@ import dataclasses
 import datetime
 import logging
 import os
-import pickle
 import platform
 import shutil
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -35,11 +33,12 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from impel.accelerator import load_accelerate as accelerate_format
-from impel.checkpoint import collective, layout, ownership, staging, storage, target, tempdirs, verified
+from impel.checkpoint import collective, layout, ownership, remote, staging, storage, target, tempdirs, verified
 from impel.checkpoint.digests import sealing, share_digests
 from impel.checkpoint.files import crc32_off, read_torch, write_torch
 from impel.checkpoint.full import suffix
 from impel.checkpoint.options import DEFAULT_LOAD, DEFAULT_SAVE, LoadOptions, SaveOptions
+from impel.checkpoint.registered import write_registered
 from impel.checkpoint.state import (
     check_registrable,
     collect_rng_state,
@@ -76,16 +75,6 @@ def resolve_project_configuration(project_dir: Any,
     return config
 
 
-@contextmanager
-def _storable(what: str) -> Iterator[None]:
-    """A registered object's state that torch.save (or staging's deep copy) cannot take: one message."""
-    try:
-        yield
-    except (pickle.PicklingError, AttributeError, TypeError) as exc:
-        raise layout.CheckpointError(f"cannot save {what}: its state_dict() holds something torch.save cannot "
-                                     f"store ({exc}); return tensors, numbers, strings, lists and dicts") from None
-
-
 def _reraise(error: BaseException | None) -> None:
     if error is not None:
         raise error
@@ -107,6 +96,8 @@ class Checkpointer:
         self.save_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
         self.load_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
         self.elastic = elastic  # an elastic job: a load on another world size is expected (resilience reports it)
+        self._uploads: dict[str, remote.Remote] = {}  # a save's local staging directory -> its object-storage URL
+        self._downloaded: Path | None = None  # the leader's local copy of a loaded URL
 
     # --- registration -----------------------------------------------------------------------------------------
     def register(self, *objects: Any) -> None:
@@ -128,11 +119,19 @@ class Checkpointer:
         return target.local_path(self.config.project_dir, "project_dir") / layout.CHECKPOINTS_DIR
 
     def _save_target(self, output_dir: Any) -> Path:
-        if self.config.automatic_checkpoint_naming:
-            if output_dir is not None:
-                logger.warning("save_state(output_dir=%r) is ignored: automatic_checkpoint_naming=True saves to "
-                               "project_dir/checkpoints/checkpoint_N", output_dir)
-            return self.checkpoints_root() / layout.checkpoint_name(self.config.iteration)
+        """The local directory the save writes; for a URL, its local staging directory (uploaded at the commit)."""
+        config = self.config
+        if config.automatic_checkpoint_naming and output_dir is not None:
+            logger.warning("save_state(output_dir=%r) is ignored: automatic_checkpoint_naming=True saves to "
+                           "project_dir/checkpoints/checkpoint_N", output_dir)
+        url = remote.save_target(output_dir, config.project_dir, config.automatic_checkpoint_naming,
+                                 config.iteration, config.save_on_each_node)
+        if url is not None:
+            local = remote.staging_path(url)
+            self._uploads[str(local)] = url
+            return local
+        if config.automatic_checkpoint_naming:
+            return self.checkpoints_root() / layout.checkpoint_name(config.iteration)
         if output_dir is None:
             raise ConfigError("save_state() needs output_dir, or ProjectConfiguration(project_dir=..., "
                               "automatic_checkpoint_naming=True)")
@@ -160,6 +159,7 @@ class Checkpointer:
             return self._save_async(output_dir, safe_serialization, options)
         collective.arrive("save_state", self.run.process.timeout)
         final = self._save_target(output_dir)
+        shown = str(self._uploads.get(str(final), final))  # a URL: the local staging directory is uploaded there
         leader = self._leader()
         # one collective: the ranks agree on the target and get the temporary directory the leader prepared
         prepared = collective.prepare_agreed(str(final), "the save_state output directory",
@@ -171,7 +171,7 @@ class Checkpointer:
         self._finish(temp, final, leader, lambda: self._metadata(self._write(temp, leader, safe_serialization,
                                                                               options)), group=None)
         self.config.iteration += 1
-        return str(final)
+        return shown
 
     def _save_async(self, output_dir: Any, safe_serialization: bool, options: SaveOptions) -> str:
         """The call of an asynchronous save does no collective (but the first's, which checks in and creates the
@@ -180,6 +180,7 @@ class Checkpointer:
         agreement on the target are the background job's first step (:meth:`_finish`): a rank that never calls
         fails the save there, bounded by the group's timeout."""
         final = self._save_target(output_dir)
+        shown = str(self._uploads.get(str(final), final))
         self._check_async()
         leader = self._leader()
         if not staging.group_ready():  # the first asynchronous save: its group's creation is collective
@@ -193,11 +194,11 @@ class Checkpointer:
             # (instead of waiting for this rank until the timeout): this rank's job takes part in that step only
             if group is not None:
                 settle = lambda error=exc: self._settle(temp, final, group, error)  # noqa: E731
-                self.pending = staging.PendingSave(str(final), settle, reported=exc)
+                self.pending = staging.PendingSave(shown, settle, reported=exc)
             raise
         try:
             staged, metadata = self._stage(temp, final, leader, safe_serialization, options, group)
-            self.pending = staging.PendingSave(str(final), lambda: self._finish(
+            self.pending = staging.PendingSave(shown, lambda: self._finish(
                 temp, final, leader, lambda: staged.run(metadata), group, staged.error), reported=staged.error)
             if staged.error is not None:
                 self.config.iteration += 1  # as on the other ranks, whose calls returned
@@ -207,7 +208,7 @@ class Checkpointer:
                 shutil.rmtree(temp, ignore_errors=True)
             raise
         self.config.iteration += 1
-        return str(final)
+        return shown
 
     def _stage(self, temp: Path, final: Path, leader: bool, safe_serialization: bool, options: SaveOptions,
                group: Any) -> tuple[staging.Deferred, dict[str, Any]]:
@@ -316,8 +317,13 @@ class Checkpointer:
         return self._needed(self.run.prepared.models, self.run.prepared.inner_optimizers())
 
     def _prepare(self, final: Path, temp: Path, clean: bool) -> str:
-        return target.prepare(final, temp, clean, self.config.automatic_checkpoint_naming, self.config.iteration,
-                              self._needed_bytes)
+        url = self._uploads.get(str(final))
+        if url is not None:  # the object-storage target is checked; its staging directory is impel's own
+            remote.check_target(url, self.config.automatic_checkpoint_naming, self.config.iteration)
+            if clean:
+                remote.clear_staging(final)
+        return target.prepare(final, temp, clean, self.config.automatic_checkpoint_naming and url is None,
+                              self.config.iteration, self._needed_bytes)
 
     def _write(self, temp: Path, leader: bool, safe_serialization: bool, options: SaveOptions) -> dict[str, Any]:
         run, prepared = self.run, self.run.prepared
@@ -335,26 +341,9 @@ class Checkpointer:
                                                prepared.dataloaders, run.strategy.precision_state_dict()),
                         temp / TRAINING_STATE_FILE)
             for i, obj in enumerate(prepared.registered):
-                self._write_registered(i, obj, temp / f"custom_checkpoint_{i}.pt")
+                write_registered(i, obj, temp / f"custom_checkpoint_{i}.pt")
         write_torch(collect_rng_state(run.device, prepared.dataloaders), temp / f"random_states_{run.process_index}.pt")
         return dict(meta, skipped_models=sorted(skip))
-
-    @staticmethod
-    def _write_registered(index: int, obj: Any, path: Path) -> None:
-        """Write a registered object's state and read it back safely now, not at resume time (an asynchronous save
-        stages it now and writes and reads it back in the background)."""
-        what = f"registered object {index}, {describe(obj)}"
-        with _storable(what):
-            state = obj.state_dict()
-            deferred = staging.defer(Checkpointer._store_registered, state, what, path)
-        if not deferred:
-            Checkpointer._store_registered(state, what, path)
-
-    @staticmethod
-    def _store_registered(state: Any, what: str, path: Path) -> None:
-        with _storable(what):
-            write_torch(state, path)
-        read_torch(path, what)
 
     def _run_save_hooks(self, temp: Path) -> frozenset[int]:
         """Accelerate's contract: ``hook(models, weights, output_dir)``; a model whose weights the hook removes
@@ -396,7 +385,13 @@ class Checkpointer:
 
             dcp_raw.write_merged(temp / rel, [rank_parts[rel] for rank_parts in parts if rel in rank_parts])
         layout.commit(temp, final, metadata, known, keep=ownership.carry_user_files)
-        if self.config.automatic_checkpoint_naming:
+        url = self._uploads.pop(str(final), None)
+        if url is not None:  # sealed locally: upload, the commit object last, then rotate there
+            remote.upload(final, url)
+            remote.clear_staging(final)
+            if self.config.automatic_checkpoint_naming:
+                remote.rotate(url.parent, self.config.total_limit)
+        elif self.config.automatic_checkpoint_naming:
             layout.rotate(final.parent, self.config.total_limit, ownership.remove_checkpoint)
 
     # --- load -------------------------------------------------------------------------------------------------
@@ -420,9 +415,26 @@ class Checkpointer:
         saved = metadata.get("iteration")  # None: an Accelerate directory not named checkpoint_N
         self.config.iteration = max(self.config.iteration if saved is None else int(saved) + 1, next_free)
         collective.barrier()
-        return str(directory)
+        downloaded, self._downloaded = self._downloaded, None
+        if downloaded is not None:  # the leader's local copy of a URL
+            shutil.rmtree(downloaded.parent, ignore_errors=True)
+        config = self.config
+        return remote.source_url(directory, input_dir, config.project_dir, config.automatic_checkpoint_naming) \
+            or str(directory)
+
+    def _locate_remote(self, input_dir: Any) -> tuple[str, dict[str, Any], int] | None:
+        """``_locate`` for an object-storage URL: the newest committed checkpoint (or ``input_dir``) downloaded."""
+        found = remote.locate(input_dir, self.config.project_dir, self.config.automatic_checkpoint_naming)
+        if found is None:
+            return None
+        local, _url, next_free = found
+        self._downloaded = local
+        return str(local), layout.verify(local, skip=verified.checked_on_read), next_free
 
     def _locate(self, input_dir: Any) -> tuple[str, dict[str, Any], int]:
+        found = self._locate_remote(input_dir)
+        if found is not None:
+            return found
         if input_dir is None:
             if not self.config.automatic_checkpoint_naming:
                 raise ConfigError("load_state() needs input_dir, or ProjectConfiguration(project_dir=..., "

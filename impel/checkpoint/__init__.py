@@ -5,7 +5,9 @@ Modules, by job: ``layout`` (names, atomic commit, manifest, verification, rotat
 writers: safetensors, ``torch.load(weights_only=True)``), ``state`` (RNG, counters, dataloaders, registered
 objects), ``collective`` (every rank must call; errors shared), ``full`` (model/optimizer as full files: single
 device, DDP, FSDP FULL_STATE_DICT), ``sharded`` (DCP: FSDP SHARDED_STATE_DICT, resharding), ``hf`` (Hugging Face
-weight layout), ``merge`` (any checkpoint to full weights), ``staging`` (asynchronous saves: the state staged at
+weight layout), ``merge`` (any checkpoint to full weights), ``deepspeed_engines`` (DeepSpeed engines' own
+checkpoints, loaded safely, and their merge), ``tempdirs`` (a save's temporary directory, its lock and the cleaning
+of dead ones), ``errors`` (``CheckpointError``), ``staging`` (asynchronous saves: the state staged at
 the call, written and committed on a background thread), ``restricted`` (Accelerate's pickles, unpickled through
 an allowlist), ``options`` (save_state / load_state keyword arguments), ``digests`` / ``hashing`` (the manifest's
 checksums), ``cooperative`` (FULL_STATE_DICT written by every rank), ``full_slices`` (FULL_STATE_DICT read back
@@ -17,16 +19,9 @@ The sequence that runs them for ``save_state`` / ``load_state`` is the Accelerat
 """
 from __future__ import annotations
 
-from typing import Any
-
-from impel.checkpoint.layout import CheckpointError
+from impel.checkpoint.errors import CheckpointError
+from impel.exports import lazy_face
 
 __all__ = ["CheckpointError", "merge_weights"]
-
-
-def __getattr__(name: str) -> Any:
-    if name == "merge_weights":  # lazily: it imports torch.distributed.checkpoint
-        from impel.checkpoint.merge import merge_weights
-
-        return merge_weights
-    raise AttributeError(f"module 'impel.checkpoint' has no attribute {name!r}")
+_EXPORTS = {"merge_weights": "impel.checkpoint.merge"}  # lazily: it imports torch.distributed.checkpoint
+__getattr__, __dir__ = lazy_face(__name__, _EXPORTS, ("CheckpointError",))

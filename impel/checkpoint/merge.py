@@ -1,8 +1,8 @@
 """Turn any impel checkpoint into full weights in Hugging Face's layout (what ``impel merge-weights`` runs).
 
 The checkpoint's ``impel_checkpoint.json`` says which format its strategy wrote; ``MERGERS`` maps each format to
-a function ``(checkpoint_dir, strategy_metadata, model_index) -> state dict``, as a dotted path so a strategy
-module (DeepSpeed's ZeRO files) plugs in without this module importing it.
+a function ``(checkpoint_dir, strategy_metadata, model_index) -> state dict``, as a dotted path to a module of this
+layer (DeepSpeed's ZeRO files: ``deepspeed_engines``), imported only when that format is merged.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from impel.checkpoint.ownership import refuse_inside_checkpoint
 MERGERS: dict[str, str] = {
     "full": "impel.checkpoint.merge:full_weights",
     "sharded": "impel.checkpoint.merge:sharded_weights",
-    "deepspeed": "impel.strategies.deepspeed:merge_zero_checkpoint",
+    "deepspeed": "impel.checkpoint.deepspeed_engines:merge_zero_checkpoint",
 }
 
 

@@ -23,9 +23,8 @@ def local_path(value: Any, what: str) -> Path:
         text = text[len("file://"):]
     elif match:
         raise layout.CheckpointError(
-            f"{what}={text!r} is a {match.group(1)}:// URL; impel writes and reads checkpoints on a local or mounted "
-            "filesystem path only (object storage is not supported yet): save to a path (e.g. where the bucket is "
-            "mounted) and copy the checkpoint directory to the bucket after it is complete")
+            f"{what}={text!r} is a {match.group(1)}:// URL, where a local path is needed here; save_state, "
+            "load_state and auto-resume take object-storage URLs (docs/checkpoints.md#object-storage)")
     return Path(text).expanduser().absolute()
 
 
@@ -33,6 +32,7 @@ def prepare(final: Path, temp: Path, clean: bool, automatic_naming: bool, iterat
             needed: Callable[[], int]) -> str:
     """Check that ``final`` may be saved to and create its parent; ``clean``: first delete the leftovers of
     interrupted saves there (all but ``temp``, which other ranks may be filling already). ``str(temp)``."""
+    check_location(final)
     with storage.translated(final, temp, needed):
         storage.check_room(final, 0)  # a read-only filesystem, named before mkdir names a parent the user did not give
         final.parent.mkdir(parents=True, exist_ok=True)
@@ -47,6 +47,27 @@ def prepare(final: Path, temp: Path, clean: bool, automatic_naming: bool, iterat
     ownership.check_save_target(final)
     storage.check_room(final, needed())  # before anything is written
     return str(temp)
+
+
+def check_location(final: Path) -> None:
+    """Refuse, in one line, a target a save cannot rename a new directory onto: a file in its path, a symbolic link
+    (the rename would replace the link by a directory) or a mount point (the rename fails with EBUSY)."""
+    for parent in reversed(final.parents):  # from the root down to the first missing one
+        if not os.path.lexists(parent):
+            break
+        if not parent.is_dir():
+            kind = "a broken symbolic link" if parent.is_symlink() else "a file"
+            raise layout.CheckpointError(
+                f"save_state output_dir {final}: {parent} is {kind}, not a directory; pass a path whose parents are "
+                f"directories (or move {parent} away)")
+    if final.is_symlink():
+        raise layout.CheckpointError(
+            f"save_state output_dir {final} is a symbolic link (to {os.readlink(final)}); a save renames a new "
+            f"directory into place, which would replace the link: pass the directory it points to ({final.resolve()})")
+    if os.path.ismount(final):
+        raise layout.CheckpointError(
+            f"save_state output_dir {final} is a mount point; a save renames a new directory into place, which a "
+            f"mount point cannot be: pass a directory inside it (e.g. {final / 'checkpoint'})")
 
 
 class NeededBytes:

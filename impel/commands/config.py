@@ -125,6 +125,8 @@ def validate(ns: argparse.Namespace) -> int:
     _check_deepspeed_json(cfg)
     summary = ", ".join(f"{k}={getattr(cfg, k)}" for k in ("distributed_type", "num_processes", "num_machines",
                                                            "mixed_precision") if k in explicit)
+    if not explicit:
+        summary = "empty: every setting takes its default"
     print(f"{ns.file}: valid" + (f" ({summary})" if summary else ""))
     return 0
 

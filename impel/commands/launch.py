@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from impel.accelerator.resilience import PREEMPTED_EXIT_CODE
+from impel.commands.accelerate_flags import accelerate_only_settings, add_accelerate_only_flags
 from impel.commands.flags import add_config_flags, explicit_from_flags, explicit_from_flags_list, merge_file_and_flags
 from impel.commands.preflight import check_rendezvous
 from impel.commands.rank_watch import RankWatch, describe_exit, die_with_this_process
@@ -40,6 +41,7 @@ def register(subparsers: Any) -> None:
                               description="Run a script under the config file, with flags overriding it.")
     add_config_flags(p)
     add_launcher_flags(p)
+    add_accelerate_only_flags(p)
     add_script_arguments(p)
     p.set_defaults(handler=main)
 
@@ -228,7 +230,8 @@ def plan_launch(ns: argparse.Namespace) -> LaunchPlan:
     else:
         nproc = config.num_processes // config.num_machines
     _check_mesh(config, nproc * config.num_machines)
-    rank_variables = {**_rank_variables(config, ns), **_cpu_ranks(config, nproc * config.num_machines)}
+    rank_variables = {**accelerate_only_settings(ns), **_rank_variables(config, ns),
+                      **_cpu_ranks(config, nproc * config.num_machines)}
     plan = LaunchPlan(config, explicit, nproc, command, notes=notes, agent_args=_agent_arguments(ns),
                       quiet=bool(getattr(ns, "quiet", False)), rank_variables=rank_variables, rank_env=rank_env)
     plan.torchrun_args = torchrun_arguments(plan)

@@ -273,6 +273,11 @@ def cxx_compiler() -> str | None:
     return os.environ.get("CXX")
 
 
+def staging_dir() -> str | None:
+    """``$IMPEL_STAGING_DIR``: where saves to object storage are written before their upload (None: unset)."""
+    return os.environ.get("IMPEL_STAGING_DIR") or None
+
+
 def read_flag(name: str, default: bool = False) -> bool:
     """A yes/no variable (``1/true/yes/on`` vs ``0/false/no/off``); ``default`` when unset or empty."""
     raw = os.environ.get(name, "").strip().lower()

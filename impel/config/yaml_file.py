@@ -140,7 +140,7 @@ def load_config_mapping(path: str) -> dict[str, Any]:
     if os.path.isdir(path):
         raise ConfigError(f"config file {path!r} is a directory, not a file; pass the YAML file itself to "
                           "--config_file (impel config writes default_config.yaml)")
-    if not os.path.isfile(path):
+    if not os.path.exists(path):  # a device or a pipe (/dev/null, <(...)) is read like a file
         raise ConfigError(f"config file {path!r} does not exist; run `impel config` to write one or pass an "
                           "existing file to --config_file")
     try:

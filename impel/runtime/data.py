@@ -42,6 +42,19 @@ def _check_loader(loader: DataLoader, config: DataLoaderConfiguration) -> None:
                           "per-rank parts; give the DataLoader a batch_size, or drop that option")
 
 
+def _dispatch_by_default(loader: DataLoader, world: int, device: torch.device | None,
+                         config: DataLoaderConfiguration) -> bool:
+    """``dispatch_batches=None``: an iterable dataset is dispatched from rank 0, as Accelerate's default (its ranks
+    may yield different lengths, or different data: rank 0's stream is the one read, and every rank stops together).
+    Read per rank where dispatching changes nothing (one process) or cannot run: no device placement,
+    ``use_seedable_sampler``, tensor / context parallel ranks, or no automatic batching."""
+    import torch.distributed as dist
+
+    return (isinstance(loader.dataset, IterableDataset) and world > 1 and device is not None
+            and not config.use_seedable_sampler and not _unbatched(loader)
+            and not (dist.is_initialized() and world != dist.get_world_size()))
+
+
 def _unbatched(loader: DataLoader) -> bool:
     """No automatic batching and no BatchSampler as the sampler: each item is one sample."""
     return loader.batch_size is None and loader.batch_sampler is None and not isinstance(loader.sampler, BatchSampler)
@@ -156,7 +169,9 @@ def shard_dataloader(loader: DataLoader, *, world: int, rank: int, device: torch
     _check_loader(loader, config)
     per_rank = _per_rank_batch(loader, world, config)
     parts = (device, config.non_blocking, gradient_state, per_rank, loader, rng_types, hooks)
-    if config.dispatch_batches:  # rank 0 reads, every rank receives its slice (impel.runtime.dispatch)
+    if config.dispatch_batches or (config.dispatch_batches is None and _dispatch_by_default(loader, world, device,
+                                                                                            config)):
+        # rank 0 reads, every rank receives its slice (impel.runtime.dispatch)
         shard = dispatching_loader(loader, _loader_kwargs(loader), world=world, rank=rank,
                                    split_batches=config.split_batches, device=device,
                                    seedable=config.use_seedable_sampler, slice_fn=slice_fn)

@@ -121,7 +121,8 @@ def prepare_data_loader(dataloader: DataLoader[Any], device: torch.device | None
     ``device`` (default the process's) when ``put_on_device``. With several processes a shuffling sampler takes rank
     0's generator (as ``accelerator.prepare`` does), so every rank draws the same order. ``dispatch_batches=True``
     (with ``put_on_device``): rank 0 reads and every rank receives its slice (:mod:`impel.runtime.dispatch`), cut
-    by ``slice_fn_for_dispatch`` when given; None reads per rank, as an Accelerator's prepare does."""
+    by ``slice_fn_for_dispatch`` when given; None dispatches an iterable dataset (with ``put_on_device``), as
+    Accelerate's."""
     _refuse_unsupported(dispatch_batches, put_on_device, torch_device_mesh)
     state = PartialState() if num_processes is None or process_index is None or put_on_device else None
     world = num_processes if num_processes is not None else state.num_processes  # type: ignore[union-attr]

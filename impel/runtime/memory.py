@@ -66,13 +66,14 @@ def find_executable_batch_size(function: Callable[..., Any] | None = None, start
                                reduce_batch_size_fn: Callable[[], int] | None = None) -> Any:
     """Decorator: call ``function(batch_size, *args, **kwargs)`` and, on an out-of-memory error, retry with a
     smaller batch size (``int(batch_size * 0.9)``, as Accelerate 1.15, or ``reduce_batch_size_fn()``) until it
-    runs; raises RuntimeError when the size reaches 0. Other errors propagate at once."""
+    runs; raises RuntimeError when the size reaches 0 (at the call, as Accelerate: also for
+    ``starting_batch_size=0``). Other errors propagate at once."""
     if function is None:
         return functools.partial(find_executable_batch_size, starting_batch_size=starting_batch_size,
                                  reduce_batch_size_fn=reduce_batch_size_fn)
-    if isinstance(starting_batch_size, bool) or not isinstance(starting_batch_size, int) or starting_batch_size < 1:
+    if isinstance(starting_batch_size, bool) or not isinstance(starting_batch_size, int) or starting_batch_size < 0:
         raise ValueError(f"find_executable_batch_size(starting_batch_size={starting_batch_size!r}) must be an "
-                         "integer >= 1")
+                         "integer >= 1 (0 raises at the call, as Accelerate's)")
     batch_size = starting_batch_size
 
     def shrink() -> int:
@@ -91,8 +92,9 @@ def find_executable_batch_size(function: Callable[..., Any] | None = None, start
                             f"passes it; call {function.__name__}({given}) instead")
         while True:
             if batch_size <= 0:
-                raise RuntimeError(f"{function.__name__}: no executable batch size found (out of memory down to "
-                                   "batch size 1); reduce the model or sequence size, or use more devices")
+                raise RuntimeError(f"No executable batch size found, reached zero. ({function.__name__}: out of "
+                                   f"memory down to batch size 1, or starting_batch_size={starting_batch_size}); "
+                                   "reduce the model or sequence size, or use more devices")
             try:
                 return function(batch_size, *args, **kwargs)
             except Exception as exc:  # noqa: BLE001 - only out-of-memory errors are retried

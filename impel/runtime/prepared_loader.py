@@ -190,6 +190,8 @@ class PreparedLoader(DataLoader[Any]):
             it, current = self._begin_pass()
             if current is _END and self.position == 0:
                 _warn_empty(self)
+            if not getattr(self.shard, "even_batches", True):
+                _warn_uneven(self)
             # one batch of look-ahead, unless the base loader tells its end itself (a dispatcher reads one ahead
             # already: a second would draw the sampler further than Accelerate's does)
             knows_end = hasattr(self.base_dataloader, "at_end")
@@ -264,6 +266,23 @@ class PreparedLoader(DataLoader[Any]):
         if int(state["position"]) == 0:
             rng = {k: v for k, v in rng.items() if k != "global"}
         self._resume_rng = dict(rng) or None
+
+
+def _warn_uneven(loader: PreparedLoader) -> None:
+    """``even_batches=False`` outside ``join_uneven_inputs``, ranks given different numbers of batches: the ranks
+    with more wait in their next all-reduce for ranks that left the loop (until the group timeout). Once a loader."""
+    shard = loader.shard
+    if shard.joined or shard.world == 1 or shard.rank != 0 or loader.__dict__.get("_warned_uneven"):
+        return
+    counts = shard.rank_batches()
+    if counts is None or len(set(counts)) == 1:
+        return
+    loader.__dict__["_warned_uneven"] = True
+    per_rank = ", ".join(f"rank {r}: {n}" for r, n in enumerate(counts))
+    warnings.warn(f"DataLoaderConfiguration(even_batches=False) gives the ranks different numbers of batches per "
+                  f"pass ({per_rank}): a step that all-reduces (DDP's backward, gather, wait_for_everyone) on a rank "
+                  "with more batches waits for the ranks that finished until the group timeout; train inside "
+                  "`with accelerator.join_uneven_inputs([model]):` (DDP), or keep even_batches=True", stacklevel=3)
 
 
 def _warn_empty(loader: PreparedLoader) -> None:  # an empty dataset, or every batch dropped by drop_last

@@ -2,7 +2,7 @@
 ``split_between_processes`` (Accelerate's names).
 
 A mixin for :class:`~impel.runtime.process.PartialState` and (through
-:class:`~impel.accelerator.process_methods.ProcessUtilities`)
+:class:`~impel.accelerator.process_methods.ProcessMethods`)
 the Accelerator: it needs only the topology properties and ``wait_for_everyone`` of the class it is mixed into.
 """
 from __future__ import annotations

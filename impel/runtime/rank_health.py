@@ -100,6 +100,8 @@ class Watchdog:
 
     def beat(self) -> None:
         mine = _snapshot()
+        if mine["in"] is not None:
+            mine["site"] = _call_site()
         self.store.set(f"hb/{self.rank}", json.dumps(mine))
         if mine["in"] is None or mine["for"] < self.next_warning:
             if mine["in"] is None:
@@ -128,6 +130,11 @@ class Watchdog:
             elif beat["in"] is None:
                 waited_for.append(f"rank {r} (outside impel's collectives for {beat['for']:.0f} s since "
                                   f"{beat['what']} #{beat['call']}: busy or stuck in the script's own code)")
+            elif beat["in"] != mine["in"] and beat["call"] >= mine["call"]:
+                waited_for.append(f"rank {r} (in {beat['in']} #{beat['call']} at {beat.get('site')}, while this rank "
+                                  f"is in {mine['in']} at {mine.get('site')}: the two ranks are in different "
+                                  "collectives, which never meet; every rank must call the same collectives in the "
+                                  "same order)")
             elif beat["call"] < mine["call"]:
                 waited_for.append(f"rank {r} (in {beat['in']} #{beat['call']}, behind)")
         head = f"impel watchdog: rank {self.rank} has waited {mine['for']:.0f} s in {mine['in']} #{mine['call']}"
@@ -136,6 +143,25 @@ class Watchdog:
         if not waited_for:
             return head + " and so has every other rank (a collective that does not complete: network?)" + tail
         return head + " for " + ", ".join(waited_for) + tail
+
+
+def _call_site() -> str | None:
+    """``file:line`` of the script's code the main thread waits in: its innermost frame outside impel and torch
+    (read by the watchdog thread once per beat, never on the step's path)."""
+    import os
+
+    import torch
+
+    import impel
+
+    skip = tuple(os.path.dirname(m.__file__ or "") + os.sep for m in (impel, torch, threading, functools))
+    frame = sys._current_frames().get(threading.main_thread().ident or -1)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not name.startswith(skip) and not name.startswith("<"):
+            return f"{os.path.basename(name)}:{frame.f_lineno}"
+        frame = frame.f_back
+    return None
 
 
 def start_watchdog(store: Any, rank: int, world_size: int, timeout_s: float) -> None:

@@ -58,12 +58,24 @@ class _ShardLayout:
                 yield buf[mine]
             produced += 1
 
-    def _chunks(self, total: int, per_rank: int) -> int:
-        """Chunks :meth:`_groups` yields to this rank for ``total`` items."""
+    joined = False  # inside Accelerator.join_uneven_inputs: ranks that run out shadow the others' all-reduces
+
+    def _chunks(self, total: int, per_rank: int, rank: int | None = None) -> int:
+        """Chunks :meth:`_groups` yields to this rank (or ``rank``) for ``total`` items."""
         full, rest = divmod(total, per_rank * self.world)
         if rest == 0 or self.drop_last:
             return full
-        return full + (1 if (self.even_batches and self.world > 1) or self.rank * per_rank < rest else 0)
+        rank = self.rank if rank is None else rank
+        return full + (1 if (self.even_batches and self.world > 1) or rank * per_rank < rest else 0)
+
+    def _sized(self) -> tuple[int, int] | None:
+        """(items, items per rank per step) of an epoch, or None when the items have no length."""
+        return None
+
+    def rank_batches(self) -> list[int] | None:
+        """Batches every rank gets per epoch (known from the length alone: no communication), or None."""
+        sized = self._sized()
+        return None if sized is None else [self._chunks(*sized, rank=r) for r in range(self.world)]
 
     def last_batch_size(self) -> int:
         """Real samples in the epoch's last global batch (known once the pass reached it)."""
@@ -93,6 +105,9 @@ class ShardSampler(_ShardLayout, Sampler[list[int]]):
 
     def __len__(self) -> int:
         return self._chunks(len(self.sampler), self.per_rank_batch)  # type: ignore[arg-type]
+
+    def _sized(self) -> tuple[int, int] | None:
+        return len(self.sampler), self.per_rank_batch  # type: ignore[arg-type]  # a sized sampler, as in __len__
 
     def last_batch_size(self) -> int:
         """Real samples in the epoch's last global batch, known from the length before the pass reaches it."""
@@ -127,6 +142,9 @@ class BatchShardSampler(_ShardLayout, Sampler[list[int]]):
     def __len__(self) -> int:
         return self._chunks(len(self.batch_sampler), 1)
 
+    def _sized(self) -> tuple[int, int] | None:
+        return (len(self.batch_sampler), 1) if hasattr(self.batch_sampler, "__len__") else None
+
     def _epoch_targets(self) -> tuple[Any, ...]:
         return (self.sampler, self.batch_sampler)
 
@@ -159,6 +177,9 @@ class IterableShard(_ShardLayout, IterableDataset):
         if rest and not self.drop_last:
             mine += b if self.even_batches and self.world > 1 else max(0, min(b, rest - self.rank * b))
         return mine
+
+    def _sized(self) -> tuple[int, int] | None:
+        return (len(self.dataset), self.per_rank_batch) if hasattr(self.dataset, "__len__") else None
 
     def __iter__(self) -> Iterator[Any]:
         for chunk in self._groups(self.dataset, self.per_rank_batch, len):

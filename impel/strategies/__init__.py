@@ -3,6 +3,6 @@
 Nothing is imported here, so that importing one strategy does not load the others.
 
 - ``base``: the contract; ``single``, ``ddp``, ``fsdp`` (with ``fsdp_wrap``, ``fsdp_loading``), ``deepspeed`` (with
-  ``deepspeed_checkpoint``, ``deepspeed_report``, ``deepspeed_plugins``: several
+  ``deepspeed_report``, ``deepspeed_plugins``: several
   plugins' settled JSON and the active one) and ``tensor_parallel``.
 """

@@ -57,12 +57,16 @@ class Strategy:
         self.handlers = record.handlers
         self.gradient_state = gradient_state  # the Accelerator's (DeepSpeed's engine needs the group boundary)
         self.device: torch.device = state.device
-        self.precision: Precision = make_precision(self.config.mixed_precision, state.device, self.handlers.autocast,
-                                                   self.handlers.scaler)
+        self.precision: Precision = self.build_precision()
         # N-D parallelism: the mesh of the settled ParallelismConfig (None without one, or on one process)
         self.parallelism = record.parallelism
         self.device_mesh: Any = self.parallelism.get_device_mesh(self.device.type) if self.parallelism else None
         self.replacements = ParamReplacements()  # parameters TP / FSDP replaced, to re-point optimizers
+
+    def build_precision(self) -> Precision:
+        """The precision this strategy runs at (built once, by the constructor): autocast and GradScaler from the
+        run's ``mixed_precision``; a strategy whose engine owns them overrides this."""
+        return make_precision(self.config.mixed_precision, self.device, self.handlers.autocast, self.handlers.scaler)
 
     # --- wrapping -------------------------------------------------------------------------------------------
     def init_context(self) -> contextlib.AbstractContextManager[Any]:

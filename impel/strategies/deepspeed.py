@@ -26,6 +26,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from impel.checkpoint.deepspeed_engines import (
+    load_engines,
+    merge_zero_checkpoint,
+    safe_loading,
+    save_engines,
+)
 from impel.checkpoint.options import DEFAULT_LOAD, DEFAULT_SAVE, LoadOptions, SaveOptions
 from impel.config import environment as env
 from impel.config.deepspeed_json import (
@@ -37,12 +43,6 @@ from impel.config.deepspeed_json import (
 from impel.config.run_config import ConfigError
 from impel.runtime.precision import AutocastPrecision, Precision
 from impel.strategies.base import Strategy
-from impel.strategies.deepspeed_checkpoint import (
-    load_engines,
-    merge_zero_checkpoint,
-    safe_loading,
-    save_engines,
-)
 from impel.strategies.deepspeed_plugins import PluginConfigs
 
 if TYPE_CHECKING:
@@ -107,13 +107,7 @@ class DeepSpeedStrategy(Strategy):
         self.deepspeed = import_deepspeed(state.device, state.local_process_index)
         self.configs = PluginConfigs(record, self._on_select)  # one settled JSON per plugin; the first is active
         super().__init__(state, record, gradient_state)
-        handlers = self.handlers
-        if self.resolved.dtype != torch.float32:
-            self.precision = EnginePrecision(self.config.mixed_precision, self.resolved.dtype, state.device,
-                                             handlers.autocast)
-        else:
-            self.precision = Precision(state.device, handlers.autocast)
-        if handlers.scaler is not None:
+        if self.handlers.scaler is not None:
             logger.warning("GradScalerKwargs has no effect under DeepSpeed, whose engine scales fp16 losses itself; "
                            "set fp16.loss_scale / fp16.initial_scale_power in the DeepSpeed JSON instead")
         self._check_nvme()
@@ -147,6 +141,13 @@ class DeepSpeedStrategy(Strategy):
             return  # during construction
         self._unregister_from_transformers()
         self._hf_config = self._register_with_transformers()
+
+    def build_precision(self) -> Precision:
+        """Autocast at the engine's dtype; loss scaling and the optimizer step are the engine's (no GradScaler)."""
+        if self.resolved.dtype != torch.float32:
+            return EnginePrecision(self.config.mixed_precision, self.resolved.dtype, self.device,
+                                   self.handlers.autocast)
+        return Precision(self.device, self.handlers.autocast)
 
     def _check_nvme(self) -> None:
         from deepspeed.accelerator import get_accelerator
@@ -414,7 +415,7 @@ class DeepSpeedStrategy(Strategy):
     def save_checkpoint(self, models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
                         directory: Path, *, writer: bool, safe_serialization: bool,
                         skip_models: Set[int] = frozenset(), options: SaveOptions = DEFAULT_SAVE) -> dict[str, Any]:
-        """Each engine's own checkpoint (its ZeRO partitions, written by every rank); see deepspeed_checkpoint."""
+        """Each engine's own checkpoint (its ZeRO partitions, written by every rank): checkpoint/deepspeed_engines."""
         trained = {i for i, m in enumerate(models) if any(m is e for e in self._by_optimizer.values())}
         return save_engines(models, directory, stages=[self.resolved_for(m).stage for m in models], trained=trained,
                             world=self.state.num_processes,

@@ -106,6 +106,16 @@ class AcceleratorTrackers:
     def log_with(self) -> list[str | GeneralTracker]:
         return list(self.entries)
 
+    def check_logging_dir(self, logging_dir: Any) -> None:
+        """As Accelerate: a tracker named in ``log_with`` that writes files (``requires_logging_directory``, as
+        TensorBoard) needs a logging directory; a ValueError when there is none."""
+        for name in self.names:
+            cls = LOGGER_TYPE_TO_CLASS.get(name)
+            if logging_dir is None and cls is not None and cls.requires_logging_directory:
+                raise ValueError(f"Logging with `{name}` requires a `logging_dir` to be passed in. Pass "
+                                 "Accelerator(project_dir=...) or project_config=ProjectConfiguration("
+                                 "logging_dir=...)")
+
     def start(self, project_name: str, logging_dir: str, config: Mapping[str, Any] | None,
               init_kwargs: Mapping[str, Mapping[str, Any]] | None, main_process: bool) -> None:
         if self.started:

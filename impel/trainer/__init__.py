@@ -18,8 +18,7 @@ Example::
 """
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from impel.exports import lazy_face
 
 _EXPORTS = {
     "Trainer": "hf", "TrainingArguments": "hf", "TrainerCallback": "hf", "EarlyStoppingCallback": "hf",
@@ -29,16 +28,4 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'impel.trainer' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return __all__
+__getattr__, __dir__ = lazy_face(__name__, _EXPORTS)

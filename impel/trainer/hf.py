@@ -214,6 +214,19 @@ def _check_auto_resume() -> None:
                           "output_dir; from scratch when there is none)")
 
 
+def _check_output_dir(args: Any) -> None:
+    """An object-storage ``output_dir`` raises before anything is written (transformers would make a local folder
+    named ``s3:``): the Trainer's files go to a local or mounted path."""
+    from impel.checkpoint import remote
+
+    scheme = remote.scheme_of(getattr(args, "output_dir", None))
+    if scheme is not None:
+        raise ConfigError(
+            f"TrainingArguments(output_dir={args.output_dir!r}): the Trainer writes its checkpoints, logs and final "
+            f"model with local file operations and does not take {scheme}:// URLs; set output_dir to a local or "
+            "mounted path (or train with Accelerator.save_state, which saves to object storage)")
+
+
 class Trainer(transformers.Trainer):
     """``transformers.Trainer`` on impel's Accelerator: same constructor, members and behaviour, plus impel's
     additions (:mod:`impel.trainer.hf_callbacks`): ``metrics.jsonl`` and ``loss.png`` in ``output_dir``
@@ -222,7 +235,7 @@ class Trainer(transformers.Trainer):
 
     def __init__(self, *args: Any, plot_loss: bool | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.add_callback(hf_callbacks.RunRecord(plot_loss))
+        self.add_callback(hf_callbacks.MetricsLog(plot_loss))
         self.add_callback(hf_callbacks.CompleteCheckpoints(self.accelerator))
 
     def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
@@ -245,6 +258,7 @@ class Trainer(transformers.Trainer):
 
     def create_accelerator_and_postprocess(self) -> None:
         _check_auto_resume()
+        _check_output_dir(self.args)
         self.accelerator = Accelerator(**accelerator_arguments(self.args, self.model))
         gather = self.accelerator.gather_for_metrics
         if "use_gather_object" in inspect.signature(gather).parameters:

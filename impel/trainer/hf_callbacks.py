@@ -2,7 +2,7 @@
 
 :class:`impel.trainer.hf.Trainer` adds both callbacks to every run:
 
-- :class:`RunRecord`: on the main process, ``output_dir/metrics.jsonl`` (every log and evaluation row of
+- :class:`MetricsLog`: on the main process, ``output_dir/metrics.jsonl`` (every log and evaluation row of
   ``state.log_history``, each with its ``step``; what ``impel compare`` reads) is rewritten at each log, and
   ``output_dir/loss.png`` (train and eval loss against the optimizer step) is drawn at the end of training
   (``Trainer(plot_loss=None)``: when matplotlib is installed, else a line says how to get it; True requires it;
@@ -45,7 +45,7 @@ def _write_atomically(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-class RunRecord(TrainerCallback):
+class MetricsLog(TrainerCallback):
     """``metrics.jsonl`` at each log, ``loss.png`` at the end (main process only)."""
 
     def __init__(self, plot_loss: bool | None = None) -> None:

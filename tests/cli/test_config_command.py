@@ -115,6 +115,15 @@ def test_validate_rejects_a_bad_file(tmp_path):
     assert res.returncode == 2 and "distributed_type='FSPD' is not allowed" in res.stderr
 
 
+def test_an_empty_config_and_dev_null_say_every_setting_is_default(tmp_path):
+    (tmp_path / "empty.yaml").write_text("")
+    for name in ("empty.yaml", "/dev/null"):
+        res = impel(["config", "validate", name], tmp_path)
+        assert res.returncode == 0 and "valid (empty: every setting takes its default)" in res.stdout, res.output
+    res = impel(["config", "validate", "missing.yaml"], tmp_path)
+    assert res.returncode == 2 and "'missing.yaml' does not exist" in res.stderr
+
+
 def test_env_reports_versions_devices_and_config(tmp_path):
     res = impel(["env"], tmp_path)
     assert res.returncode == 0, res.output

@@ -78,3 +78,42 @@ def _direct_dispatchers(framework: str) -> list:
 def test_data_loader_dispatcher_built_directly_matches_accelerate():
     theirs = run_on_ranks(_direct_dispatchers, 2, args=("accelerate",), env=ACCELERATE_ENV, timeout=240)
     assert run_on_ranks(_direct_dispatchers, 2, args=("impel",), timeout=240) == theirs
+
+
+class RankStream(IterableDataset):
+    """A stream of 10 samples on rank 0 and 6 on rank 1: a dataset sharded by hand, unevenly."""
+
+    def __iter__(self):
+        import torch.distributed as dist
+
+        return iter(torch.tensor([float(i)]) for i in range(10 if dist.get_rank() == 0 else 6))
+
+
+def _uneven_stream(framework: str) -> dict:
+    if framework == "accelerate":
+        from accelerate import Accelerator
+    else:
+        from impel import Accelerator
+    acc = Accelerator(cpu=True)  # dispatch_batches=None: Accelerate's default dispatches an iterable dataset
+    torch.manual_seed(3)
+    model = torch.nn.Linear(1, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt, loader = acc.prepare(model, opt, DataLoader(RankStream(), batch_size=2))
+    seen, gathered = [], []
+    for batch in loader:
+        acc.backward(model(batch).sum())
+        opt.step()
+        opt.zero_grad()
+        seen.append(batch.flatten().tolist())
+        gathered.append(acc.gather_for_metrics(batch).flatten().tolist())
+    return {"seen": seen, "gathered": gathered, "weight": [p.detach().flatten().tolist() for p in model.parameters()]}
+
+
+def test_an_iterable_dataset_of_unequal_lengths_per_rank_is_dispatched_by_default_as_accelerate():
+    """Read per rank, rank 1 would stop after 2 batches while rank 0 waits in its 3rd step's all-reduce until the
+    group timeout; dispatched (Accelerate's default), rank 0's stream feeds both and every rank stops together."""
+    theirs = run_on_ranks(_uneven_stream, 2, args=("accelerate",), env=ACCELERATE_ENV, timeout=240)
+    ours = run_on_ranks(_uneven_stream, 2, args=("impel",), timeout=120)
+    assert ours == theirs
+    assert len(ours[0]["seen"]) == len(ours[1]["seen"]) == 3
+    assert ours[0]["gathered"][-1] == [8.0, 9.0]  # the completed last batch's duplicates dropped

@@ -121,11 +121,11 @@ def test_bad_log_with_values_raise_when_the_accelerator_is_built(monkeypatch):
         Accelerator(cpu=True, log_with=["wandb"])
 
 
-def test_log_with_all_adds_every_installed_tracker_after_the_named_ones(monkeypatch):
+def test_log_with_all_adds_every_installed_tracker_after_the_named_ones(monkeypatch, tmp_path):
     installed = {"tensorboard", "mlflow"}
     monkeypatch.setattr("importlib.util.find_spec", lambda name, *a, **k: object() if name in installed else None)
     recorder = Recorder()
-    acc = Accelerator(cpu=True, log_with=[recorder, "mlflow", LoggerType.ALL])
+    acc = Accelerator(cpu=True, log_with=[recorder, "mlflow", LoggerType.ALL], project_dir=str(tmp_path))
     assert acc.log_with == [recorder, "mlflow", "tensorboard"]
 
 

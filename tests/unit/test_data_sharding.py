@@ -433,3 +433,23 @@ def test_batches_move_to_the_requested_device():
     dl = shard_dataloader(DataLoader(IndexDataset(4), batch_size=2), world=1, rank=0, device=torch.device("cpu"),
                           config=DataLoaderConfiguration(), gradient_state=GradientState(GradientAccumulationPlugin()))
     assert all(b.device.type == "cpu" for b in dl)
+
+
+@pytest.mark.parametrize("samples, expected", [(1, "rank 0: 1, rank 1: 0"), (5, "rank 0: 2, rank 1: 1")])
+def test_uneven_batches_per_rank_are_named_once_by_rank_0(samples, expected):
+    """even_batches=False: a rank with fewer batches leaves the loop while the others all-reduce (a hang until the
+    group timeout); rank 0 says so once, with every rank's count, and join_uneven_inputs silences it."""
+    import warnings
+
+    dl0, dl1 = (shard(DataLoader(IndexDataset(samples), batch_size=2), 2, r, even_batches=False) for r in (0, 1))
+    with pytest.warns(UserWarning, match=rf"even_batches=False\) gives the ranks different numbers of batches per "
+                                         rf"pass \({expected}\).*join_uneven_inputs"):
+        list(dl0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        list(dl0)  # once per loader
+        list(dl1)  # rank 0 says it for every rank
+        joined = shard(DataLoader(IndexDataset(samples), batch_size=2), 2, 0, even_batches=False)
+        joined.shard.joined = True  # what Accelerator.join_uneven_inputs sets
+        list(joined)
+        list(shard(DataLoader(IndexDataset(4), batch_size=2), 2, 0, even_batches=False))  # 1 batch each

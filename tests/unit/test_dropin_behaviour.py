@@ -57,7 +57,7 @@ def test_find_executable_batch_size_errors():
     def never_fits(batch_size):
         raise torch.OutOfMemoryError("out of memory.")
 
-    with pytest.raises(RuntimeError, match="no executable batch size"):
+    with pytest.raises(RuntimeError, match="No executable batch size found, reached zero"):
         never_fits()
 
     calls = []

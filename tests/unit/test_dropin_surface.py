@@ -24,13 +24,23 @@ RENAMED_IMPORTS = {
               "find_executable_batch_size", "notebook_launcher", "debug_launcher", "init_empty_weights",
               "init_on_device", "load_checkpoint_in_model", "synchronize_rng_states", "skip_first_batches",
               "is_rich_available"],
-    "impel.accelerator.facade": ["Accelerator"],
-    "impel.runtime.process": ["PartialState", "AcceleratorState", "GradientState"],
-    "impel.logging": ["get_logger"],
-    "impel.data_loader": ["skip_first_batches", "DataLoaderShard"],
+    # Accelerate's public module paths, renamed (never impel's internal ones: the layout may move, these may not)
+    "impel.accelerator": ["Accelerator", "AcceleratorState", "GradientState", "DataLoaderConfiguration"],
+    "impel.state": ["PartialState", "AcceleratorState", "GradientState"],
+    "impel.logging": ["get_logger", "MultiProcessAdapter"],
+    "impel.data_loader": ["skip_first_batches", "DataLoaderShard", "prepare_data_loader"],
     "impel.big_modeling": ["init_empty_weights", "init_on_device"],
-    "impel.runtime.launchers": ["notebook_launcher", "debug_launcher"],
-    "impel.accelerator.local_sgd": ["LocalSGD"],
+    "impel.launchers": ["notebook_launcher", "debug_launcher"],
+    "impel.local_sgd": ["LocalSGD"],
+    "impel.optimizer": ["AcceleratedOptimizer"],
+    "impel.scheduler": ["AcceleratedScheduler"],
+    "impel.tracking": ["GeneralTracker", "on_main_process", "register_tracker_class", "TensorBoardTracker"],
+    "impel.parallelism_config": ["ParallelismConfig"],
+    "impel.commands.config": ["default_config_file", "load_config_from_file"],
+    "impel.utils.dataclasses": ["DistributedType", "FullyShardedDataParallelPlugin", "DistributedDataParallelKwargs"],
+    "impel.utils.operations": ["gather_object", "send_to_device"],
+    "impel.utils.memory": ["find_executable_batch_size", "release_memory"],
+    "impel.utils.random": ["set_seed"],
     "impel.utils": ["set_seed", "DistributedType", "ProjectConfiguration", "DistributedDataParallelKwargs",
                     "InitProcessGroupKwargs", "GradientAccumulationPlugin", "DataLoaderConfiguration",
                     "FullyShardedDataParallelPlugin", "DeepSpeedPlugin", "GradScalerKwargs", "AutocastKwargs",
@@ -49,6 +59,14 @@ RENAMED_IMPORTS = {
 @pytest.mark.parametrize("module,name", [(m, n) for m, names in RENAMED_IMPORTS.items() for n in names])
 def test_renamed_import_resolves(module, name):
     assert getattr(importlib.import_module(module), name) is not None
+
+
+def test_the_renamed_imports_are_accelerates_public_paths():
+    """Each module above is one of Accelerate's, renamed: the test guards what users import, not impel's layout."""
+    pytest.importorskip("accelerate")
+    for module in RENAMED_IMPORTS:
+        theirs = importlib.import_module(module.replace("impel", "accelerate", 1))
+        assert all(hasattr(theirs, name) for name in RENAMED_IMPORTS[module]), module
 
 
 def test_faces_list_their_names_and_reject_unknown_ones():

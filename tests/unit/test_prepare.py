@@ -117,14 +117,11 @@ def test_preparing_twice_keeps_accumulation_correct():
 
 @pytest.mark.parametrize("bad,name", [("a string", "str"), ({"a": 1}, "dict"), (3, "int"),
                                       ([make_mlp()], "list")])
-def test_prepare_rejects_unsupported_objects(bad, name):
+def test_prepare_hands_back_other_objects_unchanged(bad, name):
+    """As Accelerate's prepare: an object it does not know (a list, a tokenizer) comes back as it was given."""
     acc = Accelerator(cpu=True)
-    with pytest.raises(TypeError) as err:
-        acc.prepare(make_mlp(), bad)
-    msg = str(err.value)
-    assert name in msg
-    for allowed in ("torch.nn.Module", "torch.optim.Optimizer", "DataLoader", "LRScheduler"):
-        assert allowed in msg
+    model, same = acc.prepare(make_mlp(), bad)
+    assert same is bad and type(same).__name__ == name and isinstance(model, torch.nn.Module)
 
 
 def test_prepare_rejects_a_mismatched_device_placement_list():

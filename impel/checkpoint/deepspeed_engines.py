@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from impel.checkpoint.errors import CheckpointError
 from impel.config import environment as env
 
 FORMAT = "deepspeed"
@@ -71,8 +72,6 @@ def load_engines(engines: Sequence[Any], directory: Path, metadata: Mapping[str,
                  skip: AbstractSet[int], *, stages: Sequence[int], world: int,
                  engine_kwargs: Mapping[str, Any] = {}) -> None:  # noqa: B006
     """Restore module, float32 masters and optimizer states of each engine (schedulers are impel's)."""
-    from impel.checkpoint.layout import CheckpointError
-
     _check_loadable(directory, metadata, skip, stage=max(stages, default=0), world=world)
     saved = metadata.get("zero_stages")
     if saved is not None and list(saved) != list(stages):
@@ -94,8 +93,6 @@ def load_engines(engines: Sequence[Any], directory: Path, metadata: Mapping[str,
 
 def _check_loadable(directory: Path, metadata: Mapping[str, Any], skip: AbstractSet[int], *, stage: int,
                     world: int) -> None:
-    from impel.checkpoint.layout import CheckpointError
-
     if metadata.get("format") != FORMAT:
         raise CheckpointError(f"{directory} holds a {metadata.get('format')!r} checkpoint, which DeepSpeed cannot "
                               "resume; resume with the strategy that saved it, or export it with merge_weights and "
@@ -122,8 +119,6 @@ def merge_zero_checkpoint(directory: Path, metadata: Mapping[str, Any], model_in
     except ImportError as exc:
         raise ImportError(f"merging a DeepSpeed checkpoint needs DeepSpeed ({exc}); run {INSTALL_HINT}") from exc
     if model_index in metadata.get("frozen", ()):
-        from impel.checkpoint.layout import CheckpointError
-
         raise CheckpointError(f"model {model_index} of {directory} is a frozen ZeRO-3 engine (prepared without "
                               "optimizer), whose weights the checkpoint does not hold; save them with "
                               "accelerator.save_model(model, ...) instead")

@@ -1,0 +1,79 @@
+"""``accelerate launch``'s flags that have no run-config key: each works as Accelerate's or refuses with its reason.
+
+- ``--env KEY=VALUE`` (repeatable): every rank gets the variable (Accelerate sets it on a TPU pod's machines).
+  Variables impel launch itself sets from the config (``ACCELERATE_*``, ``IMPEL_*``, ``FSDP_*``,
+  ``OMP_NUM_THREADS``, ``CUDA_VISIBLE_DEVICES``, torchrun's ``RANK`` / ``WORLD_SIZE`` / ...) are refused: pass
+  their flag or config key instead.
+- ``--main_training_function main``: the function Accelerate's TPU launcher calls by name; impel runs the script as
+  ``python script.py`` does, so ``main`` (Accelerate's value, which the script's ``__main__`` block calls) is taken
+  and any other name is refused.
+- Refused when on, each with its reason (the same as its ``ACCELERATE_*`` variable's): ``--enable_cpu_affinity``,
+  ``--downcast_bf16``, ``--deepspeed_moe_layer_cls_names``, ``--fsdp_activation_checkpointing_offload`` and the
+  ``--parallelism_config_sp_*`` settings of DeepSpeed sequence parallelism (``--parallelism_config_sp_size`` is a
+  config flag that must be 1).
+"""
+from __future__ import annotations
+
+import argparse
+import re
+
+from impel.config.environment_settings import UNSUPPORTED
+from impel.config.run_config import FALSE_WORDS, TRUE_WORDS, ConfigError
+
+_SP = "is a setting of DeepSpeed sequence parallelism (Ulysses), which impel does not run " \
+      "(--parallelism_config_sp_size must be 1); remove it"
+# store_true flags, as Accelerate's: on is refused
+_SWITCHES = {
+    "enable_cpu_affinity": UNSUPPORTED["ACCELERATE_CPU_AFFINITY"],
+    "downcast_bf16": UNSUPPORTED["ACCELERATE_DOWNCAST_BF16"] + "; remove it (bf16 on GPUs: --mixed_precision bf16)",
+}
+# valued flags: (the values that mean "off", as Accelerate's defaults, lower case; why any other value is refused)
+_VALUED = {
+    "main_training_function": (("main",), "names the function Accelerate's TPU launcher calls; impel runs the "
+                               "script as python does (call your function under if __name__ == '__main__': and "
+                               "leave the flag out)"),
+    "deepspeed_moe_layer_cls_names": ((), UNSUPPORTED["ACCELERATE_DEEPSPEED_MOE_LAYER_CLS_NAMES"] +
+                                      " before accelerator.prepare"),
+    "fsdp_activation_checkpointing_offload": (FALSE_WORDS, "offloads checkpointed activations, which impel's FSDP2 "
+                                              "does not do; use --fsdp_activation_checkpointing true alone"),
+    "parallelism_config_sp_seq_length": ((), _SP),
+    "parallelism_config_sp_seq_length_is_variable": (TRUE_WORDS, _SP),
+    "parallelism_config_sp_attn_implementation": (("sdpa",), _SP),
+}
+_DEST = "accelerate_only__"
+_LAUNCHER_SET = re.compile(r"^(ACCELERATE_|IMPEL_|FSDP_|TORCHELASTIC_)|^(RANK|LOCAL_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|"
+                           r"GROUP_RANK|MASTER_ADDR|MASTER_PORT|OMP_NUM_THREADS|CUDA_VISIBLE_DEVICES)$")
+
+
+def add_accelerate_only_flags(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("accelerate launch's other flags (each works as Accelerate's or refuses with "
+                                  "its reason)")
+    g.add_argument("--env", action="append", default=None, metavar="KEY=VALUE",
+                   help="set an environment variable on every rank (repeatable)")
+    for flag, why in _SWITCHES.items():
+        g.add_argument(f"--{flag}", action="store_true", dest=_DEST + flag, help=f"refused: {why}")
+    for flag, (off, why) in _VALUED.items():
+        g.add_argument(f"--{flag}", default=None, dest=_DEST + flag, metavar="VALUE",
+                       help=f"taken as {off[0]!r}; otherwise refused: it {why}" if off else f"refused: it {why}")
+
+
+def accelerate_only_settings(ns: argparse.Namespace) -> dict[str, str]:
+    """Refuse what impel cannot honour; the variables ``--env`` gives every rank."""
+    for flag, why in _SWITCHES.items():
+        if getattr(ns, _DEST + flag, False):
+            raise ConfigError(f"--{flag} {why}")
+    for flag, (off, why) in _VALUED.items():
+        value = getattr(ns, _DEST + flag, None)
+        if value is not None and value.lower() not in off:
+            raise ConfigError(f"--{flag} {value!r} {why}")
+    variables: dict[str, str] = {}
+    for item in getattr(ns, "env", None) or []:
+        key, eq, value = item.partition("=")
+        if not eq or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+            raise ConfigError(f"--env {item!r} must be KEY=VALUE with a variable name as KEY (--env HF_HOME=/data)")
+        if _LAUNCHER_SET.search(key):
+            raise ConfigError(f"--env {item!r}: impel launch sets {key} itself (from the config and torchrun); "
+                              "pass the setting as its flag or config key instead (--num_cpu_threads_per_process, "
+                              "--gpu_ids, --mixed_precision, ...)")
+        variables[key] = value
+    return variables
