@@ -140,7 +140,9 @@ def measured_commit() -> str | None:
 
     try:
         head = git("rev-parse", "HEAD")
-        return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+        # results written by this run's earlier benchmarks are not the measured tree
+        changed = git("status", "--porcelain", "--untracked-files=no", "--", ":/", ":(top,exclude)benchmarks/results")
+        return head + ("+dirty" if changed else "")
     except (OSError, subprocess.CalledProcessError):  # not a git checkout (an sdist)
         return None
 

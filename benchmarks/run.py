@@ -44,6 +44,7 @@ def run_worker(module_name: str, quick: bool, results: Path) -> int:
     payload: dict[str, Any] = module.run(quick=quick)
     payload.setdefault("name", module.NAME)
     payload.setdefault("description", getattr(module, "DESCRIPTION", ""))
+    payload.setdefault("environment", _common.environment())  # every result names the commit it measured
     payload["started_at"] = started.isoformat(timespec="seconds")
     payload["wall_seconds"] = round(time.perf_counter() - t0, 2)
     payload["command"] = " ".join([Path(sys.executable).name, "benchmarks/run.py", module_name]

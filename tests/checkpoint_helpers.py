@@ -131,3 +131,22 @@ def masking_run(directory: str, mode: str, seedable: bool = True, stop: int = 3,
         if mode == "full" and step + 1 == stop:
             acc.save_state(f"{directory}/ckpt")
     return seen, [p.detach().tolist() for p in model.parameters()]
+
+
+def prepared_mlp(project_dir: Any = None, total_limit: int | None = None, steps: int = 0,
+                 **config: Any) -> tuple[Any, Any, Any]:
+    """An Accelerator (CPU; automatic checkpoint naming when ``project_dir`` is given) with a prepared MLP and SGD with
+    momentum, after ``steps`` optimizer steps (so the optimizer has state to save)."""
+    from helpers import make_mlp
+    from impel import Accelerator, ProjectConfiguration
+
+    pc = ProjectConfiguration(project_dir, automatic_checkpoint_naming=project_dir is not None,
+                              total_limit=total_limit, **config)
+    acc = Accelerator(cpu=True, project_config=pc)
+    model = make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, opt = acc.prepare(model, opt)
+    for _ in range(steps):
+        model(torch.randn(4, 6)).sum().backward()
+        opt.step()
+    return acc, model, opt

@@ -12,7 +12,8 @@ from typing import Any
 
 Row = tuple[str, str, str]
 
-# name -> (the input, the line the launch must print (a regular expression), the limit in seconds of its test)
+# name -> (the input, the line the launch must print (a regular expression), the limit in seconds of its test[, the
+# test file when not tests/cli/test_round3_launch.py])
 LAUNCH_CASES = {
     "rank_exits_with_code": (
         "rank 1 calls `sys.exit(3)` at step 3 while rank 0 trains",
@@ -34,6 +35,22 @@ LAUNCH_CASES = {
         r"collectives\.py:10, while this rank is in wait_for_everyone at collectives\.py:8: the two ranks are in "
         r"different collectives, which never meet; every rank must call the same collectives in the same order\)",
         120),
+    "no_machine_0": (
+        "machine 1 of an elastic job (`--nnodes 1:2 --machine_rank 1`, `--rdzv_conf join_timeout=6`) started with "
+        "no machine 0",
+        r"impel launch: machine 0 never answered at 127\.0\.0\.1:\d+ in 6 s \(Connection refused\); it hosts the "
+        r"rendezvous: start machine 0 \(--machine_rank 0\) with the same --main_process_ip and --main_process_port, "
+        r"check that this machine reaches that address \(firewall, a wrong IP\), then start this machine again "
+        r"\(--rdzv_conf join_timeout=N waits longer\)",
+        60),
+    "frozen_machine": (
+        "machine 1 of an elastic job (`--nnodes 1:2 --max_restarts 3`, `--stall_warning 4`) stopped with SIGSTOP "
+        "(its agent and rank) after step 4, its connections left open",
+        r"impel watchdog: rank 1 has sent no heartbeat for \d+ s while rank 0 waits for it in "
+        r"(the preemption check|backward) "
+        r"#\d+ \(for \d+ s\): its machine is frozen, stopped or cut off; rank 0 exits so that the elastic agent "
+        r"restarts the job on the machines that answer, from the last checkpoint",
+        240, "tests/cli/test_elastic.py"),
 }
 
 
@@ -48,9 +65,10 @@ def round3_launch_rows(work: Path, cli: Callable[[list[str]], str], raises: Call
         rows.append(("environment", "`ACCELERATE_USE_FSDP=maybe`, `Accelerator()`", raises(_accelerator)))
     finally:
         del os.environ["ACCELERATE_USE_FSDP"]
-    for what, line, limit in LAUNCH_CASES.values():
+    for what, line, limit, *test in LAUNCH_CASES.values():
         shown = re.sub(r"\\(.)", r"\1", line.replace(r"\d+", "N"))
-        rows.append((f"ranks (`tests/cli/test_round3_launch.py`, {limit} s limit, no rank left)", what, shown))
+        where = test[0] if test else "tests/cli/test_round3_launch.py"
+        rows.append((f"ranks (`{where}`, {limit} s limit, no rank left)", what, shown))
     return rows
 
 

@@ -18,6 +18,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from impel.config.run_config import ConfigError
+from impel.runtime import rank_health
 
 if TYPE_CHECKING:  # torch is imported lazily: `impel launch` imports this module for its exit code
     import torch
@@ -41,7 +42,11 @@ def _any_rank(flag: bool, device: torch.device) -> bool:
     if not is_distributed():
         return flag
     t = torch.tensor([1.0 if flag else 0.0], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    if rank_health.watching:  # it waits for every rank: the stall watchdog names who does not come
+        with rank_health.blocking("the preemption check"):
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    else:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item() > 0)
 
 

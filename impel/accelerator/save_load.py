@@ -177,8 +177,7 @@ class Checkpointer:
         """The call of an asynchronous save does no collective (but the first's, which checks in and creates the
         background group): each rank checks the target itself (a bad target raises here, alike on every rank), names
         the temporary directory as every other rank does (``staging.temp_token``) and stages. The check-in and the
-        agreement on the target are the background job's first step (:meth:`_finish`): a rank that never calls
-        fails the save there, bounded by the group's timeout."""
+        agreement on the target are the background job's first step (:meth:`_finish`), bounded by the timeout."""
         final = self._save_target(output_dir)
         shown = str(self._uploads.get(str(final), final))
         self._check_async()
@@ -196,6 +195,7 @@ class Checkpointer:
                 settle = lambda error=exc: self._settle(temp, final, group, error)  # noqa: E731
                 self.pending = staging.PendingSave(shown, settle, reported=exc)
             raise
+        previous = self.pending
         try:
             staged, metadata = self._stage(temp, final, leader, safe_serialization, options, group)
             self.pending = staging.PendingSave(shown, lambda: self._finish(
@@ -204,7 +204,8 @@ class Checkpointer:
                 self.config.iteration += 1  # as on the other ranks, whose calls returned
                 raise staged.error
         except BaseException:
-            if leader:
+            # the other ranks may still be staging into temp: then the leader removes it after _settle (_finish)
+            if leader and (group is None or self.pending is previous):
                 shutil.rmtree(temp, ignore_errors=True)
             raise
         self.config.iteration += 1

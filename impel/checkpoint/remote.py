@@ -186,11 +186,30 @@ def upload(local: Path, remote: Remote) -> None:
     uploaded, and the commit object last."""
     if remote.committed():
         _remove_committed(remote)
-    marker = local / layout.MARKER_FILE
-    files = sorted(path for path in local.rglob("*") if path.is_file() and path != marker)
+    put_tree(local, remote, layout.MARKER_FILE)
+
+
+def put_tree(local: Path, remote: Remote, marker: str, skip: tuple[str, ...] = ()) -> None:
+    """Every file under ``local`` to the same path under ``remote``, the file named ``marker`` last (a prefix
+    without it is an upload cut short); files named in ``skip`` stay local."""
+    files = sorted(p for p in local.rglob("*") if p.is_file() and p.name != marker and p.name not in skip)
     for path in files:
         remote.fs.put_file(str(path), f"{remote.url}/{path.relative_to(local).as_posix()}")
-    remote.fs.put_file(str(local / layout.MARKER_FILE), f"{remote.url}/{layout.MARKER_FILE}")
+    remote.fs.put_file(str(local / marker), f"{remote.url}/{marker}")
+
+
+def get_tree(remote: Remote, local: Path, marker: str) -> None:
+    """Every object under ``remote`` into ``local`` (created), the one named ``marker`` last, so a download cut
+    short has no marker; keys with ``..`` are skipped."""
+    local.mkdir(parents=True, exist_ok=True)
+    prefix = remote.fs._strip_protocol(remote.url)
+    keys = sorted(str(key) for key in remote.fs.find(remote.url))
+    for key in sorted(keys, key=lambda k: k.endswith("/" + marker)):
+        rel = key[len(prefix):].lstrip("/")
+        if not rel or ".." in rel.split("/"):
+            continue
+        (local / rel).parent.mkdir(parents=True, exist_ok=True)
+        remote.fs.get_file(key, str(local / rel))
 
 
 def _manifest(remote: Remote) -> dict[str, Any]:
@@ -263,12 +282,5 @@ def download(remote: Remote) -> Path:
             "upload, or not an impel checkpoint); load a committed one")
     base = Path(environment.staging_dir() or tempfile.gettempdir())
     local = Path(tempfile.mkdtemp(prefix="impel-download-", dir=base)) / remote.name
-    local.mkdir()
-    prefix = remote.url
-    for key in remote.fs.find(prefix):
-        rel = str(key)[len(remote.fs._strip_protocol(prefix)):].lstrip("/")
-        if not rel or ".." in rel.split("/"):
-            continue
-        (local / rel).parent.mkdir(parents=True, exist_ok=True)
-        remote.fs.get_file(key, str(local / rel))
+    get_tree(remote, local, layout.MARKER_FILE)
     return local

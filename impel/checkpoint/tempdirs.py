@@ -48,7 +48,12 @@ def make(temp: Path) -> None:
     for other in [t for t in _held if t != str(temp)]:  # earlier saves of this process have ended
         release(Path(other), unlink=False)
     if str(temp) not in _held:
-        fd = os.open(temp / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        try:
+            fd = os.open(temp / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        except FileNotFoundError:
+            raise CheckpointError(f"{temp}, the temporary directory of this save, was removed while this rank "
+                                  "joined it (another rank's save failed, or another process cleaned it): nothing "
+                                  "was committed; save again") from None
         fcntl.flock(fd, fcntl.LOCK_SH)
         _held[str(temp)] = fd
 

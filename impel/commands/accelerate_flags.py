@@ -11,6 +11,9 @@
   ``--downcast_bf16``, ``--deepspeed_moe_layer_cls_names``, ``--fsdp_activation_checkpointing_offload`` and the
   ``--parallelism_config_sp_*`` settings of DeepSpeed sequence parallelism (``--parallelism_config_sp_size`` is a
   config flag that must be 1).
+- Refused on any use, for what impel does not run: the TPU flags (``--tpu``, ``--tpu_cluster``, ``--vm``, ...),
+  Megatron-LM's (``--use_megatron_lm``, ``--megatron_lm_*``), FP8's (``--fp8_*``), SageMaker's (``--aws_*``) and
+  DeepSpeed's multi-node runner's (``--deepspeed_hostfile`` and its filters).
 """
 from __future__ import annotations
 
@@ -40,6 +43,35 @@ _VALUED = {
     "parallelism_config_sp_seq_length_is_variable": (TRUE_WORDS, _SP),
     "parallelism_config_sp_attn_implementation": (("sdpa",), _SP),
 }
+_TPU = "is for TPUs (torch_xla) and TPU pods, which impel does not drive; remove it"
+_MEGATRON = ("is a Megatron-LM setting, and impel does not run Megatron-LM (tensor parallelism: "
+             "--parallelism_config_tp_size with FSDP2); remove it")
+_FP8 = "is an FP8 training setting, and impel does not train in FP8 (--mixed_precision bf16 or fp16); remove it"
+_SAGEMAKER = ("is for Amazon SageMaker launches, which impel does not make; run impel launch on the machines "
+              "themselves, with the credentials in the environment")
+_DS_RUNNER = ("is for DeepSpeed's own multi-node runner (pdsh, MPI or SLURM over a hostfile), which impel launch does "
+              "not run: start impel launch on every machine (--machine_rank R --main_process_ip HOST0), or start the "
+              "ranks with mpirun (--mpirun_hostfile)")
+# flags of Accelerate's launchers impel does not have: refused on any use, with the reason (switch: store_true)
+_OUT_OF_SCOPE: dict[str, tuple[str, str]] = {
+    "tpu": ("switch", _TPU), "tpu_cluster": ("switch", _TPU), "no_tpu_cluster": ("switch", _TPU),
+    "tpu_use_sudo": ("switch", _TPU), "vm": ("append", _TPU),
+    "use_megatron_lm": ("switch", _MEGATRON), "fp8_use_autocast_during_eval": ("switch", _FP8),
+    "aws_access_key_id": ("valued", _SAGEMAKER), "aws_secret_access_key": ("valued", _SAGEMAKER),
+    "deepspeed_hostfile": ("valued", _DS_RUNNER), "deepspeed_inclusion_filter": ("valued", _DS_RUNNER),
+    "deepspeed_exclusion_filter": ("valued", _DS_RUNNER),
+    **{f"megatron_lm_{name}": ("valued", _MEGATRON) for name in (
+        "tp_degree", "use_custom_fsdp", "no_load_optim", "eod_mask_loss", "overlap_cpu_optimizer_d2h_h2d",
+        "no_save_optim", "optimizer_cpu_offload", "use_precision_aware_optimizer", "decoder_last_pipeline_num_layers",
+        "pp_degree", "num_micro_batches", "sequence_parallelism", "recompute_activations", "use_distributed_optimizer",
+        "gradient_clipping", "recompute_granularity", "recompute_method", "recompute_num_layers", "attention_backend",
+        "expert_model_parallel_size", "context_parallel_size", "attention_dropout", "hidden_dropout",
+        "attention_softmax_in_fp32", "expert_tensor_parallel_size", "calculate_per_token_loss",
+        "use_rotary_position_embeddings")},
+    **{f"fp8_{name}": ("valued", _FP8) for name in (
+        "backend", "margin", "interval", "format", "amax_history_len", "amax_compute_algo",
+        "override_linear_precision", "opt_level", "enable_fsdp_float8_all_gather", "pad_inner_dim")},
+}
 _DEST = "accelerate_only__"
 _LAUNCHER_SET = re.compile(r"^(ACCELERATE_|IMPEL_|FSDP_|TORCHELASTIC_)|^(RANK|LOCAL_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|"
                            r"GROUP_RANK|MASTER_ADDR|MASTER_PORT|OMP_NUM_THREADS|CUDA_VISIBLE_DEVICES)$")
@@ -55,6 +87,14 @@ def add_accelerate_only_flags(parser: argparse.ArgumentParser) -> None:
     for flag, (off, why) in _VALUED.items():
         g.add_argument(f"--{flag}", default=None, dest=_DEST + flag, metavar="VALUE",
                        help=f"taken as {off[0]!r}; otherwise refused: it {why}" if off else f"refused: it {why}")
+    out = parser.add_argument_group("accelerate launch's flags for what impel does not run (TPU, Megatron-LM, FP8, "
+                                    "SageMaker): refused with the reason")
+    for flag, (kind, _) in _OUT_OF_SCOPE.items():
+        if kind == "switch":
+            out.add_argument(f"--{flag}", action="store_true", dest=_DEST + flag, help=argparse.SUPPRESS)
+        else:
+            out.add_argument(f"--{flag}", action="append" if kind == "append" else "store", default=None,
+                             dest=_DEST + flag, help=argparse.SUPPRESS)
 
 
 def accelerate_only_settings(ns: argparse.Namespace) -> dict[str, str]:
@@ -66,6 +106,9 @@ def accelerate_only_settings(ns: argparse.Namespace) -> dict[str, str]:
         value = getattr(ns, _DEST + flag, None)
         if value is not None and value.lower() not in off:
             raise ConfigError(f"--{flag} {value!r} {why}")
+    for flag, (_, why) in _OUT_OF_SCOPE.items():
+        if getattr(ns, _DEST + flag, None) not in (None, False):
+            raise ConfigError(f"--{flag} {why}")
     variables: dict[str, str] = {}
     for item in getattr(ns, "env", None) or []:
         key, eq, value = item.partition("=")

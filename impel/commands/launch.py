@@ -56,6 +56,8 @@ def add_launcher_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--log_dir", default=None, metavar="DIR", help="where the agent writes the ranks' logs")
     g.add_argument("--no_python", action="store_true", help="run the script as an executable, not with python")
     g.add_argument("--rdzv_conf", default=None, metavar="K=V,...", help="extra rendezvous settings (c10d)")
+    g.add_argument("--role", default=None, metavar="NAME", help="the workers' role name in torchrun's agent "
+                   "(default: 'default')")
     g.add_argument("--nnodes", default=None, metavar="[MIN:]MAX", help="torchrun's spelling of the machine count: "
                    "N is --num_machines N; MIN:MAX an elastic job (--min_machines MIN --num_machines MAX) that "
                    "continues on the machines left when one is lost")
@@ -217,6 +219,8 @@ def plan_launch(ns: argparse.Namespace) -> LaunchPlan:
     config, explicit, notes = resolve_config(ns)
     rank_env = _rank_environment(ns)
     check_elastic_launch(config)
+    if config.mpirun_hostfile:
+        _check_mpirun(config, ns)
     if config.num_machines > 1 or (config.num_processes or 1) > 1:
         check_rendezvous(config)  # an unknown host or a taken port: one line now, not a hang or a traceback later
     command = _script_command(ns)
@@ -239,6 +243,17 @@ def plan_launch(ns: argparse.Namespace) -> LaunchPlan:
         raise ConfigError("--stall_warning has no effect on one process (no rank waits for another); remove it, or "
                           "launch several processes (--num_processes)")
     return plan
+
+
+def _check_mpirun(config: RunConfig, ns: argparse.Namespace) -> None:
+    """--mpirun_hostfile: mpirun, not torchrun's agent, starts the ranks; the agent's settings would do nothing."""
+    from impel.commands import mpirun
+
+    mpirun.check(config)
+    given = [f"--{name}" for name in ("tee", "log_dir", "rdzv_conf", "role") if getattr(ns, name, None) is not None]
+    if given:
+        raise ConfigError(f"{', '.join(given)} set(s) torchrun's agent, which does not run with --mpirun_hostfile "
+                          "(mpirun starts the ranks and prints their output): drop them")
 
 
 def _rank_variables(config: RunConfig, ns: argparse.Namespace) -> dict[str, str]:
@@ -299,6 +314,8 @@ def _agent_arguments(ns: argparse.Namespace) -> list[str]:
         args += ["--log_dir", ns.log_dir]
     if getattr(ns, "no_python", False):
         args.append("--no_python")
+    if getattr(ns, "role", None) is not None:
+        args += ["--role", ns.role]
     if getattr(ns, "rdzv_conf", None) is not None:
         pairs = [p.partition("=") for p in ns.rdzv_conf.split(",")]
         if not all(key.strip() and eq and value.strip() for key, eq, value in pairs):
@@ -388,12 +405,24 @@ def main(ns: argparse.Namespace) -> int:
                                        plan.nproc_per_node)
     variables.update(plan.rank_variables)
     variables.update(plan.rank_env)
+    if plan.config.mpirun_hostfile:  # mpirun starts the ranks on the hostfile's hosts (impel.commands.mpirun)
+        from impel.commands import mpirun
+
+        script = plan.command if "--no_python" in plan.agent_args else [sys.executable, *plan.command]
+        return mpirun.run(plan.config, plan.nproc_per_node, script, variables)
     if plan.single_process:
         return _run_single(plan, variables)
     if plan.quiet:
         import logging
 
         logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    cfg = plan.config
+    if cfg.num_machines > 1 and cfg.machine_rank > 0:  # machine 0 hosts the rendezvous: wait for it, saying so
+        from impel.commands.host_wait import join_timeout, wait_for_machine_0
+
+        if not wait_for_machine_0(cfg.main_process_ip or "127.0.0.1", cfg.main_process_port or 29500,
+                                  join_timeout(plan.agent_args)):
+            return 1
     return run_torchrun(plan.torchrun_args, variables)
 
 

@@ -198,6 +198,12 @@ def launch_environment(config: Mapping[str, Any], threads: int | None, gpu_ids: 
     return out
 
 
+def changed_names(values: Mapping[str, str]) -> list[str]:
+    """The names in ``values`` that this process's environment lacks or holds otherwise (what a launcher that
+    forwards only named variables, Open MPI's ``mpirun -x``, must be told), sorted."""
+    return sorted(k for k, v in values.items() if os.environ.get(k) != v)
+
+
 def apply_environment(values: Mapping[str, str]) -> None:
     """Make ``values`` this process's environment (torchrun's agent passes it on to the ranks it starts)."""
     os.environ.update(values)
@@ -309,6 +315,16 @@ def stall_warning_seconds() -> float:
         raise ValueError(f"environment variable {STALL_WARNING_VAR}={raw!r} is not a number of seconds >= 0; set "
                          f"e.g. {STALL_WARNING_VAR}=60, or 0 to turn the stall watchdog off")
     return value
+
+
+def restarts_left(environ: Mapping[str, str] | None = None) -> int:
+    """Restarts torchrun's agent still has for this job (``TORCHELASTIC_MAX_RESTARTS`` minus this attempt's
+    ``TORCHELASTIC_RESTART_COUNT``); 0 when not under torchrun or unreadable."""
+    env = os.environ if environ is None else environ
+    try:
+        return max(0, int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) - int(env.get("TORCHELASTIC_RESTART_COUNT", "0")))
+    except ValueError:
+        return 0
 
 
 def rank_exit_dir() -> str | None:

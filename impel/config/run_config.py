@@ -310,6 +310,9 @@ class RunConfig(Freezable):
                                choices=("static", "c10d"), question="Rendezvous backend")
     same_network: bool = option(True, "bool", "several machines, static rendezvous: true passes torchrun "
                                 "--master_addr/--master_port, false --rdzv_endpoint (as accelerate launch)")
+    mpirun_hostfile: str | None = option(None, "str", "start the ranks with mpirun on the hosts of this MPI "
+                                         "hostfile, num_processes / num_machines per host (as accelerate launch; "
+                                         "Accelerate's mpirun_config.mpirun_hostfile)")
     gpu_ids: str | None = option(None, "str", "GPUs to use on each machine: 'all' or ids such as '0,1'")
     num_cpu_threads_per_process: int | None = option(None, "int", "OMP_NUM_THREADS for each rank", minimum=1)
     max_restarts: int = option(0, "int", "restarts of the whole job after a rank fails", minimum=0)
@@ -361,7 +364,7 @@ class RunConfig(Freezable):
             check_elastic(self)
         if self.machine_rank >= self.num_machines:
             raise ConfigError(f"machine_rank={self.machine_rank} must be below num_machines={self.num_machines}")
-        if self.num_machines > 1 and not self.main_process_ip:
+        if self.num_machines > 1 and not self.main_process_ip and not self.mpirun_hostfile:  # mpirun: its 1st host
             raise ConfigError(f"num_machines={self.num_machines} needs main_process_ip (the address of the machine "
                               "of rank 0); pass --main_process_ip")
         if kind == "AUTO" and not self.auto_model:

@@ -33,7 +33,6 @@ INERT_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
     "enable_cpu_affinity": (_OFF_NONE, "NUMA pinning, not supported"),
     "megatron_lm_config": (_OFF_NONE, "Megatron-LM, not supported"),
     "ipex_config": (_OFF_NONE, "Intel Extension for PyTorch, not supported"),
-    "mpirun_config": (_OFF_NONE, "mpirun launching; impel launches with torchrun"),
     "fp8_config": (_OFF_NONE, "FP8 training, not supported"),
     "use_mps_device": (_OFF_NONE, "MPS is picked automatically when present"),
 }
@@ -64,6 +63,8 @@ def normalise_accelerate_keys(data: Mapping[str, Any], source: str) -> dict[str,
                                   "(or set it to its off value)")
             continue
         out[key] = value
+    if "mpirun_config" in out:  # Accelerate's section of one key: impel's is top-level
+        _fold_mpirun(out, source)
     if "dynamo_backend" in out:  # Accelerate's older layout: a top-level key, folded into the section as it does
         legacy = out.pop("dynamo_backend")
         if not _is_off(legacy, _OFF_NONE):
@@ -78,6 +79,21 @@ def normalise_accelerate_keys(data: Mapping[str, Any], source: str) -> dict[str,
         raise ConfigError(f"{source}: compute_environment='AMAZON_SAGEMAKER' is not supported; run impel launch on "
                           "the machines themselves (compute_environment: LOCAL_MACHINE)")
     return out
+
+
+def _fold_mpirun(out: dict[str, Any], source: str) -> None:
+    section = out.pop("mpirun_config")
+    if section is None:
+        return
+    if not isinstance(section, Mapping) or set(section) - {"mpirun_hostfile"}:
+        raise ConfigError(f"{source}: mpirun_config={section!r} must hold only mpirun_hostfile (as Accelerate's); "
+                          "write mpirun_config: {mpirun_hostfile: FILE}, or mpirun_hostfile: FILE")
+    hostfile = section.get("mpirun_hostfile")
+    if hostfile is not None:
+        if out.get("mpirun_hostfile") not in (None, hostfile):
+            raise ConfigError(f"{source}: mpirun_config.mpirun_hostfile={hostfile!r} contradicts mpirun_hostfile="
+                              f"{out['mpirun_hostfile']!r}; keep one")
+        out["mpirun_hostfile"] = os.path.expanduser(str(hostfile))
 
 
 def _normalise_deepspeed(ds: dict[str, Any], top: dict[str, Any], source: str) -> dict[str, Any]:

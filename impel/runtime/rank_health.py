@@ -7,6 +7,9 @@ and the collectives) and a daemon thread publishes that, once a second, on the j
 connection). A rank that has waited in one call for longer than ``IMPEL_STALL_WARNING`` seconds (``impel launch
 --stall_warning``; 60 by default, 0: off) prints one line naming the call and the ranks it waits for, with what
 each of them is doing, and again after each further such period. The process-group timeout still ends the job.
+In an elastic job with restarts left, a waited-for rank whose heartbeat has not changed for another half period
+(its machine frozen, e.g. SIGSTOP, or cut off: its connections stay open, so no collective fails) is declared lost:
+the waiting rank says so in one line and exits, and its agent restarts the job on the machines that answer.
 
 **Normal exit.** Under ``impel launch`` a rank that exits normally (its script ended or called ``sys.exit``)
 notes the time in a folder the launcher gave it, so that a rank that left early is named as the cause when its
@@ -17,6 +20,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 import sys
 import threading
 import time
@@ -82,12 +86,16 @@ def _snapshot() -> dict[str, Any]:
 class Watchdog:
     """The heartbeat thread of one rank."""
 
-    def __init__(self, store: Any, rank: int, world_size: int, stall_s: float, timeout_s: float) -> None:
+    def __init__(self, store: Any, rank: int, world_size: int, stall_s: float, timeout_s: float,
+                 lost_exits: bool = False) -> None:
         self.store, self.rank, self.world_size = store, rank, world_size
         self.stall_s, self.timeout_s = stall_s, timeout_s
         self.interval = min(1.0, max(stall_s / 4, 0.05))
         self.stop = threading.Event()
         self.next_warning = stall_s
+        self.lost_exits = lost_exits  # an elastic job with restarts left: a lost peer ends this rank (restart)
+        self.unchanged: dict[int, tuple[Any, float]] = {}  # peer -> (its last beat's stamp, when this rank saw it)
+        self.exit: Callable[[int], object] = os._exit  # the main thread waits in a collective that never returns
         self.thread = threading.Thread(target=self._run, name="impel-watchdog", daemon=True)
 
     def _run(self) -> None:
@@ -103,12 +111,33 @@ class Watchdog:
         if mine["in"] is not None:
             mine["site"] = _call_site()
         self.store.set(f"hb/{self.rank}", json.dumps(mine))
-        if mine["in"] is None or mine["for"] < self.next_warning:
-            if mine["in"] is None:
-                self.next_warning = self.stall_s
+        if mine["in"] is None:
+            self.next_warning = self.stall_s
+            self.unchanged.clear()
+            return
+        if self.lost_exits and mine["for"] >= self.stall_s / 2:
+            self.exit_if_lost(mine)
+        if mine["for"] < self.next_warning:
             return
         self.next_warning = mine["for"] + self.stall_s
         print(self.line(mine, self.peers()), file=sys.stderr, flush=True)
+
+    def exit_if_lost(self, mine: dict[str, Any]) -> None:
+        """While this rank waits: a peer that beat before and whose beat has not changed for ``stall_s / 2`` (this
+        rank's own clock: machines' clocks may differ) is lost; say so and exit, so the agent restarts the job."""
+        now = time.monotonic()
+        for r, beat in self.peers().items():
+            stamp = None if beat is None else beat["wall"]
+            seen = self.unchanged.get(r)
+            if seen is None or seen[0] != stamp:
+                self.unchanged[r] = (stamp, now)
+            elif stamp is not None and now - seen[1] >= self.stall_s / 2:
+                print(f"impel watchdog: rank {r} has sent no heartbeat for {now - seen[1]:.0f} s while rank "
+                      f"{self.rank} waits for it in {mine['in']} #{mine['call']} (for {mine['for']:.0f} s): its "
+                      f"machine is frozen, stopped or cut off; rank {self.rank} exits so that the elastic agent "
+                      "restarts the job on the machines that answer, from the last checkpoint",
+                      file=sys.stderr, flush=True)
+                self.exit(1)
 
     def peers(self) -> dict[int, dict[str, Any] | None]:
         out: dict[int, dict[str, Any] | None] = {}
@@ -148,8 +177,6 @@ class Watchdog:
 def _call_site() -> str | None:
     """``file:line`` of the script's code the main thread waits in: its innermost frame outside impel and torch
     (read by the watchdog thread once per beat, never on the step's path)."""
-    import os
-
     import torch
 
     import impel
@@ -176,9 +203,16 @@ def start_watchdog(store: Any, rank: int, world_size: int, timeout_s: float) -> 
     except Exception as exc:  # noqa: BLE001 - a store without clone (a custom one): no watchdog, said once
         logger.debug("no stall watchdog: the process group's store cannot be cloned (%s)", exc)
         return
-    _watchdog = Watchdog(torch_prefix(own), rank, world_size, stall, timeout_s)
+    _watchdog = Watchdog(torch_prefix(own), rank, world_size, stall, timeout_s, lost_exits=_restart_heals())
     _watchdog.thread.start()
     watching = True
+
+
+def _restart_heals() -> bool:
+    """An elastic job (``impel launch --nnodes MIN:MAX``) with restarts left: its agent restarts the job without a
+    lost machine."""
+    launch = env.read_launch_config() or {}
+    return launch.get("min_machines") is not None and env.restarts_left() > 0
 
 
 def torch_prefix(store: Any) -> Any:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import inspect
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +61,7 @@ from impel.config.run_config import ConfigError
 from impel.runtime.compile import TorchDynamoPlugin
 from impel.runtime.data import skip_first_batches as impel_skip_first_batches
 from impel.runtime.prepared_loader import PreparedLoader
-from impel.trainer import hf_callbacks, hf_deepspeed, hf_fsdp, hf_resume
+from impel.trainer import hf_callbacks, hf_deepspeed, hf_fsdp, hf_remote, hf_resume
 
 # transformers' own classes, re-exported so that `from impel import TrainerCallback, ...` names them
 __all__ = ["EarlyStoppingCallback", "EvalPrediction", "PredictionOutput", "ProgressCallback", "TrainOutput", "Trainer",
@@ -214,19 +215,6 @@ def _check_auto_resume() -> None:
                           "output_dir; from scratch when there is none)")
 
 
-def _check_output_dir(args: Any) -> None:
-    """An object-storage ``output_dir`` raises before anything is written (transformers would make a local folder
-    named ``s3:``): the Trainer's files go to a local or mounted path."""
-    from impel.checkpoint import remote
-
-    scheme = remote.scheme_of(getattr(args, "output_dir", None))
-    if scheme is not None:
-        raise ConfigError(
-            f"TrainingArguments(output_dir={args.output_dir!r}): the Trainer writes its checkpoints, logs and final "
-            f"model with local file operations and does not take {scheme}:// URLs; set output_dir to a local or "
-            "mounted path (or train with Accelerator.save_state, which saves to object storage)")
-
-
 class Trainer(transformers.Trainer):
     """``transformers.Trainer`` on impel's Accelerator: same constructor, members and behaviour, plus impel's
     additions (:mod:`impel.trainer.hf_callbacks`): ``metrics.jsonl`` and ``loss.png`` in ``output_dir``
@@ -234,13 +222,23 @@ class Trainer(transformers.Trainer):
     complete, and ``train(resume_from_checkpoint="auto")``."""
 
     def __init__(self, *args: Any, plot_loss: bool | None = None, **kwargs: Any) -> None:
+        self.remote_output: hf_remote.RemoteOutput | None = None  # an output_dir URL (impel.trainer.hf_remote)
         super().__init__(*args, **kwargs)
         self.add_callback(hf_callbacks.MetricsLog(plot_loss))
         self.add_callback(hf_callbacks.CompleteCheckpoints(self.accelerator))
+        if self.remote_output is not None:
+            self.add_callback(hf_remote.UploadOutput(self.remote_output))
+
+    @property
+    def output_url(self) -> str | None:
+        """The object-storage URL given as ``output_dir`` (``args.output_dir`` is then its local mirror), or None."""
+        return None if self.remote_output is None else self.remote_output.url
 
     def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
         """transformers' ``train``; ``resume_from_checkpoint="auto"`` / True take the newest *complete*
         checkpoint (``"auto"`` starts from scratch when there is none)."""
+        if self.remote_output is not None:
+            resume_from_checkpoint = self.remote_output.fetch(resume_from_checkpoint, self.accelerator)
         resume = hf_resume.resolve_resume(resume_from_checkpoint, self.args.output_dir, self.is_world_process_zero())
         return super().train(resume, *args, **kwargs)
 
@@ -256,9 +254,16 @@ class Trainer(transformers.Trainer):
         self.accelerator.wait_for_everyone()  # no rank writes into the folder before it is marked
         super()._save_checkpoint(model, trial)
 
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """transformers' ``save_model``; with an ``output_dir`` URL, what it wrote into the mirror is uploaded."""
+        super().save_model(output_dir, _internal_call)
+        mirrored = output_dir is None or os.path.abspath(output_dir) == os.path.abspath(self.args.output_dir)
+        if self.remote_output is not None and mirrored and self.args.should_save:
+            self.remote_output.upload_outputs()
+
     def create_accelerator_and_postprocess(self) -> None:
         _check_auto_resume()
-        _check_output_dir(self.args)
+        self.remote_output = hf_remote.mirror(self.args)  # before transformers makes output_dir a local folder
         self.accelerator = Accelerator(**accelerator_arguments(self.args, self.model))
         gather = self.accelerator.gather_for_metrics
         if "use_gather_object" in inspect.signature(gather).parameters:

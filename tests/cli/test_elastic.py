@@ -6,6 +6,7 @@ comes back, the job grows back to two. No process is left running afterwards."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -16,6 +17,7 @@ import pytest
 
 from cli_helpers import SCRIPTS, Result, finish, impel, start_impel
 from impel.testing import free_port
+from reliability_round3_launch import LAUNCH_CASES
 
 LIMIT = 240  # per launch: a hang fails at this limit, with the machines' output
 # the inner limits of the longest test (its fixture, then four waits of LIMIT and one of 60 s) stay below this
@@ -141,6 +143,37 @@ def test_losing_a_machine_continues_on_the_other_with_the_same_global_batch(unin
         assert res.output.count(SHRINK) == 1, res.output[-6000:]  # one line names the change
         assert res.output.count("elastic restart") == 1 and "has no RNG state" not in res.output
     finally:
+        _no_rank_left(tmp_path)
+
+
+def test_a_frozen_machine_is_declared_lost_and_the_job_continues_without_it(uninterrupted, launches, tmp_path):
+    """Machine 1 is stopped (SIGSTOP on its agent and rank) after step 4: its connections stay open, so no
+    collective fails and its agent cannot say it left. Machine 0's stall watchdog sees rank 1's heartbeat stop,
+    says so in one line and exits its rank; the agent restarts without machine 1 and the job ends as if machine 1
+    had died."""
+    for _ in range(3):
+        port = free_port()
+        first = start_impel(_machine(port, 0, tmp_path), tmp_path,
+                            IMPEL_STALL_WARNING="4")
+        launches.append(first)
+        if _listening(first, port):
+            break
+        assert "in use" in finish(first).output
+    else:
+        raise AssertionError("no free port in 3 attempts")
+    frozen = start_impel(_machine(port, 1, tmp_path), tmp_path, ELASTIC_FREEZE_AT="4", IMPEL_STALL_WARNING="4")
+    launches.append(frozen)
+    try:
+        res = finish(first, timeout=LIMIT)
+        survivor = _report(res)
+        assert survivor["world"] == 1 and survivor["accumulation"] == 2 and survivor["steps"] == 10
+        assert _largest_difference(survivor["params"], uninterrupted["params"]) < 1e-5
+        lost = [line for line in res.stderr.splitlines() if line.startswith("impel watchdog: rank 1 has sent no")]
+        assert len(lost) == 1 and re.fullmatch(LAUNCH_CASES["frozen_machine"][1], lost[0]), res.output[-6000:]
+        assert res.output.count(SHRINK) == 1, res.output[-6000:]
+    finally:
+        os.killpg(frozen.pid, signal.SIGKILL)  # a stopped process takes SIGKILL
+        frozen.communicate()
         _no_rank_left(tmp_path)
 
 

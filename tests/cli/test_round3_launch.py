@@ -125,3 +125,18 @@ def test_ranks_in_different_collectives_are_named_with_their_call_sites(tmp_path
     assert res.returncode != 0, res.stderr[-3000:]  # the group timeout ends it
     assert re.search(line, res.stderr), res.stderr[-3000:]
     assert "network?" not in res.stderr
+
+
+def test_a_machine_without_machine_0_says_so_at_once_and_ends_in_one_line(tmp_path):
+    """Without machine 0 (the rendezvous host), torchrun's agent retried for about two minutes in silence and then
+    printed C++ frames; the launcher now says so at once and ends after the rendezvous's join_timeout."""
+    _, line, limit = LAUNCH_CASES["no_machine_0"]
+    (tmp_path / "el.py").write_text("raise SystemExit('never started')\n")
+    res = impel(["launch", "--cpu", "--nnodes", "1:2", "--main_process_ip", "127.0.0.1", "--main_process_port",
+                 str(free_port()), "--machine_rank", "1", "--max_restarts", "1", "--rdzv_conf", "join_timeout=6",
+                 str(tmp_path / "el.py")], tmp_path, timeout=limit)
+    assert res.returncode == 1, res.output[-3000:]
+    lines = res.stderr.strip().splitlines()
+    assert re.fullmatch(line, lines[-1]), res.stderr[-3000:]
+    assert "does not answer (Connection refused) after 0 s" in lines[0], res.stderr[-3000:]
+    assert "frame #" not in res.output and "never started" not in res.output

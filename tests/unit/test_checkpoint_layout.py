@@ -13,6 +13,7 @@ import torch
 import xxhash
 from torch import nn
 
+from checkpoint_helpers import prepared_mlp
 from helpers import make_mlp
 from impel import Accelerator, CheckpointError, ConfigError, ProjectConfiguration
 from impel.accelerator import save_load as checkpointer
@@ -21,15 +22,7 @@ from impel.runtime.process import ProcessState
 
 
 def prepared(project_dir=None, total_limit=None, **config):
-    pc = ProjectConfiguration(project_dir, automatic_checkpoint_naming=project_dir is not None,
-                              total_limit=total_limit, **config)
-    acc = Accelerator(cpu=True, project_config=pc)
-    model = make_mlp()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    model, opt = acc.prepare(model, opt)
-    model(torch.randn(4, 6)).sum().backward()
-    opt.step()
-    return acc, model, opt
+    return prepared_mlp(project_dir, total_limit, steps=1, **config)
 
 
 def test_a_committed_checkpoint_has_marker_metadata_and_a_true_manifest(tmp_path):
@@ -430,3 +423,21 @@ def test_a_mount_point_as_the_target_is_refused_in_one_line():
     acc, _model, _opt = prepared()
     with pytest.raises(CheckpointError, match=r"output_dir /dev/shm is a mount point; .*pass a directory inside it"):
         acc.save_state("/dev/shm")
+
+
+def test_a_temporary_directory_removed_while_a_rank_joins_it_is_a_checkpoint_error(tmp_path, monkeypatch):
+    """Another rank's failed save (or a cleaner) removed the directory between this rank's mkdir and its lock: one
+    CheckpointError naming it, not a raw FileNotFoundError that kills the rank."""
+    from impel.checkpoint import tempdirs
+
+    real_open = tempdirs.os.open
+
+    def vanished(path, *args, **kwargs):
+        if str(path).endswith(tempdirs.LOCK_NAME):
+            raise FileNotFoundError(2, "No such file or directory", str(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(tempdirs.os, "open", vanished)
+    with pytest.raises(CheckpointError, match=r"\.impel-tmp-x, the temporary directory of this save, was removed "
+                                              r"while this rank joined it"):
+        tempdirs.make(tmp_path / ".impel-tmp-x")

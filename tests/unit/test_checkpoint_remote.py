@@ -8,19 +8,13 @@ import fsspec
 import pytest
 import torch
 
-from helpers import make_mlp
-from impel import Accelerator, CheckpointError, ProjectConfiguration
+from checkpoint_helpers import prepared_mlp
+from impel import CheckpointError
 from impel.checkpoint import layout
 
 
 def prepared(project_dir=None, total_limit=None, **config):
-    pc = ProjectConfiguration(project_dir, automatic_checkpoint_naming=project_dir is not None,
-                              total_limit=total_limit, **config)
-    acc = Accelerator(cpu=True, project_config=pc)
-    model = make_mlp()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    model, opt = acc.prepare(model, opt)
-    return acc, model, opt
+    return prepared_mlp(project_dir, total_limit, steps=0, **config)
 
 
 def train(acc, model, opt, steps=1):

@@ -293,13 +293,3 @@ def test_an_fsdp_config_key_transformers_drops_under_fsdp2_raises(tmp_path):
     with pytest.raises(ConfigError, match=r"fsdp_config keys \['forward_prefetch', 'sync_module_state'\] have no "
                                           r"effect under FSDP2 .* remove them"):
         accelerator_arguments(dropped, tiny_gpt2())
-
-
-def test_an_object_storage_output_dir_raises_before_a_local_folder_appears(tmp_path, monkeypatch):
-    from impel.trainer.hf import Trainer, TrainingArguments
-
-    monkeypatch.chdir(tmp_path)
-    args = TrainingArguments(output_dir="s3://bucket/run", use_cpu=True, report_to=[])
-    with pytest.raises(ConfigError, match=r"output_dir='s3://bucket/run'.*does not take s3:// URLs"):
-        Trainer(model=tiny_gpt2(), args=args, train_dataset=padded_lm_data(8))
-    assert list(tmp_path.iterdir()) == []

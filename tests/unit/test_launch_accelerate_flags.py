@@ -3,6 +3,7 @@ main`` and the other flags' off values are taken, and each setting impel cannot 
 The flag names are checked against the installed Accelerate's own launch parser."""
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 
@@ -24,6 +25,14 @@ REFUSED = [  # (flags, what the error names)
     (["--env", "NO_EQUALS"], "--env 'NO_EQUALS' must be KEY=VALUE"),
     (["--env", "ACCELERATE_MIXED_PRECISION=bf16"], "impel launch sets ACCELERATE_MIXED_PRECISION itself"),
     (["--env", "OMP_NUM_THREADS=4"], "--num_cpu_threads_per_process"),
+    (["--tpu"], "--tpu is for TPUs (torch_xla) and TPU pods, which impel does not drive; remove it"),
+    (["--vm", "tpu-vm-1"], "--vm is for TPUs"),
+    (["--use_megatron_lm"], "--use_megatron_lm is a Megatron-LM setting, and impel does not run Megatron-LM"),
+    (["--megatron-lm-tp-degree", "2"], "--megatron_lm_tp_degree is a Megatron-LM setting"),
+    (["--fp8_format", "HYBRID"], "--fp8_format is an FP8 training setting, and impel does not train in FP8"),
+    (["--aws_access_key_id", "AKIA"], "--aws_access_key_id is for Amazon SageMaker launches, which impel does not"),
+    (["--deepspeed_hostfile", "hosts"], "--deepspeed_hostfile is for DeepSpeed's own multi-node runner .*, or "
+                                        "start the ranks with mpirun"),
 ]
 TAKEN = [["--main_training_function", "main"], ["--fsdp_activation_checkpointing_offload", "false"],
          ["--parallelism_config_sp_seq_length_is_variable", "true"],
@@ -35,6 +44,23 @@ def _plan(tmp_path, flags):
     (tmp_path / "c.yaml").write_text("{}\n")
     return plan_launch(parse(build_parser(), ["launch", "--config_file", str(tmp_path / "c.yaml"), *flags, "--cpu",
                                               str(tmp_path / "train.py")]))
+
+
+def test_every_flag_of_accelerate_launch_is_known():
+    """Each of accelerate launch's flags (either spelling) parses under impel launch: taken, or refused by its
+    check with the reason, never argparse's "unrecognized arguments"."""
+    from accelerate.commands.launch import launch_command_parser
+
+    from impel.commands.flags import underscored
+
+    launch = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices["launch"]
+    ours = set(launch._option_string_actions)
+    theirs = {s for a in launch_command_parser()._actions for s in a.option_strings if s.startswith("--")}
+    assert sorted(f for f in theirs if underscored(f) not in ours) == []
+
+
+def test_role_goes_to_torchruns_agent(tmp_path):
+    assert _plan(tmp_path, ["--num_processes", "2", "--role", "trainer"]).agent_args == ["--role", "trainer"]
 
 
 def test_the_flags_are_accelerates():

@@ -74,3 +74,39 @@ def test_the_stall_setting_is_read_and_checked(monkeypatch):
     monkeypatch.setenv(env.STALL_WARNING_VAR, "soon")
     with pytest.raises(ValueError, match="IMPEL_STALL_WARNING='soon' is not a number of seconds >= 0"):
         env.stall_warning_seconds()
+
+
+def test_an_elastic_rank_exits_once_a_peer_it_waits_for_stops_beating(capsys, monkeypatch):
+    """A frozen machine keeps its connections: no collective fails, so the rank waiting for it exits (its agent
+    then restarts the job without it). A peer that beats (busy, not frozen) or never beat (its watchdog off) is
+    not lost."""
+    store, clock, exits = DictStore(), [100.0], []
+    monkeypatch.setattr(rank_health.time, "monotonic", lambda: clock[0])
+    dog = rank_health.Watchdog(store, rank=0, world_size=4, stall_s=4.0, timeout_s=600, lost_exits=True)
+    dog.exit = exits.append
+    mine = {"in": "backward", "call": 7, "what": "backward", "for": 2.0}
+    store.set("hb/1", _beat(None, 6, "backward", 1.0))  # frozen from now on
+    for second in range(2):  # lost once unchanged for stall_s / 2
+        store.set("hb/2", _beat(None, 6, "backward", 1.0 + second))  # busy in its own code, beating
+        dog.exit_if_lost({**mine, "for": 2.0 + second})
+        assert exits == [], capsys.readouterr().err
+        clock[0] += 1.0
+    store.set("hb/2", _beat(None, 6, "backward", 9.0))
+    dog.exit_if_lost({**mine, "for": 4.0})
+    assert exits == [1]
+    assert capsys.readouterr().err.strip() == (
+        "impel watchdog: rank 1 has sent no heartbeat for 2 s while rank 0 waits for it in backward #7 (for 4 s): its "
+        "machine is frozen, stopped or cut off; rank 0 exits so that the elastic agent restarts the job on the "
+        "machines that answer, from the last checkpoint")
+
+
+def test_only_an_elastic_job_with_restarts_left_exits_for_a_lost_peer(monkeypatch):
+    monkeypatch.setenv(env.CONFIG_VAR, json.dumps({"min_machines": 1, "num_machines": 2}))
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    assert rank_health._restart_heals()
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "3")  # no restart left: the group timeout ends the job
+    assert not rank_health._restart_heals()
+    monkeypatch.setenv(env.CONFIG_VAR, json.dumps({"num_machines": 2}))  # fixed machines: a restart waits for it
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    assert not rank_health._restart_heals()

@@ -6,6 +6,7 @@ The data is shuffled by the DataLoader's own generator with --seeded_loader, els
 
 $ELASTIC_DIE_AT=N (set for one machine only): on its first attempt, that machine's rank SIGKILLs its agent (the
 ``impel launch`` process, its parent) and then itself after optimizer step N: the machine is lost.
+$ELASTIC_FREEZE_AT=N: the same, with SIGSTOP: the machine is frozen (its processes and connections stay).
 $ELASTIC_GROW_AT=N: a rank running alone (world size 1) after optimizer step N writes PROJECT_DIR/../alone and waits
 (up to 120 s) for the SIGTERM its agent sends when a machine joins again; then impel saves and the job restarts on
 both machines.
@@ -32,6 +33,7 @@ p.add_argument("--accumulation", type=int, default=1)
 p.add_argument("--seeded_loader", action="store_true")
 args = p.parse_args()
 die_at = int(os.environ.get("ELASTIC_DIE_AT", "0"))
+freeze_at = int(os.environ.get("ELASTIC_FREEZE_AT", "0"))
 grow_at = int(os.environ.get("ELASTIC_GROW_AT", "0"))
 home = os.path.dirname(os.path.abspath(args.project_dir))
 first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
@@ -73,6 +75,10 @@ while opt.steps_taken < args.total:
             time.sleep(1)  # the other machine is in its next step's all-reduce when this one disappears
             os.kill(os.getppid(), signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
+        if first_attempt and done == freeze_at:
+            time.sleep(1)
+            os.kill(os.getppid(), signal.SIGSTOP)
+            os.kill(os.getpid(), signal.SIGSTOP)
         if grow_at and done == grow_at and acc.num_processes == 1:
             open(os.path.join(home, "alone"), "w").close()
             deadline = time.monotonic() + 120
