@@ -28,14 +28,14 @@ MERGERS: dict[str, str] = {
 
 def full_weights(directory: Path, metadata: Mapping[str, Any], model_index: int) -> dict[str, torch.Tensor]:
     """Model ``model_index`` of a checkpoint written by :func:`impel.checkpoint.full.save_full`."""
-    return read_weights(directory / metadata["models"][model_index])
+    return read_weights(None, directory / metadata["models"][model_index])  # merge_weights verified every file
 
 
 def sharded_weights(directory: Path, metadata: Mapping[str, Any], model_index: int) -> dict[str, torch.Tensor]:
     """Model ``model_index`` of a DCP checkpoint, gathered on this process (DTensor shards become full tensors)."""
     from impel.checkpoint.sharded import load_full_state
 
-    state = load_full_state(directory / metadata["models"][model_index])
+    state = load_full_state(None, directory / metadata["models"][model_index])  # verified by merge_weights
     return {k: v for k, v in state["model"].items() if isinstance(v, torch.Tensor)}
 
 
@@ -96,7 +96,7 @@ def merge_fsdp_weights(checkpoint_dir: str | os.PathLike[str], output_path: str 
         else:
             from impel.checkpoint.sharded import load_full_state
 
-            state = load_full_state(source)
+            state = load_full_state(None, source)  # a bare DCP directory: no manifest
             if len(state) == 1 and isinstance(next(iter(state.values())), dict):  # {"model": {...}}
                 state = next(iter(state.values()))
             tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
