@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
-from impel.checkpoint import cooperative, full_slices, named_state
+from impel.checkpoint import cooperative, formats, full_slices, named_state
 from impel.checkpoint.files import (
     read_safetensors,
     read_safetensors_file,
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-FORMAT = "full"
+FORMAT = formats.FULL.name
 
 
 def suffix(index: int) -> str:

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 
-from impel.checkpoint import dcp_raw, named_state
+from impel.checkpoint import dcp_raw, formats, named_state
 from impel.checkpoint.files import crc32_off
 from impel.checkpoint.full import optimizer_state, pair_optimizers, suffix
 from impel.checkpoint.layout import CheckpointError
@@ -33,7 +33,7 @@ from impel.runtime.collectives import is_distributed
 if TYPE_CHECKING:
     from impel.checkpoint.session import SaveSession
 
-FORMAT = "sharded"
+FORMAT = formats.SHARDED.name
 
 _DCP_METADATA = {"Metadata", "MetadataIndex", "StorageMeta", "ChunkStorageMetadata", "TensorProperties",
                  "TensorStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING"}

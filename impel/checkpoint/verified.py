@@ -20,14 +20,13 @@ from __future__ import annotations
 import bisect
 import io
 import os
-import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from impel.checkpoint import hashing
+from impel.checkpoint import formats, hashing
 from impel.checkpoint.layout import CheckpointError, corrupted, entry_blocks, entry_ends, missing_file
 
 # Bytes a reader asks the kernel for ahead of its position (posix_fadvise WILLNEED), within the ranges it will
@@ -37,10 +36,8 @@ from impel.checkpoint.layout import CheckpointError, corrupted, entry_blocks, en
 AHEAD = 32 << 20
 _WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None)  # None where the platform has no posix_fadvise (macOS)
 
-# files impel's readers open through open_checked (the leader checks the others' checksums up front)
-_READ_CHECKED = re.compile(
-    r"^(model|optimizer|scheduler)(_\d+)?\.(safetensors|pt)$|^pytorch_model(_\d+)?\.bin$|^training_state\.pt$"
-    r"|^custom_checkpoint_\d+\.pt$|^random_states_\d+\.pt$|^(model|optimizer)(_\d+)?/(\.metadata|[^/]+\.distcp)$")
+# files impel's readers open through open_checked (the leader checks the others' checksums up front): the formats'
+_READ_CHECKED = formats.read_checked_pattern()
 
 
 def checked_on_read(rel: str) -> bool:

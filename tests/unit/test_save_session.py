@@ -92,3 +92,22 @@ def test_an_async_save_whose_writer_forgets_the_session_raises_at_the_call_and_c
     monkeypatch.undo()
     assert Path(acc.save_state(async_save=True)).name.startswith("checkpoint_")
     acc.wait_for_checkpoint()
+
+
+def test_the_formats_table_is_what_the_writers_record_the_merger_runs_and_the_verifier_checks():
+    import importlib
+
+    from impel.checkpoint import deepspeed_engines, formats, merge, verified
+
+    assert {full.FORMAT, sharded.FORMAT, deepspeed_engines.FORMAT} == set(formats.FORMATS)
+    for name, fmt in formats.FORMATS.items():
+        module, _, attr = fmt.merger.partition(":")
+        assert callable(getattr(importlib.import_module(module), attr)), fmt
+        assert merge.MERGERS[name] == fmt.merger
+    checked = ["model.safetensors", "model_1.safetensors", "optimizer.pt", "optimizer_2.safetensors",
+               "pytorch_model.bin", "pytorch_model_1.bin", "scheduler.pt", "scheduler_1.pt", "training_state.pt",
+               "custom_checkpoint_0.pt", "random_states_3.pt", "model/.metadata", "optimizer_1/__0_0.raw.distcp"]
+    hashed_up_front = ["deepspeed/zero/mp_rank_00_model_states.pt", "extra.bin", "model.safetensors.bak",
+                       "model/__0_0.distcp.tmp", "impel_checkpoint.json", "random_states.pt", "hook/model.pt"]
+    assert [n for n in checked if not verified.checked_on_read(n)] == []
+    assert [n for n in hashed_up_front if verified.checked_on_read(n)] == []
