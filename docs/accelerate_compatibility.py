@@ -20,7 +20,7 @@ import impel.state
 import impel.utils as iu
 from impel.accelerator import Accelerator as IAcc
 from impel.accelerator.not_provided import NotProvidedMember
-from impel.config.unsupported import REASONS
+from impel.config.unsupported import ACCELERATES_OWN, REASONS
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "unit"))
 import test_accelerate_signatures as signatures  # noqa: E402  (the compared signatures and the listed differences)
@@ -247,7 +247,9 @@ UTILS_USED = sorted(set(iu.__all__) | {
 
 
 def placeholder(value):
-    return type(value).__module__ == "impel.config.unsupported"
+    """A NotProvidedError placeholder, or Accelerate's own object that impel's name is (ACCELERATES_OWN)."""
+    return type(value).__module__ == "impel.config.unsupported" or \
+        getattr(value, "__module__", "").startswith("accelerate.")
 
 
 def has(module, name):
@@ -264,6 +266,8 @@ def row(name, present):
     if present:
         note = LIMITS.get(name, "")
         return f"| `{name}` | supported | {note} |"
+    if name in ACCELERATES_OWN:
+        return f"| `{name}` | Accelerate's own when installed (else NotProvidedError on use) | {REASONS[name]} |"
     if name in REASONS:
         return f"| `{name}` | not provided (imports; NotProvidedError on use) | {REASONS[name]} |"
     return f"| `{name}` | missing (AttributeError) | {MISSING.get(name) or 'not provided yet'} |"
@@ -319,7 +323,8 @@ for a_mod, i_mod, names in paths:
     lines.append(f"| `{a_mod}` | `{i_mod}` {'supported' if ok else 'MISSING'} | {', '.join(names)} | "
                  f"{LIMITS.get(a_mod, '')} |")
 lines += ["| `accelerate.utils` | `impel.utils` supported | see below | |",
-          "| `accelerate.hooks` | `impel.hooks` (every name imports; NotProvidedError on use) | "
+          "| `accelerate.hooks` | `impel.hooks` (Accelerate's own names when installed, else NotProvidedError on "
+          "use) | "
           f"{', '.join(importlib.import_module('impel.hooks').__all__)} | big-model inference hooks: "
           f"{REASONS['add_hook_to_module']} |"]
 # the rest of the installed Accelerate's top-level module paths (tests/unit/test_accelerate_module_paths.py)
@@ -351,7 +356,10 @@ lines.append("")
 lines += ["## Module paths below `accelerate.utils`", "",
           "Each of Accelerate's `accelerate.utils.<submodule>` paths is a face over impel's modules. Checked: the",
           "names of each submodule that are in `accelerate.utils`' namespace (its documented names) or constants.",
-          "", "| Accelerate | names | real | not provided (NotProvidedError on use) |", "|---|---|---|---|"]
+          "Accelerate's big-model names are Accelerate's own objects when it is installed (NotProvidedError without",
+          "it).",
+          "", "| Accelerate | names | real | not provided (NotProvidedError on use) or Accelerate's own |",
+          "|---|---|---|---|"]
 for sub in signatures_subs:
     acc_mod = importlib.import_module(f"accelerate.utils.{sub}")
     names = [n for n in dir(acc_mod) if not n.startswith("_") and not isinstance(getattr(acc_mod, n), types.ModuleType)

@@ -1,7 +1,7 @@
 """``impel.big_modeling``: Accelerate's ``accelerate.big_modeling`` path for building models without weights and
 loading weights into them (a face; they live in :mod:`impel.runtime.model_loading`). Its inference side (dispatch,
-offloading) is not impel's: those names import and raise ``NotProvidedError`` on use
-(:mod:`impel.config.unsupported`)."""
+offloading) is not impel's: those names are Accelerate's own objects when Accelerate is installed, else they import
+and raise ``NotProvidedError`` on use (:mod:`impel.config.unsupported`)."""
 from __future__ import annotations
 
 from impel.exports import lazy_face

@@ -1,6 +1,7 @@
 """``impel.hooks``: Accelerate's ``accelerate.hooks`` path. Its hooks serve big-model inference (device maps,
-offloading), which impel does not do: every name imports, and using one raises ``NotProvidedError`` with the
-reason and the alternative (:mod:`impel.config.unsupported`). The training path needs none of them."""
+offloading), which impel does not implement; they hold no distributed state, so with Accelerate installed every name
+is Accelerate's own object (PEFT uses them), and without it using one raises ``NotProvidedError`` with the reason
+(:mod:`impel.config.unsupported`). The training path needs none of them."""
 from __future__ import annotations
 
 from impel.exports import lazy_face

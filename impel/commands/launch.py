@@ -22,6 +22,7 @@ from impel.commands.accelerate_flags import accelerate_only_settings, add_accele
 from impel.commands.flags import add_config_flags, explicit_from_flags, explicit_from_flags_list, merge_file_and_flags
 from impel.commands.preflight import check_rendezvous
 from impel.commands.rank_watch import RankWatch, describe_exit, die_with_this_process
+from impel.commands.script_route import accelerate_route_note
 from impel.config import environment as env
 from impel.config.elastic import check_elastic_launch
 from impel.config.environment_settings import describe, environment_settings
@@ -226,6 +227,7 @@ def plan_launch(ns: argparse.Namespace) -> LaunchPlan:
     if config.num_machines > 1 or (config.num_processes or 1) > 1:
         check_rendezvous(config)  # an unknown host or a taken port: one line now, not a hang or a traceback later
     command = _script_command(ns)
+    notes += [line for line in [accelerate_route_note(command)] if line]  # a stock TRL/Accelerate script: say so
     if config.distributed_type == "AUTO":
         config, explicit = _choose_strategy(config, explicit, notes)
     _check_engines(config, explicit)

@@ -5,7 +5,9 @@ so that ``from impel.hooks import add_hook_to_module`` imports, as it does under
 it, building it) raises :class:`NotProvidedError` naming it, why impel does not have it and what to use instead.
 Introspection works (``inspect.signature``, ``help()``, mock autospec, completion); reading an attribute of one
 raises :class:`NotProvidedAttributeError`, an ``AttributeError`` with the same reason, so ``hasattr`` answers
-False. A name Accelerate does not have at all stays an ``AttributeError``.
+False. A name Accelerate does not have at all stays an ``AttributeError``. The big-model pieces that hold no
+distributed state (hooks, dispatch, device maps, offloading: :data:`ACCELERATES_OWN`, which PEFT imports) are
+Accelerate's own objects when Accelerate is installed, and such placeholders only without it.
 
 Example::
 
@@ -14,10 +16,13 @@ Example::
 """
 from __future__ import annotations
 
+import importlib
 from typing import Any, NoReturn
 
 _BIG_MODEL = "big-model inference (device maps, offloading, dispatch hooks) is not in impel's scope: impel trains; " \
              "load weights with impel.load_checkpoint_in_model and place the model with accelerator.prepare"
+_FROM_ACCELERATE = "; with Accelerate installed (pip install 'accelerate>=1.15,<1.16') this name is Accelerate's own " \
+                   "implementation (it holds no distributed state)"
 _FP8 = "impel has no fp8 mode; train in bf16 (mixed_precision='bf16')"
 _MEGATRON = "impel does not drive Megatron-LM; use FSDP, DeepSpeed or ParallelismConfig(tp_size=...)"
 _QUANT = "quantised loading is not in impel's scope; quantise with transformers' " \
@@ -54,6 +59,8 @@ REASONS: dict[str, str] = {
         "attach_align_device_hook_on_blocks", "attach_execution_device_hook", "attach_layerwise_casting_hooks",
         "named_module_tensors", "retie_parameters", "check_tied_parameters_on_same_device",
         "check_tied_parameters_in_config", "calculate_maximum_sizes", "load_state_dict", "CustomDtype")},
+    "get_module_class_from_name": "a helper of Accelerate's FSDP1 auto-wrap policy; impel's FSDP wraps by class name "
+                                  "itself: FullyShardedDataParallelPlugin(transformer_cls_names_to_wrap=[...])",
     **{name: _FP8 for name in (
         "FP8RecipeKwargs", "AORecipeKwargs", "TERecipeKwargs", "MSAMPRecipeKwargs", "check_cuda_fp8_capability",
         "torchao_required", "apply_fp8_autowrap", "convert_model")},
@@ -101,6 +108,16 @@ REASONS: dict[str, str] = {
 }
 
 
+# big-model pieces that hold no distributed state (hooks, dispatch, device maps, offloading; PEFT imports them):
+# Accelerate's own objects when Accelerate is installed, rather than a second implementation
+ACCELERATES_OWN = frozenset(name for name, reason in REASONS.items() if reason == _BIG_MODEL) | {
+    "get_module_class_from_name"}
+for _name in ACCELERATES_OWN:
+    REASONS[_name] += _FROM_ACCELERATE
+_ACCELERATE_MODULES = ("accelerate.hooks", "accelerate.big_modeling", "accelerate.utils.modeling",
+                       "accelerate.utils.dataclasses")
+
+
 class NotProvidedError(NotImplementedError):
     """A name of Accelerate's API that impel deliberately does not provide was used."""
 
@@ -137,12 +154,25 @@ def placeholder(name: str) -> type:
                                     "__module__": __name__})
 
 
-_made: dict[str, type] = {}
+_made: dict[str, Any] = {}
 
 
-def __getattr__(name: str) -> type:
+def __getattr__(name: str) -> Any:
     if name not in REASONS:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     if name not in _made:
-        _made[name] = placeholder(name)
+        own = _accelerates(name) if name in ACCELERATES_OWN else None
+        _made[name] = placeholder(name) if own is None else own
     return _made[name]
+
+
+def _accelerates(name: str) -> Any:
+    """Accelerate's own ``name`` (one of :data:`ACCELERATES_OWN`), or None when Accelerate is not installed."""
+    for module in _ACCELERATE_MODULES:
+        try:
+            value = getattr(importlib.import_module(module), name, None)
+        except ImportError:
+            return None
+        if value is not None:
+            return value
+    return None

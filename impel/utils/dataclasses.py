@@ -15,7 +15,8 @@ _EXPORTS = face_table(
     "ProfileKwargs", "ProjectConfiguration", "RNGType", "SageMakerDistributedType", "TERecipeKwargs",
     "TensorInformation", "TorchContextParallelConfig", "TorchDynamoPlugin", "TorchTensorParallelConfig",
     "TorchTensorParallelPlugin", "XPU_PROFILING_AVAILABLE_PYTORCH_VERSION", "add_model_config_to_megatron_parser",
-    "compare_versions", "is_cuda_available", "is_hpu_available", "is_mlu_available", "is_msamp_available",
+    "compare_versions", "get_module_class_from_name",
+    "is_cuda_available", "is_hpu_available", "is_mlu_available", "is_msamp_available",
     "is_musa_available", "is_neuron_available", "is_npu_available", "is_rocm_available", "is_torch_version",
     "is_torchao_available", "is_transformer_engine_available", "is_xpu_available", "parse_flag_from_env",
     "str_to_bool"

@@ -98,8 +98,9 @@ def test_every_name_transformers_imports_from_accelerate_resolves_under_impel():
     assert not missing
 
 
-@pytest.mark.parametrize("module,name", [("impel.utils", "FP8RecipeKwargs"), ("impel.hooks", "add_hook_to_module"),
-                                         ("impel", "dispatch_model"), ("impel.utils.deepspeed", "HfDeepSpeedConfig")])
+@pytest.mark.parametrize("module,name", [("impel.utils", "FP8RecipeKwargs"), ("impel.utils", "MegatronLMPlugin"),
+                                         ("impel.utils", "BnbQuantizationConfig"),
+                                         ("impel.utils.deepspeed", "HfDeepSpeedConfig")])
 def test_a_name_impel_does_not_provide_imports_and_raises_with_its_reason_on_use(module, name):
     value = getattr(importlib.import_module(module), name)
     with pytest.raises(NotProvidedError, match=f"impel does not provide {name}: .*; "):
@@ -192,7 +193,8 @@ def test_moved_paths_are_the_same_objects_and_memory_utils_warns_as_accelerate()
 def _placeholders():
     import impel.config.unsupported as unsupported
 
-    return [getattr(unsupported, name) for name in sorted(REASONS)]
+    # the big-model names are Accelerate's own objects where it is installed (tests/unit/test_accelerate_big_model.py)
+    return [getattr(unsupported, name) for name in sorted(set(REASONS) - unsupported.ACCELERATES_OWN)]
 
 
 def test_placeholders_raise_on_use_not_on_introspection():
@@ -205,7 +207,7 @@ def test_placeholders_raise_on_use_not_on_introspection():
     from impel.config.unsupported import NotProvidedAttributeError
 
     placeholders = _placeholders()
-    assert len(placeholders) >= 100
+    assert len(placeholders) >= 70
     for value in placeholders:
         name = value.__name__
         inspect.signature(value)
