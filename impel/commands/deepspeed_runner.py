@@ -228,7 +228,7 @@ def environment_file(directory: str, variables: dict[str, str]) -> str:
     """DeepSpeed's environment file for the other machines: the user's own files' lines, then every variable of the
     ranks' environment that DeepSpeed forwards verbatim (``IMPEL_CONFIG`` encoded). A variable impel launch sets
     whose value DeepSpeed cannot forward is a ConfigError."""
-    name = os.environ.get("DS_ENV_FILE", ".deepspeed_env")
+    name = env.deepspeed_env_file_name()
     lines = []
     for where in (os.path.expanduser("~"), "."):  # DeepSpeed's order: the later file's value wins
         own = Path(where, name)

@@ -97,6 +97,11 @@ def encode_launch_config(raw: str) -> str:
     return _ENCODED + base64.urlsafe_b64encode(raw.encode("utf-8")).decode("ascii")
 
 
+def deepspeed_env_file_name() -> str:
+    """The name of the environment file DeepSpeed's runner reads from ``~`` and ``.`` (``$DS_ENV_FILE``)."""
+    return os.environ.get("DS_ENV_FILE", ".deepspeed_env")
+
+
 def write_launch_config(config: Mapping[str, Any], environ: MutableMapping[str, str] | None = None) -> None:
     env = os.environ if environ is None else environ
     env[CONFIG_VAR] = json.dumps(dict(config), sort_keys=True)
