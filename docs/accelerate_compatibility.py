@@ -124,8 +124,8 @@ LIMITS = {
                   "in the background (docs/checkpoints.md, \"Asynchronous saves\")",
     "gradient_accumulation_steps": "settable; raises under DeepSpeed (its engine fixes it) or mid-group",
     "save": "main process only (each node's with save_on_each_node); safetensors for a dict of tensors",
-    "dispatch_batches": "DataLoaderConfiguration's: True dispatches every batch from rank 0, as Accelerate "
-                        "(None keeps each rank reading its own shard)",
+    "dispatch_batches": "DataLoaderConfiguration's: True dispatches every batch from rank 0, as Accelerate; "
+                        "None (the default) dispatches iterable datasets, as Accelerate",
     "rng_types": "default ['generator'] as in Accelerate: the sampler's generator is rank 0's (agreed at prepare); "
                  "'torch' / 'cuda' are shared from rank 0 at each pass; other kinds raise",
     "DataLoaderConfiguration": "all of Accelerate's fields and defaults, and the same batches per rank and global RNG "
@@ -222,13 +222,16 @@ LIMITS = {
                               "tests/multiprocess/test_dispatch_batches_matches_accelerate.py), and what "
                               "accelerator.prepare returns (a DataLoaderDispatcher with dispatch_batches=True, else a "
                               "DataLoaderShard); prepare_data_loader(dispatch_batches=True) dispatches as "
-                              "Accelerate's, dispatch_batches=None reads per rank also for an iterable dataset "
-                              "(Accelerate's function dispatches those when put_on_device=True); a loader with "
+                              "Accelerate's, dispatch_batches=None dispatches an iterable dataset when "
+                              "put_on_device=True, as Accelerate's function; a loader with "
                               "batch_size=None prepares as Accelerate's on one process (keeping its sampler) and is "
                               "dealt sample by sample on several (Accelerate's fails there)",
     "trigger_sync_in_backward": "DDP: the next backward in the block reduces gradients (as Accelerate's); "
                                 "elsewhere nothing to do",
-    "state:_reset_state": "provided because transformers calls it: forgets the state, keeps the process group",
+    "state:_reset_state": "provided because transformers calls it: forgets the state, keeps the process group; "
+                           "an Accelerator built before it keeps working (Accelerate's raises AttributeError on its "
+                           "next use, which two of Accelerate's unit tests and test_script's "
+                           "test_reinstantiated_state expect; docs/testing.md)",
     "state:debug": "collectives check shapes across ranks first (DistributedOperationException), also with "
                    "ACCELERATE_DEBUG_MODE=1",
     "state:split_between_processes": "lists, tuples, dicts, tensors and datasets.Dataset, as Accelerate",

@@ -5,8 +5,9 @@ A *check* is one call, in the script's ``main()``, of a function the script defi
 ``training_check(use_seedable_sampler=True)``, ...). Every statement of ``main()`` runs in its own ``try`` so one
 failure does not hide the rest; a check's label is its source text and its occurrence (loops run a check several
 times). The renamed copy replaces the word ``accelerate`` by ``impel`` except in ``accelerate.test_utils`` (its
-helpers, RegressionModel and friends, stay Accelerate's). Nothing is copied into this repository: the scripts are
-read from the installed package and written to a temporary directory.
+helpers, RegressionModel, ``are_the_same_tensors`` and the rest, stay Accelerate's and read the Accelerate state that
+impel's Accelerator mirrors). Nothing is copied into this repository: the scripts are read from the installed package
+and written to a temporary directory.
 
 Example::
 
@@ -27,19 +28,9 @@ from pathlib import Path
 SCRIPTS = ["test_script.py", "test_sync.py", "test_ops.py", "test_distributed_data_loop.py", "test_notebook.py",
            "external_deps/test_metrics.py"]
 
-# For the renamed copy: Accelerate's ``are_the_same_tensors`` helper reads Accelerate's own AcceleratorState (which an
-# impel run never creates), so the same helper over impel's state and gather stands in for it.
-_IMPEL_HELPERS = '''
-import accelerate.test_utils as _checks_helpers
-def _checks_are_the_same_tensors(tensor):
-    import torch
-    from impel.state import PartialState
-    from impel.utils import gather
-    tensor = tensor[None].clone().to(PartialState().device)
-    everyone = gather(tensor).cpu()
-    return all(torch.equal(other, tensor[0].cpu()) for other in everyone)
-_checks_helpers.are_the_same_tensors = _checks_are_the_same_tensors
-'''
+# Accelerate's own test helpers (``are_the_same_tensors`` and the rest) run unchanged: they read Accelerate's
+# ``AcceleratorState``, which impel's Accelerator mirrors when Accelerate is imported
+# (impel/accelerator/accelerate_state.py), as it is here through ``accelerate.test_utils``.
 
 # test_metrics imports ``evaluate`` at the top for its GLUE check, which runs on GPUs only: an empty stand-in when
 # the package is not installed lets its CPU checks run (under both targets alike).
@@ -103,13 +94,13 @@ class _Instrument(ast.NodeTransformer):
         return node
 
 
-def instrument(source: str, impel: bool, skip: frozenset[str] = frozenset()) -> str:
+def instrument(source: str, skip: frozenset[str] = frozenset()) -> str:
     tree = ast.parse(source)
     functions = {n.name for n in tree.body if isinstance(n, ast.FunctionDef) and n.name != "main"}
     tree = _Instrument(functions, skip).visit(tree)
     future = [n for n in tree.body if isinstance(n, ast.ImportFrom) and n.module == "__future__"]
     rest = [n for n in tree.body if n not in future]
-    tree.body = future + ast.parse(_PRELUDE + (_IMPEL_HELPERS if impel else "")).body + rest
+    tree.body = future + ast.parse(_PRELUDE).body + rest
     return ast.unparse(ast.fix_missing_locations(tree))
 
 
@@ -141,7 +132,7 @@ def run_script(name: str, target: str, processes: int, workdir: Path, timeout: f
         source = rename(source)
     script = workdir / f"{target}_{processes}_{Path(name).name}"
     skip = SKIP.get((target, processes), frozenset())
-    script.write_text(instrument(source, target == "impel", skip), encoding="utf-8")
+    script.write_text(instrument(source, skip), encoding="utf-8")
     out = workdir / f"{script.stem}.checks"
     env = {**os.environ, "CHECKS_OUT": str(out), "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1",
            "CUDA_VISIBLE_DEVICES": "", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1", "NUM_PROCESSES": str(processes)}

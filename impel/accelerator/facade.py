@@ -197,6 +197,8 @@ class Accelerator(ProcessMethods, RunSettings, NotProvidedMembers):
         for i, kind in enumerate(kinds):
             if kind == "scheduler" and not isinstance(args[i], AcceleratedScheduler):
                 result[i] = self.prepare_scheduler(args[i])
+        for i in (i for i, kind in enumerate(kinds) if kind not in ("none", "other")):
+            result[i]._is_accelerate_prepared = True  # Accelerate's mark on what it prepared (its callers read it)
         return result[0] if len(result) == 1 else tuple(result)
 
     @staticmethod

@@ -62,21 +62,45 @@ def _spelling(program: str) -> Mpirun:
     return Mpirun(program, "MPICH", "-f", "-ppn", "-n", None)
 
 
-def hosts(path: str) -> list[str]:
+@dataclass(frozen=True)
+class HostLine:
+    """One host of a hostfile: its line number, name and slot count (None: the line gives none)."""
+
+    number: int
+    host: str
+    slots: int | None
+    text: str
+
+
+def hostfile_lines(path: str, what: str = "mpirun_hostfile") -> list[HostLine]:
     """The hosts a hostfile names, in order (``host``, ``host:N``, ``host slots=N``; ``#`` starts a comment)."""
     file = Path(path)
     if not file.is_file():
-        raise ConfigError(f"mpirun_hostfile {path!r} does not exist or is not a file; pass the hostfile that lists "
+        raise ConfigError(f"{what} {path!r} does not exist or is not a file; pass the hostfile that lists "
                           "the machines (one per line: 'host slots=N' for Open MPI, 'host:N' for MPICH)")
-    names = []
-    for line in file.read_text(encoding="utf-8", errors="replace").splitlines():
+    out = []
+    for number, line in enumerate(file.read_text(encoding="utf-8", errors="replace").splitlines(), start=1):
         words = line.split("#", 1)[0].split()
-        if words:
-            names.append(words[0].rsplit(":", 1)[0] if words[0].count(":") == 1 else words[0])
-    if not names:
-        raise ConfigError(f"mpirun_hostfile {path!r} lists no host; write one machine per line ('host slots=N' for "
+        if not words:
+            continue
+        name, slots = words[0], None
+        if name.count(":") == 1:
+            name, _, count = name.partition(":")
+            slots = int(count) if count.isdigit() else None
+        for word in words[1:]:
+            key, _, count = word.partition("=")
+            if key == "slots" and count.isdigit():
+                slots = int(count)
+        out.append(HostLine(number, name, slots, line.strip()))
+    if not out:
+        raise ConfigError(f"{what} {path!r} lists no host; write one machine per line ('host slots=N' for "
                           "Open MPI, 'host:N' for MPICH)")
-    return names
+    return out
+
+
+def hosts(path: str) -> list[str]:
+    """The hosts of an MPI hostfile, in order."""
+    return [entry.host for entry in hostfile_lines(path)]
 
 
 def check(config: RunConfig) -> list[str]:

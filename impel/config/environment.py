@@ -7,6 +7,7 @@ re-parse flags.
 """
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
@@ -18,6 +19,7 @@ from impel.config import cluster
 from impel.config.schema import ConfigError
 
 CONFIG_VAR = "IMPEL_CONFIG"
+_ENCODED = "base64:"
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,8 @@ def read_launch_config(environ: Mapping[str, str] | None = None) -> dict[str, An
     raw = env.get(CONFIG_VAR)
     if not raw:
         return None
+    if raw.startswith(_ENCODED):  # as DeepSpeed's runner forwards it (impel.commands.deepspeed_runner)
+        raw = base64.urlsafe_b64decode(raw[len(_ENCODED):]).decode("utf-8")
     try:
         data = json.loads(raw)
     except json.JSONDecodeError as exc:
@@ -86,6 +90,16 @@ def read_launch_config(environ: Mapping[str, str] | None = None) -> dict[str, An
     if not isinstance(data, dict):
         raise ValueError(f"{CONFIG_VAR} must hold a JSON object, got {type(data).__name__}")  # noqa: TRY004
     return data
+
+
+def encode_launch_config(raw: str) -> str:
+    """``IMPEL_CONFIG``'s JSON in letters, digits and ``_-=:`` only (read back by :func:`read_launch_config`)."""
+    return _ENCODED + base64.urlsafe_b64encode(raw.encode("utf-8")).decode("ascii")
+
+
+def deepspeed_env_file_name() -> str:
+    """The name of the environment file DeepSpeed's runner reads from ``~`` and ``.`` (``$DS_ENV_FILE``)."""
+    return os.environ.get("DS_ENV_FILE", ".deepspeed_env")
 
 
 def write_launch_config(config: Mapping[str, Any], environ: MutableMapping[str, str] | None = None) -> None:

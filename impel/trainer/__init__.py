@@ -4,10 +4,11 @@ Modules by job: ``hf`` (``Trainer``: transformers' Trainer with impel's Accelera
 ``TrainingArguments``, callbacks and state classes re-exported), ``hf_fields`` (what impel does with each
 ``TrainingArguments`` field, the generated docs table), ``hf_fsdp`` / ``hf_deepspeed`` (the ``fsdp`` and
 ``deepspeed`` knobs on impel's strategies), ``hf_callbacks`` (impel's additions: metrics.jsonl, loss.png, complete
-checkpoints, auto-resume), ``hf_resume`` (which checkpoint a resume takes; what may be removed), ``hf_remote``
-(an ``output_dir`` on object storage: a local mirror, uploads marker last, remote rotation and resume), ``plot``
-(loss PNGs and ``metrics.jsonl`` reading, shared with ``impel compare``), ``route``
-(``on_impel(cls)``: any transformers Trainer subclass, e.g. TRL's trainers, on impel's Accelerator). Names
+checkpoints, auto-resume), ``hf_resume`` (which checkpoint a resume takes; what may be removed), ``hf_ref_model``
+(TRL's synced reference model in the checkpoints), ``hf_remote`` (an ``output_dir`` on object storage: a local
+mirror, uploads marker last, remote rotation and resume), ``plot`` (loss PNGs and ``metrics.jsonl`` reading, shared
+with ``impel compare``), ``route`` (``on_impel(cls)``: any transformers Trainer subclass, e.g. TRL's trainers, on
+impel's Accelerator). Names
 resolve lazily, so ``import impel.trainer`` does not import transformers; using one without it raises
 ``ImportError`` naming ``pip install 'impel[transformers]'``.
 

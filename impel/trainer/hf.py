@@ -61,7 +61,7 @@ from impel.config.run_config import ConfigError
 from impel.runtime.compile import TorchDynamoPlugin
 from impel.runtime.data import skip_first_batches as impel_skip_first_batches
 from impel.runtime.prepared_loader import PreparedLoader
-from impel.trainer import hf_callbacks, hf_deepspeed, hf_fsdp, hf_remote, hf_resume
+from impel.trainer import hf_callbacks, hf_deepspeed, hf_fsdp, hf_ref_model, hf_remote, hf_resume
 
 # transformers' own classes, re-exported so that `from impel import TrainerCallback, ...` names them
 __all__ = ["EarlyStoppingCallback", "EvalPrediction", "PredictionOutput", "ProgressCallback", "TrainOutput", "Trainer",
@@ -245,14 +245,20 @@ class Trainer(transformers.Trainer):
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         """transformers' save, begun by impel's ``impel_saving.json`` (an older complete marker dropped first), so
         a save cut short is provably impel's own (:mod:`impel.trainer.hf_resume`)."""
+        folder = Path(self._get_output_dir(trial=trial)) / f"checkpoint-{self.state.global_step}"
         if self.is_world_process_zero() and self.args.should_save:
-            folder = Path(self._get_output_dir(trial=trial)) / f"checkpoint-{self.state.global_step}"
             folder.mkdir(parents=True, exist_ok=True)
             (folder / hf_resume.MARKER).unlink(missing_ok=True)
             (folder / hf_resume.SAVING).write_text(json.dumps({"global_step": self.state.global_step}) + "\n",
                                                    encoding="utf-8")
         self.accelerator.wait_for_everyone()  # no rank writes into the folder before it is marked
+        hf_ref_model.save(self, str(folder))  # TRL's sync_ref_model: the synced reference model too
         super()._save_checkpoint(model, trial)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        """transformers' load, and the reference model :mod:`impel.trainer.hf_ref_model` saved."""
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+        hf_ref_model.load(self, resume_from_checkpoint)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """transformers' ``save_model``; with an ``output_dir`` URL, what it wrote into the mirror is uploaded."""

@@ -53,12 +53,14 @@ ACCELERATE_PASSES: dict[tuple[str, int], set[str]] = {
         'test_c10d_rdzv_backend()#1',
         'test_can_initialize()#1',
         'test_clean_cuda_fork()#1',
+        'test_fault_tolerant()#1',
         'test_static_rdzv_backend()#1',
     },
     ('test_notebook.py', 2): {
         'test_c10d_rdzv_backend()#1',
         'test_can_initialize()#1',
         'test_clean_cuda_fork()#1',
+        'test_fault_tolerant()#1',
         'test_static_rdzv_backend()#1',
     },
     ('test_ops.py', 1): {

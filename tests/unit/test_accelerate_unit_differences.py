@@ -1,7 +1,7 @@
 """Accelerate's unit-file differences of issue 39, decided for Accelerate's behaviour and checked against the installed
-Accelerate: ``prepare`` hands back what it does not know, ``find_executable_batch_size(starting_batch_size=0)``
-raises when called, a tracker that writes files needs a logging directory (ValueError at construction), and
-``free_memory`` drops every reference impel held to the prepared objects."""
+Accelerate: ``prepare`` hands back what it does not know and marks what it prepared (``_is_accelerate_prepared``),
+``find_executable_batch_size(starting_batch_size=0)`` raises when called, a tracker that writes files needs a logging
+directory (ValueError at construction), and ``free_memory`` drops every reference impel held to the prepared objects."""
 from __future__ import annotations
 
 import gc
@@ -35,6 +35,19 @@ def test_prepare_hands_back_what_it_does_not_know(both):
         model = torch.nn.Linear(2, 2)
         listed, prepared = acc.prepare(things[0], model)
         assert listed is things[0] and isinstance(prepared, torch.nn.Module)
+
+
+def test_what_prepare_prepared_carries_accelerates_mark(both):
+    """``_is_accelerate_prepared`` on every prepared model, optimizer, scheduler and loader, as Accelerate sets it
+    (its own checks and libraries read it); not on what prepare hands back untouched."""
+    marks = []
+    for acc in both:
+        model = torch.nn.Linear(2, 2)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
+        prepared = acc.prepare(model, optimizer, scheduler, DataLoader(list(range(4)), batch_size=2), [1, 2])
+        marks.append([getattr(obj, "_is_accelerate_prepared", False) for obj in prepared])
+    assert marks[0] == marks[1] == [True, True, True, True, False]
 
 
 def test_starting_batch_size_zero_raises_when_called_as_accelerate():

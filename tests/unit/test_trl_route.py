@@ -4,6 +4,7 @@ weights, losses and rewards as TRL on Accelerate; Accelerate's own state mirrore
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 
@@ -28,26 +29,42 @@ def test_on_impel_puts_impels_trainer_first_once_per_class():
         on_impel(Accelerator)
 
 
-def test_trl_trainers_on_impel_equal_trl_on_accelerate(tmp_path):
+def test_trl_trainers_on_impel_equal_trl_on_accelerate_and_resume_from_a_mid_run_checkpoint(tmp_path):
     """SFT (plain and LoRA), DPO (and sync_ref_model, which calls Accelerate's helpers), Reward, GRPO: accumulation 2,
-    4 optimizer steps."""
+    4 optimizer steps, a checkpoint every 2; each run resumed from checkpoint-2 ends on the uninterrupted run."""
     for kind in KINDS:
         theirs = run_trl(kind, "accelerate", str(tmp_path / kind / "accelerate"))
-        ours = run_trl(kind, "impel", str(tmp_path / kind / "impel"))
+        ours = run_trl(kind, "impel", str(tmp_path / kind / "impel"), save_strategy="steps", save_steps=2)
+        resumed = run_trl(kind, "impel", str(tmp_path / kind / "resumed"),
+                          resume=str(tmp_path / kind / "impel" / "checkpoint-2"))
         assert (theirs["accelerator"], ours["accelerator"]) == ("accelerate.accelerator", "impel.accelerator.facade")
         assert max_diff(ours["weights"], theirs["weights"]) <= 1e-6, kind
         assert len(ours["loss"]) == 4 and ours["loss"] == pytest.approx(theirs["loss"], abs=1e-6), kind
         assert ours["reward"] == pytest.approx(theirs["reward"], abs=1e-6), kind
+        assert ours["checkpoints"] == ["checkpoint-2", "checkpoint-4"] and resumed["step"] == 4, kind
+        assert max_diff(resumed["weights"], ours["weights"]) == 0.0, kind
+        assert (resumed["loss"], resumed["reward"]) == (ours["loss"], ours["reward"]), kind
 
 
-def test_a_lora_run_resumed_from_a_checkpoint_ends_as_the_uninterrupted_one(tmp_path):
-    saved = run_trl("sft_lora", "impel", str(tmp_path / "run"), save_strategy="steps", save_steps=2)
-    resumed = run_trl("sft_lora", "impel", str(tmp_path / "resumed"),
-                      resume=str(tmp_path / "run" / "checkpoint-2"))
-    theirs = run_trl("sft_lora", "accelerate", str(tmp_path / "accelerate"))
-    assert saved["checkpoints"] == ["checkpoint-2", "checkpoint-4"] and resumed["step"] == 4
-    assert max_diff(resumed["weights"], saved["weights"]) == 0.0
-    assert max_diff(saved["weights"], theirs["weights"]) <= 1e-6
+def test_a_synced_reference_model_resumes_as_synced_and_an_accelerate_checkpoint_as_on_accelerate(tmp_path, caplog):
+    """DPO with sync_ref_model: the checkpoint holds the reference model as synced at step 2 (impel_ref_model.pt),
+    which transformers' does not (TRL on Accelerate resumes from the reference model as loaded)."""
+    from impel.trainer import hf_ref_model
+
+    ours = run_trl("dpo_sync", "impel", str(tmp_path / "impel"), save_strategy="steps", save_steps=2)
+    assert os.path.isfile(tmp_path / "impel" / "checkpoint-2" / hf_ref_model.FILE)
+    theirs = run_trl("dpo_sync", "accelerate", str(tmp_path / "accelerate"), save_strategy="steps", save_steps=2)
+    assert not os.path.exists(tmp_path / "accelerate" / "checkpoint-2" / hf_ref_model.FILE)
+    their_resume = run_trl("dpo_sync", "accelerate", str(tmp_path / "accelerate-resumed"),
+                           resume=str(tmp_path / "accelerate" / "checkpoint-2"))
+    with caplog.at_level(logging.WARNING, logger="impel"):
+        our_resume = run_trl("dpo_sync", "impel", str(tmp_path / "impel-resumed"),
+                             resume=str(tmp_path / "accelerate" / "checkpoint-2"))
+    assert max_diff(our_resume["weights"], their_resume["weights"]) <= 1e-6
+    assert max_diff(our_resume["weights"], ours["weights"]) > 1e-3  # the reference model as loaded, not synced
+    warned = [r.message for r in caplog.records if hf_ref_model.FILE in r.message]
+    assert len(warned) == 1 and "goes on as loaded, not as synced" in warned[0]
+    assert max_diff(ours["weights"], theirs["weights"]) == 0.0  # the extra file changes no number
 
 
 def test_accelerates_helpers_run_on_the_mirrored_state(caplog):
