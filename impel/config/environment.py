@@ -252,6 +252,17 @@ def scoped_environ(values: Mapping[str, str]) -> Iterator[None]:
                 os.environ[name] = value
 
 
+_SET_FOR_DEEPSPEED: set[str] = set()  # variables impel set for DeepSpeed where the process had none
+
+
+def release_deepspeed_environment() -> None:
+    """At the end of a DeepSpeed run: remove what :func:`deepspeed_import_environment` set where the process had
+    nothing (``LOCAL_RANK``), so code after the run does not take the process for a launched rank (transformers'
+    ``TrainingArguments`` building Accelerate's ``PartialState`` would start a process group from it)."""
+    while _SET_FOR_DEEPSPEED:
+        os.environ.pop(_SET_FOR_DEEPSPEED.pop(), None)
+
+
 @contextlib.contextmanager
 def deepspeed_import_environment(device_type: str, local_rank: int) -> Iterator[None]:
     """What DeepSpeed reads from the environment, for the block that imports it.
@@ -259,9 +270,12 @@ def deepspeed_import_environment(device_type: str, local_rank: int) -> Iterator[
     ``DS_ACCELERATOR`` must match impel's device, and DeepSpeed reads it once, in the first ``get_accelerator()``
     (cached afterwards): it is set around that import only, then the user's value (or its absence) is back, so it
     does not leak into later code or the subprocesses the script starts. ``LOCAL_RANK`` stays set where it was
-    missing (a plain process: 0): DeepSpeed's engine asserts it later, in ``deepspeed.initialize``.
+    missing (a plain process: 0): DeepSpeed's engine asserts it later, in ``deepspeed.initialize``; the strategy's
+    teardown removes it again (:func:`release_deepspeed_environment`).
     """
-    os.environ.setdefault("LOCAL_RANK", str(local_rank))
+    if "LOCAL_RANK" not in os.environ:
+        os.environ["LOCAL_RANK"] = str(local_rank)
+        _SET_FOR_DEEPSPEED.add("LOCAL_RANK")
     with scoped_environ({"DS_ACCELERATOR": device_type} if device_type in ("cpu", "cuda") else {}):
         yield
 

@@ -437,6 +437,7 @@ class DeepSpeedStrategy(Strategy):
 
     def teardown(self) -> None:
         self._unregister_from_transformers()
+        env.release_deepspeed_environment()
 
     def _unregister_from_transformers(self) -> None:
         if self._hf_config is not None and importlib.util.find_spec("transformers") is not None:
