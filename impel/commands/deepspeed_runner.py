@@ -36,6 +36,7 @@ from pathlib import Path
 
 from impel.commands import mpirun
 from impel.config import environment as env
+from impel.config.hostfile import hostfile_lines
 from impel.config.run_config import MULTINODE_LAUNCHERS, ConfigError, RunConfig
 
 _PROGRAMS = {"pdsh": "pdsh", "openmpi": "ompi_info", "mvapich": "mpiname", "mpich": "mpirun", "slurm": "sinfo"}
@@ -118,7 +119,7 @@ def _check_launch_settings(config: RunConfig, chosen: str) -> None:
 def resource_pool(path: str) -> dict[str, int]:
     """host -> slots of a DeepSpeed hostfile (``host slots=N`` lines, ``#`` comments), read as DeepSpeed reads it."""
     pool: dict[str, int] = {}
-    for line in mpirun.hostfile_lines(path, "deepspeed_hostfile"):
+    for line in hostfile_lines(path, "deepspeed_hostfile"):
         match = _SLOTS_LINE.match(line.text)
         if match is None:
             raise ConfigError(f"deepspeed_hostfile {path!r} line {line.number} ({line.text!r}) is not 'host slots=N', "

@@ -197,3 +197,19 @@ def test_the_environment_file_carries_the_ranks_variables(tmp_path, monkeypatch)
                                                                  "distributed_type": "DEEPSPEED"}
     with pytest.raises(ConfigError, match="HF_TOKEN_PATH='a b' cannot reach the other machines through DeepSpeed's"):
         deepspeed_runner.environment_file(str(tmp_path), {**variables, "HF_TOKEN_PATH": "a b"})
+
+
+def test_config_convert_keeps_the_keys_and_writes_a_launchable_fsdp_file(tmp_path):
+    """``impel config convert --to fsdp`` of a runner config: the keys are named in a note (no FSDP counterpart),
+    rank 0 stays on the hostfile's first host, and the written config loads; ``--to deepspeed`` keeps them."""
+    from impel.config.convert import convert
+
+    (tmp_path / "hosts").write_text("# the cluster\nnode0 slots=2\nnode1 slots=2\n")
+    explicit = {"distributed_type": "DEEPSPEED", "num_machines": 2, "num_processes": 4,
+                "deepspeed_config": {"zero_stage": 3, "deepspeed_hostfile": "hosts",
+                                     "deepspeed_multinode_launcher": "mpich"}}
+    fsdp, notes = convert(explicit, "fsdp")
+    assert fsdp["main_process_ip"] == "node0" and "deepspeed_config" not in fsdp
+    assert any(n.startswith("deepspeed_hostfile, deepspeed_multinode_launcher: DeepSpeed's runner") for n in notes)
+    RunConfig.from_dict(fsdp)
+    assert convert(explicit, "deepspeed")[0] == explicit
