@@ -120,11 +120,20 @@ def run_trl(kind: str, route: str, output_dir: str, resume: str | None = None, *
             if os.path.isdir(output_dir) else []}
 
 
-def run_kinds(kinds: tuple[str, ...], route: str, output_dir: str, overrides: dict[str, Any]) -> dict[str, Any]:
-    """:func:`run_trl` over several kinds in one process (a ``run_on_ranks`` target)."""
+def run_kinds(kinds: tuple[str, ...], route: str, output_dir: str, overrides: dict[str, Any],
+              resumed: tuple[str, ...] = ()) -> dict[str, Any]:
+    """:func:`run_trl` over several kinds in one process (a ``run_on_ranks`` target); the ``resumed`` kinds save
+    every 2 steps and are run again from checkpoint-2 (``results[f"{kind} resumed"]``)."""
     import torch.distributed as dist
 
-    results = {kind: run_trl(kind, route, os.path.join(output_dir, kind), **overrides) for kind in kinds}
+    results = {}
+    for kind in kinds:
+        run = os.path.join(output_dir, kind)
+        saving = {"save_strategy": "steps", "save_steps": 2} if kind in resumed else {}
+        results[kind] = run_trl(kind, route, run, **overrides, **saving)
+        if kind in resumed:
+            results[f"{kind} resumed"] = run_trl(kind, route, f"{run}-resumed",
+                                                 resume=os.path.join(run, "checkpoint-2"), **overrides)
     results["world"] = dist.get_world_size() if dist.is_initialized() else 1
     return results
 

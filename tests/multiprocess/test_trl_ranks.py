@@ -1,5 +1,6 @@
 """TRL 1.16's trainers on 2 CPU ranks through ``impel.trainer.on_impel``: the same weights, losses and rewards as TRL
-on Accelerate under the same launch (``ACCELERATE_USE_CPU=1``), and under impel's FSDP2 a LoRA run (adapter-only
+on Accelerate under the same launch (``ACCELERATE_USE_CPU=1``), each resumed under DDP from a mid-run checkpoint
+to the uninterrupted run, and under impel's FSDP2 a LoRA run (adapter-only
 checkpoints) and a DPO run (its reference model sharded by TRL with the plugin's policies) resumed from a mid-run
 checkpoint end as the uninterrupted ones."""
 from __future__ import annotations
@@ -23,7 +24,7 @@ FSDP = {"fsdp": "full_shard", "fsdp_config": {"transformer_layer_cls_to_wrap": [
 def test_trl_trainers_on_two_ranks_equal_trl_on_accelerate(tmp_path):
     theirs = run_on_ranks(run_kinds, 2, args=(KINDS, "accelerate", str(tmp_path / "accelerate"), {}),
                           env={"ACCELERATE_USE_CPU": "1"}, timeout=240)
-    ours = run_on_ranks(run_kinds, 2, args=(KINDS, "impel", str(tmp_path / "impel"), {}), timeout=240)
+    ours = run_on_ranks(run_kinds, 2, args=(KINDS, "impel", str(tmp_path / "impel"), {}, KINDS), timeout=240)
     assert theirs[0]["world"] == ours[0]["world"] == 2
     for kind in KINDS:
         assert ours[0][kind]["accelerator"] == "impel.accelerator.facade"
@@ -31,6 +32,11 @@ def test_trl_trainers_on_two_ranks_equal_trl_on_accelerate(tmp_path):
         assert max_diff(ours[0][kind]["weights"], theirs[0][kind]["weights"]) <= 1e-6, kind
         assert ours[0][kind]["loss"] == pytest.approx(theirs[0][kind]["loss"], abs=1e-6), kind
         assert ours[0][kind]["reward"] == pytest.approx(theirs[0][kind]["reward"], abs=1e-6), kind
+        # resumed from checkpoint-2 under DDP: the uninterrupted run's weights, losses and rewards, on every rank
+        resumed = [rank[f"{kind} resumed"] for rank in ours]
+        assert ours[0][kind]["checkpoints"] == ["checkpoint-2", "checkpoint-4"] and resumed[0]["step"] == 4, kind
+        assert max(max_diff(r["weights"], ours[0][kind]["weights"]) for r in resumed) == 0.0, kind
+        assert (resumed[0]["loss"], resumed[0]["reward"]) == (ours[0][kind]["loss"], ours[0][kind]["reward"]), kind
 
 
 def _fsdp_runs(output_dir: str) -> dict[str, dict]:
