@@ -2,29 +2,35 @@
 Accelerator) runs under ``impel launch`` on 2 CPU ranks, shortened.
 
 A few steps cannot show the accuracy (docs/trainer.md has the full run's number); this checks that the run finishes, the
-main process alone prints the accuracy and the plot path, and the files land where they are announced.
+main process alone prints the accuracy and the plot path, the files land where they are announced, and that the same
+script on transformers' own Trainer (Accelerate under torchrun) logs the same numbers and saves the same weights.
 """
 from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 
 import pytest
 
-from cli_helpers import ROOT, impel
+from cli_helpers import ROOT, clean_env, impel
 
 pytest.importorskip("datasets")
+torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.slow
 
 EXAMPLE = ROOT / "examples" / "train_genre_classifier.py"
 
 
+TINY = ["--max_steps", "2", "--train_per_class", "16", "--test_per_class", "6", "--batch_size", "4", "--max_length",
+        "24", "--eval_steps", "2", "--logging_steps", "1", "--disable_tqdm", "--save_strategy", "steps"]
+
+
 def test_genre_example_runs_on_two_ranks_and_reports(tmp_path):
     out = tmp_path / "run"
-    res = impel(["launch", "--config_file", str(ROOT / "examples" / "configs" / "ddp_cpu.yaml"), str(EXAMPLE),
-                 "--max_steps", "2", "--train_per_class", "16", "--test_per_class", "6", "--batch_size", "4",
-                 "--max_length", "24", "--eval_steps", "2", "--logging_steps", "1", "--output_dir", str(out),
-                 "--disable_tqdm"], tmp_path, timeout=150)
+    res = impel(["launch", "--config_file", str(ROOT / "examples" / "configs" / "ddp_cpu.yaml"), str(EXAMPLE), *TINY,
+                 "--output_dir", str(out)], tmp_path, timeout=150)
     assert res.returncode == 0, res.output[-4000:]
     assert "Traceback" not in res.output
     accuracy = re.findall(r"^eval accuracy: ([0-9.]+) on 12 passages", res.stdout, flags=re.MULTILINE)
@@ -37,6 +43,36 @@ def test_genre_example_runs_on_two_ranks_and_reports(tmp_path):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "loss" in r] == [1, 2]
     assert [r["step"] for r in rows if "eval_accuracy" in r] == [2]
+    assert_as_transformers_on_accelerate(out / "checkpoint-2", tmp_path)
+
+
+def assert_as_transformers_on_accelerate(checkpoint, tmp_path):
+    """The example with transformers' imports instead of impel's, under torchrun on 2 CPU ranks: the same logged
+    losses, gradient norms, learning rates and eval metrics, and the same saved weights, bit for bit."""
+    from safetensors.torch import load_file
+
+    script = tmp_path / "genre_on_transformers.py"
+    source = EXAMPLE.read_text().replace("from impel import EvalPrediction, Trainer, TrainingArguments, set_seed",
+                                         "from transformers import EvalPrediction, Trainer, TrainingArguments, "
+                                         "set_seed")
+    assert "from impel import" not in source
+    script.write_text(source)
+    out = tmp_path / "hf"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(script), *TINY, "--output_dir", str(out)], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=150, env=clean_env(tmp_path, ACCELERATE_USE_CPU="1"))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert "impel Trainer on 2 process(es) (MULTI_CPU), global batch 8" in proc.stdout
+
+    def history(folder):
+        rows = json.loads((folder / "trainer_state.json").read_text())["log_history"]
+        return [{k: v for k, v in row.items() if "runtime" not in k and "per_second" not in k} for row in rows]
+
+    theirs = out / "checkpoint-2"
+    assert history(checkpoint) == history(theirs) and len(history(theirs)) == 3  # 2 train rows, 1 eval
+    ours, reference = load_file(checkpoint / "model.safetensors"), load_file(theirs / "model.safetensors")
+    assert ours.keys() == reference.keys()
+    assert all(torch.equal(ours[name], reference[name]) for name in ours)
 
 
 def test_genre_example_with_the_deepspeed_knob(tmp_path):
