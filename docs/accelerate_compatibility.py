@@ -336,7 +336,10 @@ OTHER_PATHS = {
                  f"imports and raises NotProvidedError on use: {REASONS['patch_optimizer_step']}",
     "scheduler": "supported: AcceleratedScheduler",
     "parallelism_config": "supported: ParallelismConfig",
-    "commands": "supported: impel's commands (`impel config`, `impel launch`, `impel to-fsdp2`, ...; docs/cli.md)",
+    "commands": "supported: impel's commands (`impel config`, `impel launch`, `impel to-fsdp2`, ...; docs/cli.md); "
+                "every `accelerate launch` flag is taken or refused with its reason (docs/launch.md), "
+                "`--mpirun_hostfile` and `--deepspeed_hostfile` (with its filters and launchers, DeepSpeed's runner "
+                "as Accelerate runs it) included (docs/cluster.md)",
     "memory_utils": "supported: importing it gives Accelerate's FutureWarning (it moved to utils.memory); "
                     "find_executable_batch_size and release_memory resolve",
     "checkpointing": "every name imports (save_accelerator_state, load_accelerator_state, save_custom_state, "

@@ -52,11 +52,11 @@ def held_background(fail_with: BaseException | None = None) -> Any:
     gate = threading.Event()
     real = staging.Deferred.run
 
-    def held(self: Any, result: Any) -> Any:
+    def held(self: Any) -> Any:
         gate.wait(120)
         if fail_with is not None:
             raise fail_with
-        return real(self, result)
+        return real(self)
 
     staging.Deferred.run = held  # type: ignore[method-assign]
     try:

@@ -35,7 +35,7 @@ from impel.accelerator.prepared import Prepared, TrainingRun
 from impel.accelerator.process_methods import ProcessMethods
 from impel.accelerator.resilience import Resilience
 from impel.accelerator.resolve import RunArguments, accelerate_plugins, resolve
-from impel.accelerator.save_load import Checkpointer, resolve_project_configuration
+from impel.accelerator.save_load import Checkpointer
 from impel.accelerator.settings import RunSettings
 from impel.checkpoint.options import load_options, save_options
 from impel.config.ddp_hooks import refuse_hook_without_ddp
@@ -47,6 +47,7 @@ from impel.config.plugins import (
     FullyShardedDataParallelPlugin,
     GradientAccumulationPlugin,
     ProjectConfiguration,
+    resolve_project_configuration,
 )
 from impel.config.run_config import ConfigError, RunConfig
 from impel.runtime import rank_health

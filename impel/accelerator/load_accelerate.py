@@ -180,7 +180,8 @@ def load(run: TrainingRun, directory: Path, plan: dict[str, Any], skip: Abstract
     prepared, registered = run.prepared, run.prepared.registered
     _check_counts(run, directory, plan, skip)
     rank = run.process_index
-    schedulers = [read_torch(directory / name, f"scheduler {i}") for i, name in enumerate(plan["schedulers"])]
+    # Accelerate's files: no manifest
+    schedulers = [read_torch(None, directory / name, f"scheduler {i}") for i, name in enumerate(plan["schedulers"])]
     custom = [read_pickle(directory / name, f"registered object {i}, {describe(obj)}")
               for i, (name, obj) in enumerate(zip(plan["custom"], registered))]
     scaler = _scaler_state(run, directory, plan)
@@ -258,7 +259,7 @@ def _scaler_state(run: TrainingRun, directory: Path, plan: dict[str, Any]) -> An
     if plan["scaler"] and not has_scaler:
         logger.warning("%s is not loaded: this run has no GradScaler (mixed_precision=%r)", path, run.mixed_precision)
         return None
-    return read_torch(path, "GradScaler state") if has_scaler else None
+    return read_torch(None, path, "GradScaler state") if has_scaler else None
 
 
 def read_pickle(path: Path, what: str, inert: bool = False) -> Any:

@@ -43,12 +43,13 @@ def load_models_and_optimizers(run: TrainingRun, directory: Path, plan: dict[str
                               "prepare()")
     if kind == "deepspeed":
         for i, tag in enumerate(plan["models"]):
-            run.strategy.load_checkpoint([models[i]], [], directory, _deepspeed_metadata(directory, tag),
+            run.strategy.load_checkpoint(None, [models[i]], [], directory, _deepspeed_metadata(directory, tag),
                                          skip_models=frozenset({0}) if i in skip else frozenset(), options=options)
         return
     if kind == "sharded":  # DCP directories holding {"model": ...} / {"optimizer": ...}, as impel's own
         metadata = {"format": "sharded", "models": plan["models"], "optimizers": plan["optimizers"]}
-        run.strategy.load_checkpoint(models, optimizers, directory, metadata, skip_models=skip, options=options)
+        run.strategy.load_checkpoint(None, models, optimizers, directory, metadata, skip_models=skip,
+                                     options=options)  # Accelerate's files: no manifest
         return
     _load_full(models, optimizers, directory, plan, skip, strict=options.strict)
 
@@ -76,7 +77,7 @@ def _load_full(models: list[nn.Module], optimizers: list[torch.optim.Optimizer],
     else:
         pairs = list(zip(loaded, plan["models"]))
     for i, name in pairs:
-        state = match_names(read_weights(directory / name), models[i])
+        state = match_names(read_weights(None, directory / name), models[i])  # Accelerate's: no manifest
         try:
             # torch types the argument as the invariant dict[str, ValueType], which a dict[str, Tensor] is not
             set_model_state_dict(models[i], state, options=options)  # type: ignore[arg-type]
@@ -86,7 +87,7 @@ def _load_full(models: list[nn.Module], optimizers: list[torch.optim.Optimizer],
                                   f"{why}; prepare the model the Accelerate run saved") from None
     for i, (opt, owner) in enumerate(zip(optimizers, pair_optimizers(models, optimizers))):
         path = directory / plan["optimizers"][i]
-        opt_state = by_name(models[owner], opt, read_torch(path, f"optimizer {i}"), path)
+        opt_state = by_name(models[owner], opt, read_torch(None, path, f"optimizer {i}"), path)
         if not opt_state["state"]:
             _load_fresh_optimizer(opt, opt_state)
         else:

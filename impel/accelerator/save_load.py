@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import logging
 import os
 import platform
@@ -27,18 +28,19 @@ import shutil
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.hooks import RemovableHandle
 
 from impel.accelerator import load_accelerate as accelerate_format
 from impel.checkpoint import collective, layout, ownership, remote, staging, storage, target, tempdirs, verified
-from impel.checkpoint.digests import sealing, share_digests
+from impel.checkpoint.digests import share_digests
 from impel.checkpoint.files import crc32_off, read_torch, write_torch
 from impel.checkpoint.full import suffix
 from impel.checkpoint.options import DEFAULT_LOAD, DEFAULT_SAVE, LoadOptions, SaveOptions
 from impel.checkpoint.registered import write_registered
+from impel.checkpoint.session import SaveSession
 from impel.checkpoint.state import (
     check_registrable,
     collect_rng_state,
@@ -55,24 +57,15 @@ if TYPE_CHECKING:
     from impel.accelerator.prepared import TrainingRun
 
 logger = logging.getLogger("impel")
-T = TypeVar("T")
 
 TRAINING_STATE_FILE = "training_state.pt"
 
 
-def resolve_project_configuration(project_dir: Any,
-                                  project_config: ProjectConfiguration | None) -> ProjectConfiguration:
-    """``Accelerator(project_dir=..., project_config=...)``: one config, the directory given once."""
-    config = project_config if project_config is not None else ProjectConfiguration()
-    if not isinstance(config, ProjectConfiguration):
-        raise ConfigError(f"project_config={config!r} must be an impel.ProjectConfiguration")
-    if project_dir is not None:
-        wanted = os.fspath(project_dir)
-        if config.project_dir is not None and config.project_dir != wanted:
-            raise ConfigError(f"Accelerator(project_dir={wanted!r}) contradicts project_config.project_dir="
-                              f"{config.project_dir!r}; pass the directory once")
-        config.set_directories(wanted)
-    return config
+@dataclasses.dataclass(frozen=True)
+class _WriteNow:
+    """A synchronous save's writes, done by :meth:`Checkpointer._finish` while the files are sealed."""
+    safe_serialization: bool
+    options: SaveOptions
 
 
 def _reraise(error: BaseException | None) -> None:
@@ -163,13 +156,12 @@ class Checkpointer:
         leader = self._leader()
         # one collective: the ranks agree on the target and get the temporary directory the leader prepared
         prepared = collective.prepare_agreed(str(final), "the save_state output directory",
-                                             lambda: self._prepare(final, layout.temp_dir_for(final), clean=True),
+                                             functools.partial(self._prepare, final, layout.temp_dir_for(final), True),
                                              "preparing the checkpoint directory", leader)
         assert prepared is not None  # rank 0 always leads, and every rank gets rank 0's result
-        temp = Path(prepared)
+        session = SaveSession(Path(prepared), final, leader=leader)
         # _finish removes the leader's temporary directory on failure
-        self._finish(temp, final, leader, lambda: self._metadata(self._write(temp, leader, safe_serialization,
-                                                                              options)), group=None)
+        self._finish(session, _WriteNow(safe_serialization, options))
         self.config.iteration += 1
         return shown
 
@@ -181,97 +173,102 @@ class Checkpointer:
         final = self._save_target(output_dir)
         shown = str(self._uploads.get(str(final), final))
         self._check_async()
-        leader = self._leader()
         if not staging.group_ready():  # the first asynchronous save: its group's creation is collective
             collective.arrive("save_state", self.run.process.timeout)  # (a call on one rank raises, not hangs)
         group = staging.background_group(self.run.process.timeout)
-        temp = layout.temp_dir_for(final, staging.temp_token())  # before anything that can fail on one rank only
+        # the temporary directory is named before anything that can fail on one rank only
+        session = SaveSession(layout.temp_dir_for(final, staging.temp_token()), final, leader=self._leader(),
+                              group=group)
         try:  # the leader's cleaning spares temp, which the others may be filling already
-            self._prepare(final, temp, clean=leader)
+            self._prepare(final, session.checkpoint_dir, clean=session.leader)
         except Exception as exc:
             # a bad target fails alike on every rank; should it pass on some, their job's first step fails too
             # (instead of waiting for this rank until the timeout): this rank's job takes part in that step only
             if group is not None:
-                settle = lambda error=exc: self._settle(temp, final, group, error)  # noqa: E731
-                self.pending = staging.PendingSave(shown, settle, reported=exc)
+                self.pending = staging.PendingSave(shown, functools.partial(self._settle, session, exc), reported=exc)
             raise
         previous = self.pending
         try:
-            staged, metadata = self._stage(temp, final, leader, safe_serialization, options, group)
-            self.pending = staging.PendingSave(shown, lambda: self._finish(
-                temp, final, leader, lambda: staged.run(metadata), group, staged.error), reported=staged.error)
+            staged = self._stage(session, safe_serialization, options)
+            self.pending = staging.PendingSave(shown, functools.partial(self._finish, session, staged, staged.error),
+                                               reported=staged.error)
             if staged.error is not None:
                 self.config.iteration += 1  # as on the other ranks, whose calls returned
                 raise staged.error
         except BaseException:
             # the other ranks may still be staging into temp: then the leader removes it after _settle (_finish)
-            if leader and (group is None or self.pending is previous):
-                shutil.rmtree(temp, ignore_errors=True)
+            if session.leader and (group is None or self.pending is previous):
+                shutil.rmtree(session.checkpoint_dir, ignore_errors=True)
             raise
         self.config.iteration += 1
         return shown
 
-    def _stage(self, temp: Path, final: Path, leader: bool, safe_serialization: bool, options: SaveOptions,
-               group: Any) -> tuple[staging.Deferred, dict[str, Any]]:
+    def _stage(self, session: SaveSession, safe_serialization: bool, options: SaveOptions) -> staging.Deferred:
         """The blocking part of an asynchronous save: the writes recorded with their state staged, and the metadata.
         No collective: a failure is kept in ``Deferred.error``; it raises at the call on this rank, and the
         background job's first step shares it, so the save fails on every rank (at their next call)."""
         if self._stager is None:
             self._stager = staging.new_stager()
-        metadata: dict[str, Any] = {}
-        with staging.deferring(self._stager, group) as deferred:
+        with session.staging(self._stager) as deferred:
             try:
-                metadata = self._metadata(self._storing(
-                    final, temp, lambda: self._write(temp, leader, safe_serialization, options))())
+                with storage.translated(session.final, session.checkpoint_dir, self._needed_bytes):
+                    session.metadata = self._metadata(self._write(session, safe_serialization, options))
             except Exception as exc:  # noqa: BLE001 - raised by the caller, shared by the background job
                 deferred.error = exc
-        return deferred, metadata
+        return deferred
 
-    def _finish(self, temp: Path, final: Path, leader: bool, write: Callable[[], dict[str, Any]],
-                group: Any, staged: BaseException | None = None) -> None:
-        """The part of a save that can run later, on every rank in the same order: ``write`` (the files; returns
-        the checkpoint metadata) while they are hashed, the digests shared, then the leader's commit. ``group``: the
-        process group of its collectives (None: the default group, on the main thread). ``staged``: an asynchronous
-        save's staging failure on this rank (every rank's are shared first, so all of them fail the save)."""
+    def _finish(self, session: SaveSession, writes: _WriteNow | staging.Deferred,
+                staged: BaseException | None = None) -> None:
+        """The part of a save that can run later, on every rank in the same order: the ``writes`` (done now, or
+        an asynchronous save's recorded ones) while the files are hashed, the digests shared, then the leader's
+        commit. Its collectives run on ``session.group`` (None: the default group, on the main thread).
+        ``staged``: an asynchronous save's staging failure on this rank (every rank's are shared first, so all of
+        them fail the save)."""
         try:
-            if group is not None:
-                self._settle(temp, final, group, staged)
+            if session.group is not None:
+                self._settle(session, staged)
             elif staged is not None:  # one process: nothing to tell; the call raised it, nothing is committed
                 raise staged
-            box: dict[str, dict[str, Any]] = {}
-
-            def written(sealer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-                box["metadata"] = write()
-                # every file's digests, hashed as written (after their fsyncs), and the parts of the files the
-                # committer writes (each DCP directory's metadata, from every rank's)
-                return sealer.entries(), sealer.parts
-
-            with sealing(temp) as sealer, crc32_off():
+            with session.sealing() as sealer, crc32_off():
                 # one all-gather: the write's failure on any rank, every rank's digests and parts
-                gathered = collective.gather_shared(self._storing(final, temp, lambda: written(sealer)),
-                                                    "save_state", group)
-            metadata = box["metadata"]
-            merged = share_digests(temp, [entries for entries, _ in gathered],
-                                   shared_dir=not self.config.save_on_each_node, group=group)
+                gathered = collective.gather_shared(functools.partial(self._written, session, writes, sealer),
+                                                    "save_state", session.group)
+            merged = share_digests(session.checkpoint_dir, [entries for entries, _ in gathered],
+                                   shared_dir=not self.config.save_on_each_node, group=session.group)
             parts = [rank_parts for _, rank_parts in gathered]
-            commit = self._storing(final, temp, lambda: self._commit(temp, final, metadata, merged, parts)
-                                   if leader else None)
-            collective.run_shared(commit, "committing the checkpoint", group)
+            collective.run_shared(functools.partial(self._committed, session, merged, parts),
+                                  "committing the checkpoint", session.group)
         except BaseException:
-            if leader:
-                shutil.rmtree(temp, ignore_errors=True)
+            if session.leader:
+                shutil.rmtree(session.checkpoint_dir, ignore_errors=True)
             raise
         trim_host_heap()  # the write's buffers, freed in its threads' arenas, go back to the OS
 
-    def _settle(self, temp: Path, final: Path, group: Any, staged: BaseException | None) -> None:
+    def _written(self, session: SaveSession, writes: _WriteNow | staging.Deferred,
+                 sealer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The files written (the recorded writes replayed, or written now); every file's digests, hashed as written
+        (after their fsyncs), and the parts of the files the committer writes (each DCP directory's metadata)."""
+        with storage.translated(session.final, session.checkpoint_dir, self._needed_bytes):
+            if isinstance(writes, staging.Deferred):
+                writes.run()
+            else:
+                session.metadata = self._metadata(self._write(session, writes.safe_serialization, writes.options))
+            return sealer.entries(), sealer.parts
+
+    def _committed(self, session: SaveSession, merged: dict[str, Any], parts: list[dict[str, Any]]) -> None:
+        if session.leader:
+            with storage.translated(session.final, session.checkpoint_dir, self._needed_bytes):
+                self._commit(session.checkpoint_dir, session.final, session.metadata, merged, parts)
+
+    def _settle(self, session: SaveSession, staged: BaseException | None) -> None:
         """An asynchronous save's first step on the background group, one all-gather: every rank joined (else the
         group's timeout, named), with the same target, and none failed at its call (``staged``: this rank's
         failure, raised here; the others' raised here as a CheckpointError naming them)."""
         collective.prepare_agreed(
-            str(temp), "the save_state output directory (its temporary directory counts the job's asynchronous "
-            "saves: a rank that called save_state more often than another names another)", lambda: _reraise(staged),
-            "save_state", leader=True, group=group,
-            joining=f"not every rank joined the asynchronous save_state() to {final} within "
+            str(session.checkpoint_dir), "the save_state output directory (its temporary directory counts the job's "
+            "asynchronous saves: a rank that called save_state more often than another names another)",
+            functools.partial(_reraise, staged), "save_state", leader=True, group=session.group,
+            joining=f"not every rank joined the asynchronous save_state() to {session.final} within "
                     f"{self.run.process.timeout}; save_state() is collective: call it on every rank (not under "
                     "`if accelerator.is_main_process:`), the same number of times")
 
@@ -307,13 +304,6 @@ class Checkpointer:
             self.drop_staging_buffers()
             staging.release_group()
 
-    def _storing(self, final: Path, temp: Path, fn: Callable[[], T]) -> Callable[[], T]:
-        """``fn`` with a full disk or a read-only target raised as one line naming ``final`` (``storage``)."""
-        def run() -> T:
-            with storage.translated(final, temp, self._needed_bytes):
-                return fn()
-        return run
-
     def _needed_bytes(self) -> int:
         return self._needed(self.run.prepared.models, self.run.prepared.inner_optimizers())
 
@@ -326,24 +316,24 @@ class Checkpointer:
         return target.prepare(final, temp, clean, self.config.automatic_checkpoint_naming and url is None,
                               self.config.iteration, self._needed_bytes)
 
-    def _write(self, temp: Path, leader: bool, safe_serialization: bool, options: SaveOptions) -> dict[str, Any]:
-        run, prepared = self.run, self.run.prepared
+    def _write(self, session: SaveSession, safe_serialization: bool, options: SaveOptions) -> dict[str, Any]:
+        run, prepared, temp = self.run, self.run.prepared, session.checkpoint_dir
         # every rank creates it (the first one wins; never a symlink or another user's) and holds its lock: no
         # collective of its own; a failure is shared by the write's, so every rank raises and none waits
         tempdirs.make(temp)
         skip = self._run_save_hooks(temp)
-        meta = run.strategy.save_checkpoint(list(prepared.models), prepared.inner_optimizers(), temp,
-                                            writer=leader, safe_serialization=safe_serialization,
-                                            skip_models=skip, options=options)
-        if leader:
+        meta = run.strategy.save_checkpoint(session, list(prepared.models), prepared.inner_optimizers(),
+                                            safe_serialization=safe_serialization, skip_models=skip, options=options)
+        if session.leader:
             for i, scheduler in enumerate(prepared.schedulers):
-                write_torch(scheduler.state_dict(), temp / f"scheduler{suffix(i)}.pt")
-            write_torch(collect_training_state(run.step, run.gradient_state, prepared.optimizers,
-                                               prepared.dataloaders, run.strategy.precision_state_dict()),
+                write_torch(session, scheduler.state_dict(), temp / f"scheduler{suffix(i)}.pt")
+            write_torch(session, collect_training_state(run.step, run.gradient_state, prepared.optimizers,
+                                                        prepared.dataloaders, run.strategy.precision_state_dict()),
                         temp / TRAINING_STATE_FILE)
             for i, obj in enumerate(prepared.registered):
-                write_registered(i, obj, temp / f"custom_checkpoint_{i}.pt")
-        write_torch(collect_rng_state(run.device, prepared.dataloaders), temp / f"random_states_{run.process_index}.pt")
+                write_registered(session, i, obj, temp / f"custom_checkpoint_{i}.pt")
+        write_torch(session, collect_rng_state(run.device, prepared.dataloaders),
+                    temp / f"random_states_{run.process_index}.pt")
         return dict(meta, skipped_models=sorted(skip))
 
     def _run_save_hooks(self, temp: Path) -> frozenset[int]:
@@ -402,17 +392,13 @@ class Checkpointer:
         if input_dir is not None:
             collective.agree(os.fspath(input_dir), "the load_state input directory")
         leader = self._leader()
-        found = collective.on_leader(lambda: self._locate(input_dir), "checking the checkpoint", leader)
+        found = collective.on_leader(functools.partial(self._locate, input_dir), "checking the checkpoint", leader)
         assert found is not None  # rank 0 always leads, and every rank gets rank 0's result
         path, metadata, next_free = found
         directory = Path(path)
-        if metadata.get("format") == accelerate_format.FORMAT:  # written by Accelerate's save_state
-            read = lambda: accelerate_format.load(self.run, directory, metadata,  # noqa: E731
-                                                  self._run_load_hooks(directory), options)
-        else:
+        if metadata.get("format") != accelerate_format.FORMAT:  # else written by Accelerate's save_state
             self._check_counts(directory, metadata)
-            read = lambda: self._read(directory, metadata, self._run_load_hooks(directory), options)  # noqa: E731
-        collective.run_shared(lambda: verified.read_checked(directory, metadata, read), "load_state")
+        collective.run_shared(functools.partial(self._read_any, directory, metadata, options), "load_state")
         saved = metadata.get("iteration")  # None: an Accelerate directory not named checkpoint_N
         self.config.iteration = max(self.config.iteration if saved is None else int(saved) + 1, next_free)
         collective.barrier()
@@ -479,22 +465,33 @@ class Checkpointer:
             hook(models, str(directory))
         return frozenset(i for i, m in enumerate(prepared) if not any(m is x for x in models))
 
-    def _read(self, directory: Path, metadata: dict[str, Any], skip: frozenset[int], options: LoadOptions) -> None:
+    def _read_any(self, directory: Path, metadata: dict[str, Any], options: LoadOptions) -> None:
+        """The load hooks, then impel's files (:meth:`_read`, each checked against the manifest as it is read) or
+        a directory Accelerate's save_state wrote."""
+        skip = self._run_load_hooks(directory)
+        if metadata.get("format") == accelerate_format.FORMAT:
+            accelerate_format.load(self.run, directory, metadata, skip, options)
+        else:
+            self._read(verified.Manifest.of(directory, metadata), directory, metadata, skip, options)
+
+    def _read(self, manifest: verified.Manifest, directory: Path, metadata: dict[str, Any], skip: frozenset[int],
+              options: LoadOptions) -> None:
         run, prepared = self.run, self.run.prepared
-        training = read_torch(directory / TRAINING_STATE_FILE, "training state")
+        training = read_torch(manifest, directory / TRAINING_STATE_FILE, "training state")
         run.strategy.load_precision_state_dict(training["precision"])  # the scaler before the optimizers (FSDP2)
-        run.strategy.load_checkpoint(list(prepared.models), prepared.inner_optimizers(), directory,
+        run.strategy.load_checkpoint(manifest, list(prepared.models), prepared.inner_optimizers(), directory,
                                      metadata["strategy"], skip_models=skip, options=options)
         for i, scheduler in enumerate(prepared.schedulers):
-            scheduler.load_state_dict(read_torch(directory / f"scheduler{suffix(i)}.pt", f"scheduler {i}"))
+            scheduler.load_state_dict(read_torch(manifest, directory / f"scheduler{suffix(i)}.pt", f"scheduler {i}"))
         run.gradient_state.set_step(restore_training_state(training, run.gradient_state, prepared.optimizers,
                                                            prepared.dataloaders))
         for i, obj in enumerate(prepared.registered):
-            obj.load_state_dict(read_torch(directory / f"custom_checkpoint_{i}.pt",
+            obj.load_state_dict(read_torch(manifest, directory / f"custom_checkpoint_{i}.pt",
                                            f"registered object {i}, {describe(obj)}"))
         rng = directory / f"random_states_{run.process_index}.pt"
         if rng.is_file():
-            restore_rng_state(read_torch(rng, f"rank {run.process_index} RNG state"), run.device, prepared.dataloaders)
+            restore_rng_state(read_torch(manifest, rng, f"rank {run.process_index} RNG state"), run.device,
+                              prepared.dataloaders)
         elif not self.elastic:  # an elastic job that grew: expected, and its resume line says so
             logger.warning("%s has no RNG state for rank %d (saved by %s processes); this rank's random streams "
                            "start fresh", directory, run.process_index, metadata.get("world_size"))

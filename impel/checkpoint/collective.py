@@ -8,6 +8,7 @@ writing are shared, so every rank raises instead of some waiting forever for the
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -151,7 +152,11 @@ def prepare_agreed(value: str, what_value: str, fn: Callable[[], T], what: str, 
 
 def on_leader(fn: Callable[[], T], what: str, leader: bool) -> T | None:
     """Run ``fn`` on the leader rank(s) only, and share its failure with every rank; returns rank 0's result."""
-    return broadcast(run_shared(lambda: fn() if leader else None, what))
+    return broadcast(run_shared(functools.partial(_if_leader, fn, leader), what))
+
+
+def _if_leader(fn: Callable[[], T], leader: bool) -> T | None:
+    return fn() if leader else None
 
 
 def barrier() -> None:

@@ -28,14 +28,16 @@ import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from impel.checkpoint import hashing
-from impel.checkpoint.digests import finish_ranges
 from impel.checkpoint.direct_io import DirectFile, reserve
 from impel.checkpoint.layout import CheckpointError
+
+if TYPE_CHECKING:
+    from impel.checkpoint.session import SaveSession
 
 ALIASES_KEY = "impel_aliases"
 OPTIMIZER_GROUPS_KEY = "impel_param_groups"
@@ -126,15 +128,17 @@ def _header(parts: list[_Part], metadata: Mapping[str, str]) -> tuple[bytes, dic
     return len(text).to_bytes(8, "little") + text, starts
 
 
-def write(tensors: Mapping[str, torch.Tensor], path: Path, metadata: Mapping[str, str], rank: int) -> None:
+def write(session: SaveSession, tensors: Mapping[str, torch.Tensor], path: Path, metadata: Mapping[str, str],
+          rank: int) -> None:
     """Collective in effect (every rank of the mesh calls it with the same names): write this rank's share of the
     full safetensors file ``path``; tied names (the very same tensor object) are stored once, as the full
-    checkpoint's other writer does. Under a save (``digests.sealing``) the last writes and the fsync go on in the
+    checkpoint's other writer does. During a save (``session.sealing``) the last writes and the fsync go on in the
     background, the save's digests waiting for them; else it returns after this rank's bytes are on disk."""
-    write_files([(tensors, path, metadata)], rank)
+    write_files(session, [(tensors, path, metadata)], rank)
 
 
-def write_files(files: Sequence[tuple[Mapping[str, torch.Tensor], Path, Mapping[str, str]]], rank: int) -> None:
+def write_files(session: SaveSession, files: Sequence[tuple[Mapping[str, torch.Tensor], Path, Mapping[str, str]]],
+                rank: int) -> None:
     """:func:`write` for several files (a save's model and optimizer files), every file's length reserved before
     the first byte is written: a reserve (``fallocate``) made while another file's writes and fsync are in flight
     waits for the file system's journal (15-19 ms measured on a FULL save of a 6-layer GPT-2), one made before
@@ -148,7 +152,7 @@ def write_files(files: Sequence[tuple[Mapping[str, torch.Tensor], Path, Mapping[
                 reserve(waiting[-1].fileno(), plan.total)
         for plan in plans:
             ranges = plan.write(waiting[0], rank)
-            finish_ranges(waiting.pop(0), plan.total, ranges)
+            session.finish_ranges(waiting.pop(0), plan.total, ranges)
     except BaseException:
         for file in waiting:
             file.abort()

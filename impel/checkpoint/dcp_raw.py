@@ -19,15 +19,17 @@ import math
 import os
 import pickle
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from impel.checkpoint.digests import appending, contribute
 from impel.runtime.collectives import is_distributed
+
+if TYPE_CHECKING:
+    from impel.checkpoint.session import SaveSession
 
 RAW_SUFFIX = ".raw.distcp"
 METADATA_NAME = ".metadata"
@@ -38,18 +40,19 @@ def is_raw(relative_path: str) -> bool:
 
 
 class RawWriter(FileSystemWriter):
-    """DCP's file writer with one raw-bytes shard file per rank (fsync and checksums: ``digests.appending``).
+    """DCP's file writer with one raw-bytes shard file per rank (fsync and checksums: ``SaveSession.open``).
 
     Run with ``no_dist=True`` and :class:`LocalPlanner`: no collective at all. Each rank plans and writes its own
     items into ``__<rank>_0.raw.distcp`` (its shards) and ``__<rank>_1.raw.distcp`` (rank 0: what every rank
-    holds alike) and hands the metadata of its items to the save (``digests.contribute``);
+    holds alike) and hands the metadata of its items to the save (``SaveSession.contribute``);
     the committing rank merges every rank's into the directory's ``.metadata`` (:func:`write_merged`), which is
     the same global metadata DCP's coordinated save writes (DCP's save gathers the plans to rank 0, scatters them
     back, gathers the write results and broadcasts the metadata: four object collectives per directory, each
     waiting for the slowest rank, which cost a sharded save as much as a third of its time)."""
 
-    def __init__(self, path: Any, rank: int = 0) -> None:
+    def __init__(self, session: SaveSession, path: Any, rank: int = 0) -> None:
         super().__init__(path, sync_files=False)
+        self.session = session  # the save it writes for: its files sealed, its metadata merged at the commit
         self.global_rank = rank
 
     def prepare_local_plan(self, plan: Any) -> Any:
@@ -69,7 +72,7 @@ class RawWriter(FileSystemWriter):
         metadata.version = CURRENT_DCP_VERSION
         metadata.storage_data = {result.index: result.storage_data for writes in results for result in writes}
         metadata.storage_meta = self.storage_meta()
-        if contribute(Path(self.path) / METADATA_NAME, metadata):
+        if self.session.contribute(Path(self.path) / METADATA_NAME, metadata):
             return
         if is_distributed():
             raise RuntimeError("a sharded save on several ranks runs inside save_state (its ranks' metadata are "
@@ -97,7 +100,7 @@ class RawWriter(FileSystemWriter):
         from torch.distributed.checkpoint.planner import WriteItemType
 
         results = []
-        with appending(Path(self.path) / name) as stream:
+        with self.session.open(Path(self.path) / name) as stream:
             for item in items:
                 data = planner.resolve_data(item)
                 offset = stream.tell()

@@ -18,10 +18,11 @@ from typing import Any
 
 import torch
 
+from impel.checkpoint import formats
 from impel.checkpoint.errors import CheckpointError
 from impel.config import environment as env
 
-FORMAT = "deepspeed"
+FORMAT = formats.DEEPSPEED.name
 TAG = "zero"
 INSTALL_HINT = "pip install 'impel[deepspeed]'"
 

@@ -14,7 +14,6 @@ The committing rank receives every digest and only hashes what is still unknown 
 """
 from __future__ import annotations
 
-import contextvars
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -36,7 +35,6 @@ from impel.runtime.collectives import is_distributed
 
 Entry = dict[str, Any]  # layout.manifest_entry: {"size": int, "xxh3_128_blocks": [str, ...]}
 RANGES_KEY = "ranges"  # a rank's part of an entry (finish_ranges): [[start, end, digest], ...]
-_current: contextvars.ContextVar[Sealer | None] = contextvars.ContextVar("impel_sealer", default=None)
 
 
 class Sealer:
@@ -80,20 +78,19 @@ class Sealer:
         self._sync_pool.shutdown(wait=True)
 
 
-def _sealing(path: Path) -> tuple[Sealer, str] | tuple[None, None]:
-    """The active :class:`Sealer` and ``path`` relative to its directory, or (None, None) outside one."""
-    sealer = _current.get()
+def _sealing(path: Path, sealer: Sealer | None) -> tuple[Sealer, str] | tuple[None, None]:
+    """``sealer`` and ``path`` relative to its directory, or (None, None) without one or outside its directory."""
     rel = sealer.relative(path) if sealer is not None else None
     return (sealer, rel) if sealer is not None and rel is not None else (None, None)
 
 
-def finish_ranges(file: DirectFile, size: int, ranges: list[tuple[int, int, str]]) -> None:
-    """This rank's writes into the shared ``size``-byte file ``file`` are queued: under an active :class:`Sealer`
+def finish_ranges(file: DirectFile, size: int, ranges: list[tuple[int, int, str]], sealer: Sealer | None) -> None:
+    """This rank's writes into the shared ``size``-byte file ``file`` are queued: with a :class:`Sealer` (the save's)
     its byte ranges (start, end, digest; hashed as written) are recorded, :func:`share_digests` joins every rank's
     into the file's entry, and the file is finished (the writes in flight, fsync) on an I/O thread while the save
     goes on, :meth:`Sealer.entries` waiting for it. Without one (or outside its directory) the file is finished
     now and hashed when the manifest is built."""
-    sealer, rel = _sealing(file.path)
+    sealer, rel = _sealing(file.path, sealer)
     if sealer is None or rel is None:
         file.finish()
         return
@@ -123,18 +120,18 @@ def join_ranges(known: list[dict[str, Entry]]) -> dict[str, Entry]:
     return merged
 
 
-def settle(path: Path) -> None:
-    """Under an active :class:`Sealer`: wait until ``path``, if this save wrote it, is wholly on disk (a file is
+def settle(path: Path, sealer: Sealer | None) -> None:
+    """With ``sealer`` (the save's): wait until ``path``, if this save wrote it, is wholly on disk (a file is
     finished in the background after its writer returns; a read-back of it waits here)."""
-    sealer, rel = _sealing(path)
+    sealer, rel = _sealing(path, sealer)
     if sealer is not None and rel is not None:
         sealer.wait(rel)
 
 
-def contribute(path: Path, part: Any) -> bool:
-    """Under an active :class:`Sealer`: this rank's ``part`` of the file ``path`` (a DCP directory's metadata),
+def contribute(path: Path, part: Any, sealer: Sealer | None) -> bool:
+    """With ``sealer`` (the save's): this rank's ``part`` of the file ``path`` (a DCP directory's metadata),
     which the committing rank writes from every rank's part; True. Else False (the caller writes it)."""
-    sealer, rel = _sealing(path)
+    sealer, rel = _sealing(path, sealer)
     if sealer is None or rel is None:
         return False
     sealer.parts[rel] = part
@@ -143,13 +140,12 @@ def contribute(path: Path, part: Any) -> bool:
 
 @contextmanager
 def sealing(root: Path) -> Iterator[Sealer]:
-    """While active, files that impel's writers finish under ``root`` are sealed in the background."""
+    """A :class:`Sealer` for the files written under ``root`` (``session.SaveSession.sealing`` hands it to the
+    writers), closed at the end."""
     sealer = Sealer(Path(root).absolute())
-    token = _current.set(sealer)
     try:
         yield sealer
     finally:
-        _current.reset(token)
         sealer.close()
 
 
@@ -195,10 +191,10 @@ class _AppendingWriter:
 
 
 @contextmanager
-def appending(path: Path) -> Iterator[Any]:
+def appending(path: Path, sealer: Sealer | None) -> Iterator[Any]:
     """A write-only, append-only file (``write``, ``tell``, ``flush``, ``fileno``, ``close``) for ``torch.save`` and
-    DCP: sealed in the background under an active :class:`Sealer`, else fsynced before the block ends."""
-    sealer, rel = _sealing(path)
+    DCP: sealed in the background with ``sealer`` (the save's), else fsynced before the block ends."""
+    sealer, rel = _sealing(path, sealer)
     if sealer is None or rel is None:
         file = DirectFile(Path(path))
         try:

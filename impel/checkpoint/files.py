@@ -14,14 +14,16 @@ import re
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from impel.checkpoint import safetensors_stream, staging
-from impel.checkpoint.digests import appending, settle
+from impel.checkpoint import safetensors_stream
 from impel.checkpoint.layout import CheckpointError
-from impel.checkpoint.verified import open_checked
+from impel.checkpoint.verified import Manifest, open_checked
+
+if TYPE_CHECKING:
+    from impel.checkpoint.session import SaveSession
 
 ALIASES_KEY = "impel_aliases"
 
@@ -57,32 +59,36 @@ def dedupe_aliases(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch
     return kept, aliases
 
 
-def write_safetensors(tensors: Mapping[str, torch.Tensor], path: Path) -> None:
-    """Write tensors (tied ones once, the alias recorded in the metadata), hashed as written, and fsync."""
-    if staging.defer(write_safetensors, tensors, path):  # save_state(async_save=True): staged, written later
-        return
+def write_safetensors(session: SaveSession, tensors: Mapping[str, torch.Tensor], path: Path) -> None:
+    """Write tensors (tied ones once, the alias recorded in the metadata), hashed as written, and fsync; in an
+    asynchronous save, staged now and written later (``session``)."""
+    session.write(_write_safetensors, tensors, path)
+
+
+def _write_safetensors(session: SaveSession, tensors: Mapping[str, torch.Tensor], path: Path) -> None:
     kept, aliases = dedupe_aliases(tensors)
     metadata = {"format": "pt"}
     if aliases:
         metadata[ALIASES_KEY] = json.dumps(aliases, sort_keys=True)
-    with appending(path) as f:
+    with session.open(path) as f:
         safetensors_stream.write(kept, metadata, f)
 
 
-def read_safetensors(path: Path, what: str = "tensors") -> dict[str, torch.Tensor]:
+def read_safetensors(manifest: Manifest | None, path: Path, what: str = "tensors") -> dict[str, torch.Tensor]:
     """Read a safetensors file written by :func:`write_safetensors` (aliases restored), checked as it is read."""
-    tensors, metadata = read_safetensors_file(path, what)
+    tensors, metadata = read_safetensors_file(manifest, path, what)
     for alias, target in json.loads(metadata.get(ALIASES_KEY, "{}")).items():
         tensors[alias] = tensors[target]
     return tensors
 
 
-def read_safetensors_file(path: Path, what: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def read_safetensors_file(manifest: Manifest | None, path: Path,
+                          what: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """A safetensors file's tensors and metadata on CPU, checked against the manifest as it is read."""
     if not path.is_file():
         raise CheckpointError(f"checkpoint file {path} ({what}) is missing; load a complete checkpoint")
     try:
-        with open_checked(path) as f:
+        with open_checked(manifest, path) as f:
             return safetensors_stream.read(f)
     except CheckpointError:
         raise
@@ -91,14 +97,17 @@ def read_safetensors_file(path: Path, what: str) -> tuple[dict[str, torch.Tensor
                               "truncated or corrupted: load an earlier checkpoint") from None
 
 
-def write_torch(obj: Any, path: Path) -> None:
-    """``torch.save`` then fsync; only save tensors, numbers, strings and containers (they load back safely).
+def write_torch(session: SaveSession, obj: Any, path: Path) -> None:
+    """``torch.save`` then fsync; only save tensors, numbers, strings and containers (they load back safely). In
+    an asynchronous save, staged now and written later (``session``).
 
     The zip records' crc32 is not computed: the manifest's checksum covers every byte, and crc32 costs a pass.
     """
-    if staging.defer(write_torch, obj, path):  # save_state(async_save=True): staged, written later
-        return
-    with crc32_off(), appending(path) as f:
+    session.write(_write_torch, obj, path)
+
+
+def _write_torch(session: SaveSession, obj: Any, path: Path) -> None:
+    with crc32_off(), session.open(path) as f:
         torch.save(obj, f)
 
 
@@ -119,14 +128,13 @@ def crc32_off() -> Iterator[None]:
         switch(before)
 
 
-def read_torch(path: Path, what: str) -> Any:
+def read_torch(manifest: Manifest | None, path: Path, what: str) -> Any:
     """``torch.load(weights_only=True)`` on CPU; a CheckpointError naming ``what`` and the file otherwise."""
     if not path.is_file():
         raise CheckpointError(f"checkpoint file {path} ({what}) is missing; load a checkpoint saved with the same "
                               "models, optimizers, schedulers, dataloaders and registered objects")
-    settle(path)  # a file this save is still finishing (a registered object's state read back) is waited for
     try:
-        with open_checked(path) as f:  # checked against the manifest as it is read (verified.checking)
+        with open_checked(manifest, path) as f:  # checked against the checkpoint's manifest as it is read
             return torch.load(f, map_location="cpu", weights_only=True)
     except CheckpointError:
         raise

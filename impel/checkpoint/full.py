@@ -14,12 +14,12 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
 
-from impel.checkpoint import cooperative, full_slices, named_state, staging
+from impel.checkpoint import cooperative, formats, full_slices, named_state
 from impel.checkpoint.files import (
     read_safetensors,
     read_safetensors_file,
@@ -29,9 +29,13 @@ from impel.checkpoint.files import (
 )
 from impel.checkpoint.layout import CheckpointError
 
+if TYPE_CHECKING:
+    from impel.checkpoint.session import SaveSession
+    from impel.checkpoint.verified import Manifest
+
 logger = logging.getLogger(__name__)
 
-FORMAT = "full"
+FORMAT = formats.FULL.name
 
 
 def suffix(index: int) -> str:
@@ -76,18 +80,20 @@ def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, options:
     return state
 
 
-def save_full(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer], directory: Path, *,
-              writer: bool, safe_serialization: bool, skip_models: AbstractSet[int] = frozenset(),
+def save_full(session: SaveSession, models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer], *,
+              safe_serialization: bool, skip_models: AbstractSet[int] = frozenset(),
               options: Any = None, all_ranks: bool = False, cooperative_rank: int | None = None) -> dict[str, Any]:
-    """Write full model and optimizer files; returns the strategy section of the checkpoint metadata.
+    """Write full model and optimizer files into ``session.directory``; returns the strategy section of the
+    checkpoint metadata.
 
-    ``writer``: this rank writes. ``all_ranks``: every rank must take part in building the state dicts (sharded
+    ``session.leader``: this rank writes. ``all_ranks``: every rank must take part in building the state dicts (sharded
     models gathered with ``options``); otherwise only writers build them (replicated models, like DDP).
     ``cooperative_rank`` (sharded models, one shared directory): this rank's global rank; every rank writes its
     own shards into the full files instead of gathering them on the writer (``checkpoint/cooperative.py``).
     """
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
+    directory, writer = session.checkpoint_dir, session.leader
     names = {"models": [model_file(i, safe_serialization) for i in range(len(models))],
              "optimizers": [optimizer_file(i) for i in range(len(optimizers))]}
     if not (writer or all_ranks):
@@ -104,7 +110,7 @@ def save_full(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Opti
         weights = cast(dict[str, torch.Tensor], named_state.model_state(model) if options is None
                        else get_model_state_dict(model, options=options))
         if writer:
-            _write_weights(weights, directory / names["models"][i], safe_serialization)
+            _write_weights(session, weights, directory / names["models"][i], safe_serialization)
     for i, (opt, owner) in enumerate(zip(optimizers, pair_optimizers(models, optimizers))):
         coop = cooperative_rank is not None
         packed = cooperative.optimizer_tensors(optimizer_state(models[owner], opt)) if coop else None
@@ -114,24 +120,18 @@ def save_full(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Opti
             continue
         state = optimizer_state(models[owner], opt, options)
         if writer:
-            write_torch(state, directory / names["optimizers"][i])
+            write_torch(session, state, directory / names["optimizers"][i])
     if shared and cooperative_rank is not None:
-        _write_cooperatively(shared, cooperative_rank)
+        # this rank's share of the full files (their lengths reserved before the first write), now or staged
+        session.write(cooperative.write_files, shared, cooperative_rank)
     return {"format": FORMAT, **names}
 
 
-def _write_cooperatively(files: list[tuple[dict[str, torch.Tensor], Path, dict[str, str]]], rank: int) -> None:
-    """This rank's share of the full files (their lengths reserved before the first write), now, or under
-    save_state(async_save=True) staged now and written later."""
-    if not staging.defer(cooperative.write_files, files, rank):
-        cooperative.write_files(files, rank)
-
-
-def read_optimizer(path: Path, what: str) -> Any:
+def read_optimizer(manifest: Manifest | None, path: Path, what: str) -> Any:
     """A full optimizer state dict from ``optimizer*.pt`` or a cooperatively written ``optimizer*.safetensors``."""
     if path.suffix != ".safetensors":
-        return read_torch(path, what)
-    tensors, metadata = read_safetensors_file(path, what)
+        return read_torch(manifest, path, what)
+    tensors, metadata = read_safetensors_file(manifest, path, what)
     try:
         return cooperative.optimizer_state_from(tensors, metadata)
     except Exception as exc:  # noqa: BLE001 - a bad layout raises KeyError / ValueError / json's errors
@@ -139,21 +139,24 @@ def read_optimizer(path: Path, what: str) -> Any:
                               "truncated or corrupted: load an earlier checkpoint") from None
 
 
-def _write_weights(state: Mapping[str, torch.Tensor], path: Path, safe_serialization: bool) -> None:
+def _write_weights(session: SaveSession, state: Mapping[str, torch.Tensor], path: Path,
+                   safe_serialization: bool) -> None:
     if safe_serialization:
-        write_safetensors(state, path)
+        write_safetensors(session, state, path)
     else:
-        write_torch({k: v.detach().cpu() for k, v in state.items()}, path)
+        write_torch(session, {k: v.detach().cpu() for k, v in state.items()}, path)
 
 
-def read_weights(path: Path) -> dict[str, torch.Tensor]:
-    """A full model state dict from ``model*.safetensors`` or ``pytorch_model*.bin`` (loaded safely)."""
+def read_weights(manifest: Manifest | None, path: Path) -> dict[str, torch.Tensor]:
+    """A full model state dict from ``model*.safetensors`` or ``pytorch_model*.bin`` (loaded safely), checked
+    against ``manifest`` as it is read."""
     if path.suffix == ".safetensors":
-        return read_safetensors(path, "model weights")
-    return read_torch(path, "model weights")
+        return read_safetensors(manifest, path, "model weights")
+    return read_torch(manifest, path, "model weights")
 
 
-def load_full(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer], directory: Path,
+def load_full(manifest: Manifest | None, models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
+              directory: Path,
               metadata: Mapping[str, Any], *, skip_models: AbstractSet[int] = frozenset(),
               options: Any = None, slices: bool = False) -> None:
     """Load what :func:`save_full` wrote into the prepared models and optimizers (on every rank).
@@ -175,9 +178,9 @@ def load_full(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Opti
         path = directory / metadata["models"][i]
         if slices and path.suffix == ".safetensors":
             check = _fits(model, i, path, strict=getattr(options, "strict", True))
-            _warn_not_strict(full_slices.load_model(model, path, options, check), path, i)
+            _warn_not_strict(full_slices.load_model(manifest, model, path, options, check), path, i)
             continue
-        state = read_weights(path)
+        state = read_weights(manifest, path)
         try:
             # torch types the argument as the invariant dict[str, ValueType], which a dict[str, Tensor] is not
             result = set_model_state_dict(model, state, options=options)  # type: ignore[arg-type]
@@ -189,9 +192,10 @@ def load_full(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Opti
         _warn_not_strict(result, path, i)
     for i, (opt, owner) in enumerate(zip(optimizers, pair_optimizers(models, optimizers))):
         path = directory / metadata["optimizers"][i]
-        if slices and path.suffix == ".safetensors" and full_slices.load_optimizer(models[owner], opt, path, options):
+        if slices and path.suffix == ".safetensors" and full_slices.load_optimizer(manifest, models[owner], opt, path,
+                                                                                  options):
             continue
-        state = read_optimizer(path, f"optimizer {i}")
+        state = read_optimizer(manifest, path, f"optimizer {i}")
         if not state.get("state"):
             _load_fresh_optimizer(opt, state)
             continue

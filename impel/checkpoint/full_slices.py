@@ -28,7 +28,7 @@ from torch import nn
 
 from impel.checkpoint import cooperative, safetensors_stream
 from impel.checkpoint.layout import CheckpointError
-from impel.checkpoint.verified import open_checked
+from impel.checkpoint.verified import Manifest, open_checked
 
 Shape = tuple[int, ...]
 
@@ -52,7 +52,8 @@ def target_of(value: torch.Tensor) -> _Target:
     return _Target((0,) * value.dim(), tuple(value.shape), value)
 
 
-def read_boxes(path: Path, targets: Callable[[Mapping[str, Any], Mapping[str, Shape]], Mapping[str, _Target]],
+def read_boxes(manifest: Manifest | None, path: Path,
+               targets: Callable[[Mapping[str, Any], Mapping[str, Shape]], Mapping[str, _Target]],
                what: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Read each named box of the safetensors file ``path`` (checked against the manifest as it is read), as local
     tensors in the dtype stored; returns them and the file's metadata. ``targets(header entries, shapes)``: the
@@ -63,7 +64,7 @@ def read_boxes(path: Path, targets: Callable[[Mapping[str, Any], Mapping[str, Sh
     if not path.is_file():
         raise CheckpointError(f"checkpoint file {path} ({what}) is missing; load a complete checkpoint")
     try:
-        with open_checked(path) as stream:
+        with open_checked(manifest, path) as stream:
             entries, metadata, base = safetensors_stream.read_header(stream)
             shapes: dict[str, Shape] = {name: tuple(entry["shape"]) for name, entry in entries.items()}
             aliases = json.loads(metadata.get(cooperative.ALIASES_KEY, "{}"))
@@ -131,7 +132,8 @@ def as_sharded(local: torch.Tensor, like: Any) -> Any:
     return local
 
 
-def load_model(model: nn.Module, path: Path, options: Any, check: Callable[[Mapping[str, Shape]], None]) -> Any:
+def load_model(manifest: Manifest | None, model: nn.Module, path: Path, options: Any,
+               check: Callable[[Mapping[str, Shape]], None]) -> Any:
     """Load a full ``model*.safetensors`` into a (sharded) prepared model, each rank reading its own boxes; returns
     ``set_model_state_dict``'s result (missing / unexpected keys under ``strict=False``). ``check(shapes)``: raises
     when the file's names and global shapes do not fit the model, before anything is read."""
@@ -148,12 +150,13 @@ def load_model(model: nn.Module, path: Path, options: Any, check: Callable[[Mapp
         check(shapes)
         return targets
 
-    locals_, _ = read_boxes(path, boxes, "model weights")
+    locals_, _ = read_boxes(manifest, path, boxes, "model weights")
     state: dict[str, Any] = {name: as_sharded(local, targets[name].like) for name, local in locals_.items()}
     return set_model_state_dict(model, state, options=StateDictOptions(strict=getattr(options, "strict", True)))
 
 
-def load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path, options: Any) -> bool:
+def load_optimizer(manifest: Manifest | None, model: nn.Module, optimizer: torch.optim.Optimizer, path: Path,
+                   options: Any) -> bool:
     """Load a cooperatively written ``optimizer*.safetensors`` into the optimizer of a (sharded) prepared model,
     each rank reading its own boxes of the state tensors shaped like their parameter; False when the optimizer was
     saved before its first step (no state: the caller restores its hyper-parameters)."""
@@ -179,7 +182,7 @@ def load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, path: Pat
                 targets[name] = _Target((0,) * len(shape), shape, meta)
         return targets
 
-    locals_, metadata = read_boxes(path, boxes, "optimizer state")
+    locals_, metadata = read_boxes(manifest, path, boxes, "optimizer state")
     if not targets:
         return False
     state: dict[str, dict[str, Any]] = {}

@@ -18,6 +18,7 @@ import torch
 from impel.checkpoint.files import dedupe_aliases, write_safetensors, write_torch
 from impel.checkpoint.layout import fsync_dir
 from impel.checkpoint.ownership import refuse_inside_checkpoint
+from impel.checkpoint.session import SaveSession
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -78,7 +79,8 @@ def save_pretrained_weights(state: Mapping[str, torch.Tensor], directory: str | 
     for name, keys in zip(names, shards):
         part = {k: kept[k] for k in keys}
         tmp = out / f".{name}.tmp"
-        write_safetensors(part, tmp) if safe_serialization else write_torch(part, tmp)
+        plain = SaveSession.plain()  # written and fsynced at once (not a save_state checkpoint)
+        write_safetensors(plain, part, tmp) if safe_serialization else write_torch(plain, part, tmp)
         os.replace(tmp, out / name)
         written.append(out / name)
     if len(names) > 1:

@@ -1,6 +1,7 @@
 """Turn any impel checkpoint into full weights in Hugging Face's layout (what ``impel merge-weights`` runs).
 
-The checkpoint's ``impel_checkpoint.json`` says which format its strategy wrote; ``MERGERS`` maps each format to
+The checkpoint's ``impel_checkpoint.json`` says which format its strategy wrote; ``MERGERS`` (from the formats'
+table, ``formats.FORMATS``) maps each format to
 a function ``(checkpoint_dir, strategy_metadata, model_index) -> state dict``, as a dotted path to a module of this
 layer (DeepSpeed's ZeRO files: ``deepspeed_engines``), imported only when that format is merged.
 """
@@ -14,28 +15,25 @@ from typing import Any
 
 import torch
 
+from impel.checkpoint.formats import FORMATS
 from impel.checkpoint.full import read_weights
 from impel.checkpoint.hf import save_pretrained_weights
 from impel.checkpoint.layout import CheckpointError, verify
 from impel.checkpoint.ownership import refuse_inside_checkpoint
 
-MERGERS: dict[str, str] = {
-    "full": "impel.checkpoint.merge:full_weights",
-    "sharded": "impel.checkpoint.merge:sharded_weights",
-    "deepspeed": "impel.checkpoint.deepspeed_engines:merge_zero_checkpoint",
-}
+MERGERS: dict[str, str] = {name: fmt.merger for name, fmt in FORMATS.items()}  # the formats' table (formats.py)
 
 
 def full_weights(directory: Path, metadata: Mapping[str, Any], model_index: int) -> dict[str, torch.Tensor]:
     """Model ``model_index`` of a checkpoint written by :func:`impel.checkpoint.full.save_full`."""
-    return read_weights(directory / metadata["models"][model_index])
+    return read_weights(None, directory / metadata["models"][model_index])  # merge_weights verified every file
 
 
 def sharded_weights(directory: Path, metadata: Mapping[str, Any], model_index: int) -> dict[str, torch.Tensor]:
     """Model ``model_index`` of a DCP checkpoint, gathered on this process (DTensor shards become full tensors)."""
     from impel.checkpoint.sharded import load_full_state
 
-    state = load_full_state(directory / metadata["models"][model_index])
+    state = load_full_state(None, directory / metadata["models"][model_index])  # verified by merge_weights
     return {k: v for k, v in state["model"].items() if isinstance(v, torch.Tensor)}
 
 
@@ -96,7 +94,7 @@ def merge_fsdp_weights(checkpoint_dir: str | os.PathLike[str], output_path: str 
         else:
             from impel.checkpoint.sharded import load_full_state
 
-            state = load_full_state(source)
+            state = load_full_state(None, source)  # a bare DCP directory: no manifest
             if len(state) == 1 and isinstance(next(iter(state.values())), dict):  # {"model": {...}}
                 state = next(iter(state.values()))
             tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}

@@ -5,11 +5,14 @@ import pickle
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from impel.checkpoint import layout, staging
+from impel.checkpoint import layout
 from impel.checkpoint.files import read_torch, write_torch
 from impel.checkpoint.state import describe
+
+if TYPE_CHECKING:
+    from impel.checkpoint.session import SaveSession
 
 
 @contextmanager
@@ -22,18 +25,17 @@ def _storable(what: str) -> Iterator[None]:
                                      f"store ({exc}); return tensors, numbers, strings, lists and dicts") from None
 
 
-def write_registered(index: int, obj: Any, path: Path) -> None:
+def write_registered(session: SaveSession, index: int, obj: Any, path: Path) -> None:
     """Write a registered object's state and read it back safely now, not at resume time (an asynchronous save
     stages it now and writes and reads it back in the background)."""
     what = f"registered object {index}, {describe(obj)}"
     with _storable(what):
         state = obj.state_dict()
-        deferred = staging.defer(_store_registered, state, what, path)
-    if not deferred:
-        _store_registered(state, what, path)
+        session.write(_store_registered, state, what, path)  # staging: a deep copy of the state, taken now
 
 
-def _store_registered(state: Any, what: str, path: Path) -> None:
+def _store_registered(session: SaveSession, state: Any, what: str, path: Path) -> None:
     with _storable(what):
-        write_torch(state, path)
-    read_torch(path, what)
+        write_torch(session, state, path)
+    session.settle(path)  # finished in the background: the read-back waits for it
+    read_torch(None, path, what)  # no manifest yet (this save makes it): the state loads back safely

@@ -17,21 +17,23 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 
-from impel.checkpoint import dcp_raw, named_state
+from impel.checkpoint import dcp_raw, formats, named_state
 from impel.checkpoint.files import crc32_off
 from impel.checkpoint.full import optimizer_state, pair_optimizers, suffix
 from impel.checkpoint.layout import CheckpointError
-from impel.checkpoint.staging import deferrable_dcp_save
-from impel.checkpoint.verified import open_checked, read_all
+from impel.checkpoint.verified import Manifest, open_checked, read_all
 from impel.runtime.collectives import is_distributed
 
-FORMAT = "sharded"
+if TYPE_CHECKING:
+    from impel.checkpoint.session import SaveSession
+
+FORMAT = formats.SHARDED.name
 
 _DCP_METADATA = {"Metadata", "MetadataIndex", "StorageMeta", "ChunkStorageMetadata", "TensorProperties",
                  "TensorStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING"}
@@ -56,13 +58,14 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 class SafeFileSystemReader(FileSystemReader):
     """``FileSystemReader`` whose ``.metadata`` is unpickled with an allowlist (no code execution), and whose files
-    are checked against the manifest as they are read (under ``verified.checking``)."""
+    are checked against ``manifest`` as they are read (None: read unchecked)."""
 
     refused: CheckpointError | None = None
 
-    def __init__(self, path: Any) -> None:
+    def __init__(self, manifest: Manifest | None, path: Any) -> None:
         super().__init__(path)
-        self.fs = _checking_file_system()
+        self.manifest = manifest
+        self.fs = _checking_file_system(manifest)
         self.metadata: Any = None
 
     def set_up_storage_reader(self, metadata: Any, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -81,7 +84,8 @@ class SafeFileSystemReader(FileSystemReader):
         rank = kwargs.get("rank")
         path = Path(self.path) / (".metadata" if rank is None else f"__{rank}.metadata")
         try:
-            data = read_all(path)  # checked while read; a missing file raises as in FileSystemReader (DCP falls back)
+            # checked while read; a missing file raises as in FileSystemReader (DCP falls back)
+            data = read_all(self.manifest, path)
         except CheckpointError as exc:  # DCP swallows it and tries per-rank metadata: keep the real cause
             self.refused = exc
             raise
@@ -97,14 +101,14 @@ class SafeFileSystemReader(FileSystemReader):
         return metadata
 
 
-def _checking_file_system() -> Any:
+def _checking_file_system(manifest: Manifest | None) -> Any:
     from torch.distributed.checkpoint.filesystem import FileSystem
 
     class _CheckingFileSystem(FileSystem):
         @contextmanager
         def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
             if mode == "rb":
-                with open_checked(Path(path)) as stream:
+                with open_checked(manifest, Path(path)) as stream:
                     yield stream
             else:
                 with super().create_stream(path, mode) as stream:
@@ -131,11 +135,17 @@ def _dcp(call: Callable[..., Any], *args: Any, reader: SafeFileSystemReader | No
         raise
 
 
-def _writer(path: Path) -> Any:
-    """DCP's file writer writing raw chunk bytes (``dcp_raw``: no per-tensor ``torch.save``) through
-    ``digests.appending``: hashed as written and fsynced in the background (under save_state), so DCP's own fsync
-    is off; each rank plans alone and the committing rank writes the merged metadata (no collective)."""
-    return dcp_raw.RawWriter(path, _rank())
+def _save_dcp(session: SaveSession, state: dict[str, Any], path: Path) -> None:
+    """``dcp.save`` of ``state`` into ``path`` with DCP's file writer writing raw chunk bytes (``dcp_raw``: no
+    per-tensor ``torch.save``) through ``session.open``: hashed as written and fsynced in the background (during
+    save_state), so DCP's own fsync is off. no_dist: every rank plans its own items (``dcp_raw.LocalPlanner``),
+    nothing is exchanged, and the committing rank writes the merged metadata."""
+    import torch.distributed.checkpoint as dcp
+
+    rank = _rank()
+    with crc32_off():
+        _dcp(dcp.save, state, storage_writer=dcp_raw.RawWriter(session, path, rank),
+             planner=dcp_raw.LocalPlanner(rank), no_dist=True)
 
 
 def _rank() -> int:
@@ -152,33 +162,29 @@ def optimizer_dir(index: int) -> str:
     return f"optimizer{suffix(index)}"
 
 
-def save_sharded(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer], directory: Path, *,
+def save_sharded(session: SaveSession, models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer], *,
                  skip_models: AbstractSet[int] = frozenset(), options: Any = None) -> dict[str, Any]:
-    """Every rank writes its shards of each model and optimizer; returns the strategy metadata section."""
-    import torch.distributed.checkpoint as dcp
+    """Every rank writes its shards of each model and optimizer into ``session.directory`` (in an asynchronous
+    save: staged now, saved in the background); returns the strategy metadata section."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    save = deferrable_dcp_save(dcp.save)  # save_state(async_save=True): staged now, saved in the background
-    rank = _rank()
-    with crc32_off():  # no_dist: every rank plans its own items (dcp_raw.LocalPlanner), nothing is exchanged
-        for i, model in enumerate(models):
-            if i not in skip_models:
-                state = named_state.model_state(model) if options is None else get_model_state_dict(model,
-                                                                                                   options=options)
-                _dcp(save, {"model": state},
-                     storage_writer=_writer(directory / model_dir(i)), planner=dcp_raw.LocalPlanner(rank),
-                     no_dist=True)
-        fresh = []
-        for i, (opt, owner) in enumerate(zip(optimizers, pair_optimizers(models, optimizers))):
-            fresh.append(not opt.state)
-            _dcp(save, {"optimizer": optimizer_state(models[owner], opt, options)},
-                 storage_writer=_writer(directory / optimizer_dir(i)), planner=dcp_raw.LocalPlanner(rank),
-                 no_dist=True)
+    directory = session.checkpoint_dir
+    for i, model in enumerate(models):
+        if i not in skip_models:
+            state = named_state.model_state(model) if options is None else get_model_state_dict(model,
+                                                                                               options=options)
+            session.write(_save_dcp, {"model": state}, directory / model_dir(i))
+    fresh = []
+    for i, (opt, owner) in enumerate(zip(optimizers, pair_optimizers(models, optimizers))):
+        fresh.append(not opt.state)
+        session.write(_save_dcp, {"optimizer": optimizer_state(models[owner], opt, options)},
+                      directory / optimizer_dir(i))
     return {"format": FORMAT, "models": [model_dir(i) for i in range(len(models))],
             "optimizers": [optimizer_dir(i) for i in range(len(optimizers))], "fresh_optimizers": fresh}
 
 
-def load_sharded(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer], directory: Path,
+def load_sharded(manifest: Manifest | None, models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
+                 directory: Path,
                  metadata: Mapping[str, Any], *, skip_models: AbstractSet[int] = frozenset(),
                  options: Any = None) -> None:
     """Every rank reads the shards it needs (any world size) into the prepared models and optimizers."""
@@ -201,7 +207,7 @@ def load_sharded(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.O
         if i in skip_models:
             continue
         model_state = {"model": get_model_state_dict(model, options=options)}
-        reader = SafeFileSystemReader(directory / metadata["models"][i])
+        reader = SafeFileSystemReader(manifest, directory / metadata["models"][i])
         partial = options is not None and not options.strict  # load_state(strict=False): keys may be missing
         planner = dcp.DefaultLoadPlanner(allow_partial_load=True) if partial else None
         _dcp(dcp.load, model_state, storage_reader=reader, planner=planner, no_dist=no_dist, reader=reader)
@@ -211,12 +217,12 @@ def load_sharded(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.O
             opt.state.clear()  # saved before its first step: nothing to restore
             continue
         opt_state = {"optimizer": get_optimizer_state_dict(models[owner], opt, options=options)}
-        reader = SafeFileSystemReader(directory / metadata["optimizers"][i])
+        reader = SafeFileSystemReader(manifest, directory / metadata["optimizers"][i])
         _dcp(dcp.load, opt_state, storage_reader=reader, no_dist=no_dist, reader=reader)
         set_optimizer_state_dict(models[owner], opt, opt_state["optimizer"], options=options)
 
 
-def load_full_state(dcp_dir: Path) -> dict[str, Any]:
+def load_full_state(manifest: Manifest | None, dcp_dir: Path) -> dict[str, Any]:
     """The whole state stored in one DCP directory, as ordinary tensors, on one process without a process group."""
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
@@ -224,7 +230,7 @@ def load_full_state(dcp_dir: Path) -> dict[str, Any]:
     state: dict[str, Any] = {}
     # The same private pair dcp_to_torch_save uses to rebuild a state dict from metadata alone; the public
     # dcp.load only fills keys the caller already has. Our reader replaces its unrestricted metadata unpickling.
-    reader = SafeFileSystemReader(dcp_dir)
+    reader = SafeFileSystemReader(manifest, dcp_dir)
     _dcp(_load_state_dict, state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True,
          reader=reader)
     return state

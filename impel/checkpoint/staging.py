@@ -1,10 +1,11 @@
 """Asynchronous ``save_state``: the state staged in CPU memory at call time, written by one background thread.
 
-``save_state(async_save=True)`` runs the ordinary save sequence (``checkpointer``) with deferral on: every write
-impel's writers would do (``files.write_torch``, ``files.write_safetensors``, DCP's ``save`` in ``sharded``) is
-recorded instead, with its state copied to CPU memory by :class:`~impel.checkpoint.stager.Stager` (pinned memory
-where CUDA exists, a plain copy on the CPU, where training then changes the parameters in place; its buffers are
-reused from one save to the next). The call returns once
+``save_state(async_save=True)`` runs the ordinary save sequence (``accelerator/save_load.py``) with its
+:class:`~impel.checkpoint.session.SaveSession` staging: every write a writer does through ``SaveSession.write``
+(``files.write_torch``, ``files.write_safetensors``, DCP's ``save`` in ``sharded``, ...) is recorded in a
+:class:`Deferred` instead, with its state copied to CPU memory by :class:`~impel.checkpoint.stager.Stager` (pinned
+memory where CUDA exists, a plain copy on the CPU, where training then changes the parameters in place; its buffers
+are reused from one save to the next). The call returns once
 every rank has staged. :class:`PendingSave` then replays the recorded writes on a background thread, in the order
 they were recorded, followed by the rest of the synchronous sequence (digests, the leader's commit).
 
@@ -18,7 +19,6 @@ the script (an exit hook of ``threading``, which runs before ``atexit``).
 """
 from __future__ import annotations
 
-import contextvars
 import functools
 import hashlib
 import hmac
@@ -26,11 +26,9 @@ import itertools
 import secrets
 import sys
 import threading
-import warnings
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -39,77 +37,34 @@ from impel.checkpoint.layout import CheckpointError
 from impel.checkpoint.stager import Stager, rewrapped
 from impel.runtime.collectives import is_distributed
 
-T = TypeVar("T")
-
 
 class Deferred:
-    """The writes one ``save_state`` recorded instead of doing them, each with its state already staged."""
+    """The writes one ``save_state`` recorded instead of doing them, each with its state already staged, and the
+    checkpoint metadata taken at the call (``SaveSession.staging``)."""
 
-    def __init__(self, stager: Any, group: Any) -> None:
+    def __init__(self, stager: Any) -> None:
         self.stager = stager
-        self.group = group  # the process group the recorded DCP saves coordinate on
         self.writes: list[Callable[[], Any]] = []
+        self.metadata: dict[str, Any] = {}
         self.error: BaseException | None = None  # staging failed on this rank (``Checkpointer._stage``)
 
     def record(self, fn: Callable[..., Any], state: Any, *args: Any, **kwargs: Any) -> None:
+        """``fn(staged state, *args, **kwargs)`` recorded, ``state`` staged now."""
         # the write's position in the save keys its buffers: the next save of the same layout reuses them
         # DTensors are wrapped again on the background thread (rewrapped), not on the caller's critical path
         staged = self.stager.stage(state, key=len(self.writes), rewrap=False) if state is not None else None
         self.writes.append(functools.partial(_rewrapped_call, fn, staged, args, kwargs))
 
-    def run(self, result: T) -> T:
-        """Do the recorded writes in order (on the background thread; the staged copies are dropped as they go),
-        then return ``result``."""
+    def run(self) -> dict[str, Any]:
+        """Do the recorded writes in order (on the background thread; the staged copies are dropped as they go);
+        the checkpoint metadata."""
         while self.writes:
             self.writes.pop(0)()
-        return result
+        return self.metadata
 
 
 def _rewrapped_call(fn: Callable[..., Any], staged: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return fn(rewrapped(staged), *args, **kwargs)
-
-
-_active: contextvars.ContextVar[Deferred | None] = contextvars.ContextVar("impel_deferred", default=None)
-
-
-@contextmanager
-def deferring(stager: Any, group: Any) -> Iterator[Deferred]:
-    """While active (on this thread), impel's writers record their writes in the yielded :class:`Deferred`."""
-    deferred = Deferred(stager, group)
-    token = _active.set(deferred)
-    try:
-        yield deferred
-    finally:
-        _active.reset(token)
-
-
-def defer(fn: Callable[..., Any], state: Any, *args: Any, **kwargs: Any) -> bool:
-    """Under :func:`deferring`: stage ``state`` now and record ``fn(staged, *args, **kwargs)``; True. Else False
-    (the caller writes now)."""
-    deferred = _active.get()
-    if deferred is None:
-        return False
-    deferred.record(fn, state, *args, **kwargs)
-    return True
-
-
-def deferrable_dcp_save(save: Callable[..., Any]) -> Callable[..., Any]:
-    """``dcp.save`` itself, or under :func:`deferring` a stand-in that stages the state dict (DTensors' local shards
-    copied by the stager) and records the save, run later on the dedicated group."""
-    deferred = _active.get()
-    if deferred is None:
-        return save
-
-    def record(state_dict: Any, **kwargs: Any) -> None:
-        deferred.record(_dcp_save, state_dict, save, process_group=deferred.group, **kwargs)
-
-    return record
-
-
-def _dcp_save(state_dict: Any, save: Callable[..., Any], **kwargs: Any) -> None:
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        save(state_dict, **kwargs)
 
 
 def new_stager() -> Stager:

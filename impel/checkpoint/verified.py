@@ -2,8 +2,10 @@
 
 ``load_state`` checks up front only what costs nothing (every file of the manifest exists and has its size:
 ``layout.verify(checksums=False)`` on the leader) and the checksums of files no impel reader reads (DeepSpeed's
-engine files, a hook's files). Under :func:`checking`, on every rank, impel's readers (``files.read_torch``,
-``files.read_safetensors``, the DCP reader in ``sharded``) open a manifest file through :func:`open_checked`: a
+engine files, a hook's files). On every rank, ``load_state`` builds the checkpoint's :class:`Manifest` and passes
+it down, explicitly, to the strategy and every reader (``files.read_torch``, ``files.read_safetensors``, the DCP
+reader in ``sharded``): each takes it as its first, required parameter (``None``: a file outside a checkpoint,
+read unchecked) and opens a manifest file through :func:`open_checked`: a
 :class:`VerifyingReader` hashes each byte right after the read put it into its destination (the tensor's own
 memory), and when the reader is done compares the block digests with the manifest's and raises the manifest's
 ``CheckpointError`` naming the file and the byte range. A parse error in a corrupted file surfaces as that
@@ -16,20 +18,16 @@ loaded: the error names the damaged file, and the way out is an earlier checkpoi
 from __future__ import annotations
 
 import bisect
-import contextvars
 import io
 import os
-import re
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
-from impel.checkpoint import hashing
+from impel.checkpoint import formats, hashing
 from impel.checkpoint.layout import CheckpointError, corrupted, entry_blocks, entry_ends, missing_file
-
-T = TypeVar("T")
 
 # Bytes a reader asks the kernel for ahead of its position (posix_fadvise WILLNEED), within the ranges it will
 # read: a cold read otherwise waits for each request in turn while the disk idles as the caller copies and hashes.
@@ -38,10 +36,8 @@ T = TypeVar("T")
 AHEAD = 32 << 20
 _WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None)  # None where the platform has no posix_fadvise (macOS)
 
-# files impel's readers open through open_checked (the leader checks the others' checksums up front)
-_READ_CHECKED = re.compile(
-    r"^(model|optimizer|scheduler)(_\d+)?\.(safetensors|pt)$|^pytorch_model(_\d+)?\.bin$|^training_state\.pt$"
-    r"|^custom_checkpoint_\d+\.pt$|^random_states_\d+\.pt$|^(model|optimizer)(_\d+)?/(\.metadata|[^/]+\.distcp)$")
+# files impel's readers open through open_checked (the leader checks the others' checksums up front): the formats'
+_READ_CHECKED = formats.read_checked_pattern()
 
 
 def checked_on_read(rel: str) -> bool:
@@ -50,44 +46,26 @@ def checked_on_read(rel: str) -> bool:
 
 
 @dataclass(frozen=True)
-class _Manifest:
+class Manifest:
+    """A checkpoint's manifest, as its readers check files against it (``load_state`` passes it down)."""
     directory: Path
     files: dict[str, dict[str, Any]]
     block: int
 
+    @classmethod
+    def of(cls, directory: Path, metadata: dict[str, Any]) -> Manifest:
+        """``directory``'s manifest from its metadata (``layout.read_metadata``)."""
+        return cls(Path(directory).absolute(), dict(metadata.get("files", {})),
+                   int(metadata.get("block_size") or hashing.BLOCK))
 
-_active: contextvars.ContextVar[_Manifest | None] = contextvars.ContextVar("impel_manifest", default=None)
-
-
-@contextmanager
-def checking(directory: Path, metadata: dict[str, Any]) -> Iterator[None]:
-    """While active, files of ``directory``'s manifest (``metadata``: ``layout.read_metadata``) opened through
-    :func:`open_checked` are verified as they are read."""
-    manifest = _Manifest(Path(directory).absolute(), dict(metadata.get("files", {})),
-                         int(metadata.get("block_size") or hashing.BLOCK))
-    token = _active.set(manifest)
-    try:
-        yield
-    finally:
-        _active.reset(token)
-
-
-def read_checked(directory: Path, metadata: dict[str, Any], read: Callable[[], T]) -> T:
-    """``read()`` under :func:`checking`."""
-    with checking(directory, metadata):
-        return read()
-
-
-def _entry(path: Path) -> tuple[dict[str, Any], int] | None:
-    manifest = _active.get()
-    if manifest is None:
-        return None
-    try:
-        rel = Path(path).absolute().relative_to(manifest.directory).as_posix()
-    except ValueError:
-        return None
-    entry = manifest.files.get(rel)
-    return (entry, manifest.block) if entry is not None else None
+    def entry(self, path: Path) -> tuple[dict[str, Any], int] | None:
+        """``path``'s manifest entry and the block size, or None for a file the manifest does not list."""
+        try:
+            rel = Path(path).absolute().relative_to(self.directory).as_posix()
+        except ValueError:
+            return None
+        entry = self.files.get(rel)
+        return (entry, self.block) if entry is not None else None
 
 
 class VerifyingReader(io.RawIOBase):
@@ -274,11 +252,10 @@ class VerifyingReader(io.RawIOBase):
 
 
 @contextmanager
-def open_checked(path: Path) -> Iterator[Any]:
-    """``path`` opened for reading; under :func:`checking` and listed in its manifest, a :class:`VerifyingReader`
-    checked when the block ends (a failure inside the block that the file's corruption explains raises as that
-    corruption)."""
-    found = _entry(Path(path))
+def open_checked(manifest: Manifest | None, path: Path) -> Iterator[Any]:
+    """``path`` opened for reading; listed in ``manifest``, a :class:`VerifyingReader` checked when the block ends
+    (a failure inside the block that the file's corruption explains raises as that corruption)."""
+    found = manifest.entry(Path(path)) if manifest is not None else None
     if found is None:
         with open(path, "rb") as f:
             yield f
@@ -297,8 +274,8 @@ def open_checked(path: Path) -> Iterator[Any]:
         reader.close()
 
 
-def read_all(path: Path) -> bytes:
-    """The whole file, verified under :func:`checking` (one read)."""
-    with open_checked(path) as f:
+def read_all(manifest: Manifest | None, path: Path) -> bytes:
+    """The whole file, verified against ``manifest`` (one read)."""
+    with open_checked(manifest, path) as f:
         data: bytes = f.read()
     return data

@@ -12,8 +12,8 @@
   ``--parallelism_config_sp_*`` settings of DeepSpeed sequence parallelism (``--parallelism_config_sp_size`` is a
   config flag that must be 1).
 - Refused on any use, for what impel does not run: the TPU flags (``--tpu``, ``--tpu_cluster``, ``--vm``, ...),
-  Megatron-LM's (``--use_megatron_lm``, ``--megatron_lm_*``), FP8's (``--fp8_*``), SageMaker's (``--aws_*``) and
-  DeepSpeed's multi-node runner's (``--deepspeed_hostfile`` and its filters).
+  Megatron-LM's (``--use_megatron_lm``, ``--megatron_lm_*``), FP8's (``--fp8_*``) and SageMaker's (``--aws_*``).
+  (``--deepspeed_hostfile`` and its filters are run-config keys: :mod:`impel.commands.deepspeed_runner`.)
 """
 from __future__ import annotations
 
@@ -49,17 +49,12 @@ _MEGATRON = ("is a Megatron-LM setting, and impel does not run Megatron-LM (tens
 _FP8 = "is an FP8 training setting, and impel does not train in FP8 (--mixed_precision bf16 or fp16); remove it"
 _SAGEMAKER = ("is for Amazon SageMaker launches, which impel does not make; run impel launch on the machines "
               "themselves, with the credentials in the environment")
-_DS_RUNNER = ("is for DeepSpeed's own multi-node runner (pdsh, MPI or SLURM over a hostfile), which impel launch does "
-              "not run: start impel launch on every machine (--machine_rank R --main_process_ip HOST0), or start the "
-              "ranks with mpirun (--mpirun_hostfile)")
 # flags of Accelerate's launchers impel does not have: refused on any use, with the reason (switch: store_true)
 _OUT_OF_SCOPE: dict[str, tuple[str, str]] = {
     "tpu": ("switch", _TPU), "tpu_cluster": ("switch", _TPU), "no_tpu_cluster": ("switch", _TPU),
     "tpu_use_sudo": ("switch", _TPU), "vm": ("append", _TPU),
     "use_megatron_lm": ("switch", _MEGATRON), "fp8_use_autocast_during_eval": ("switch", _FP8),
     "aws_access_key_id": ("valued", _SAGEMAKER), "aws_secret_access_key": ("valued", _SAGEMAKER),
-    "deepspeed_hostfile": ("valued", _DS_RUNNER), "deepspeed_inclusion_filter": ("valued", _DS_RUNNER),
-    "deepspeed_exclusion_filter": ("valued", _DS_RUNNER),
     **{f"megatron_lm_{name}": ("valued", _MEGATRON) for name in (
         "tp_degree", "use_custom_fsdp", "no_load_optim", "eod_mask_loss", "overlap_cpu_optimizer_d2h_h2d",
         "no_save_optim", "optimizer_cpu_offload", "use_precision_aware_optimizer", "decoder_last_pipeline_num_layers",

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from impel.accelerator.resilience import PREEMPTED_EXIT_CODE
+from impel.commands import deepspeed_runner, mpirun
 from impel.commands.accelerate_flags import accelerate_only_settings, add_accelerate_only_flags
 from impel.commands.flags import add_config_flags, explicit_from_flags, explicit_from_flags_list, merge_file_and_flags
 from impel.commands.preflight import check_rendezvous
@@ -221,7 +222,8 @@ def plan_launch(ns: argparse.Namespace) -> LaunchPlan:
     rank_env = _rank_environment(ns)
     check_elastic_launch(config)
     if config.mpirun_hostfile:
-        _check_mpirun(config, ns)
+        mpirun.check(config)
+        _check_no_agent(ns, "--mpirun_hostfile", "mpirun")
     if config.num_machines > 1 or (config.num_processes or 1) > 1:
         check_rendezvous(config)  # an unknown host or a taken port: one line now, not a hang or a traceback later
     command = _script_command(ns)
@@ -236,6 +238,8 @@ def plan_launch(ns: argparse.Namespace) -> LaunchPlan:
     else:
         nproc = config.num_processes // config.num_machines
     _check_mesh(config, nproc * config.num_machines)
+    if deepspeed_runner.check(config, nproc):  # DeepSpeed's runner starts the hostfile's machines
+        _check_no_agent(ns, "--deepspeed_hostfile", "DeepSpeed's runner")
     rank_variables = {**accelerate_only_settings(ns), **_rank_variables(config, ns),
                       **_cpu_ranks(config, nproc * config.num_machines)}
     plan = LaunchPlan(config, explicit, nproc, command, notes=notes, agent_args=_agent_arguments(ns),
@@ -247,15 +251,12 @@ def plan_launch(ns: argparse.Namespace) -> LaunchPlan:
     return plan
 
 
-def _check_mpirun(config: RunConfig, ns: argparse.Namespace) -> None:
-    """--mpirun_hostfile: mpirun, not torchrun's agent, starts the ranks; the agent's settings would do nothing."""
-    from impel.commands import mpirun
-
-    mpirun.check(config)
+def _check_no_agent(ns: argparse.Namespace, flag: str, starter: str) -> None:
+    """mpirun or DeepSpeed's runner, not torchrun's agent, starts the ranks; the agent's settings would do nothing."""
     given = [f"--{name}" for name in ("tee", "log_dir", "rdzv_conf", "role") if getattr(ns, name, None) is not None]
     if given:
-        raise ConfigError(f"{', '.join(given)} set(s) torchrun's agent, which does not run with --mpirun_hostfile "
-                          "(mpirun starts the ranks and prints their output): drop them")
+        raise ConfigError(f"{', '.join(given)} set(s) torchrun's agent, which does not run with {flag} "
+                          f"({starter} starts the ranks and prints their output): drop them")
 
 
 def _rank_variables(config: RunConfig, ns: argparse.Namespace) -> dict[str, str]:
@@ -408,10 +409,11 @@ def main(ns: argparse.Namespace) -> int:
     variables.update(plan.rank_variables)
     variables.update(plan.rank_env)
     if plan.config.mpirun_hostfile:  # mpirun starts the ranks on the hostfile's hosts (impel.commands.mpirun)
-        from impel.commands import mpirun
-
         script = plan.command if "--no_python" in plan.agent_args else [sys.executable, *plan.command]
         return mpirun.run(plan.config, plan.nproc_per_node, script, variables)
+    if deepspeed_runner.uses_runner(plan.config):  # DeepSpeed's runner starts every machine's ranks
+        return deepspeed_runner.run(plan.config, plan.nproc_per_node, plan.command, "--no_python" in plan.agent_args,
+                                    variables)
     if plan.single_process:
         return _run_single(plan, variables)
     if plan.quiet:

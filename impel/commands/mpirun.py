@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from impel.config import environment as env
+from impel.config.hostfile import hostfile_lines
 from impel.config.run_config import ConfigError, RunConfig
 
 DEFAULT_PORT = 29500
@@ -63,20 +64,8 @@ def _spelling(program: str) -> Mpirun:
 
 
 def hosts(path: str) -> list[str]:
-    """The hosts a hostfile names, in order (``host``, ``host:N``, ``host slots=N``; ``#`` starts a comment)."""
-    file = Path(path)
-    if not file.is_file():
-        raise ConfigError(f"mpirun_hostfile {path!r} does not exist or is not a file; pass the hostfile that lists "
-                          "the machines (one per line: 'host slots=N' for Open MPI, 'host:N' for MPICH)")
-    names = []
-    for line in file.read_text(encoding="utf-8", errors="replace").splitlines():
-        words = line.split("#", 1)[0].split()
-        if words:
-            names.append(words[0].rsplit(":", 1)[0] if words[0].count(":") == 1 else words[0])
-    if not names:
-        raise ConfigError(f"mpirun_hostfile {path!r} lists no host; write one machine per line ('host slots=N' for "
-                          "Open MPI, 'host:N' for MPICH)")
-    return names
+    """The hosts of an MPI hostfile, in order."""
+    return [entry.host for entry in hostfile_lines(path, "mpirun_hostfile")]
 
 
 def check(config: RunConfig) -> list[str]:

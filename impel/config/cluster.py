@@ -5,8 +5,9 @@ Each launcher describes a rank in its own variables; impel reads them all, in on
 ============================  ====================================================================================
 launcher                      variables (rank, size, local rank, local size)
 ============================  ====================================================================================
-torchrun / ``impel launch``   ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` (also a Kubeflow
-                              PyTorchJob, whose pods get ``RANK`` / ``WORLD_SIZE``: one process per pod, local rank 0)
+torchrun / ``impel launch``   ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` (DeepSpeed's runner:
+                              ``LOCAL_SIZE``; also a Kubeflow PyTorchJob, whose pods get ``RANK`` / ``WORLD_SIZE``:
+                              one process per pod, local rank 0)
 OpenMPI ``mpirun``            ``OMPI_COMM_WORLD_RANK``, ``_SIZE``, ``_LOCAL_RANK``, ``_LOCAL_SIZE``
 MPICH / Intel MPI (Hydra)     ``PMI_RANK``, ``PMI_SIZE``, ``MPI_LOCALRANKID``, ``MPI_LOCALNRANKS``
 MVAPICH                       ``MV2_COMM_WORLD_RANK``, ``_SIZE``, ``_LOCAL_RANK``, ``_LOCAL_SIZE``
@@ -75,7 +76,8 @@ def placements(env: Mapping[str, str]) -> list[Placement]:
         local = _int(env, "LOCAL_RANK")
         found.append(Placement("Kubeflow PyTorchJob" if kubeflow else "torchrun", rank, world,
                                0 if kubeflow else (local if local is not None else (rank if world > 1 else 0)),
-                               1 if kubeflow else (_int(env, "LOCAL_WORLD_SIZE") or world)))
+                               1 if kubeflow else (_int(env, "LOCAL_WORLD_SIZE") or _int(env, "LOCAL_SIZE")
+                                                   or world)))
     for source, names in _MPI_LIKE.items():
         rank, world = _int(env, names[0]), _int(env, names[1])
         if rank is not None and world is not None:

@@ -123,6 +123,7 @@ def _fsdp_to_deepspeed(cfg: RunConfig, given: Mapping[str, Any], notes: list[str
 
 def _deepspeed_to_fsdp(cfg: RunConfig, base: dict[str, Any], notes: list[str]) -> dict[str, Any]:
     ds = _effective_deepspeed(cfg, base, notes)
+    _runner_to_fsdp(ds, base, notes)
     stage = ds.get("zero_stage", 2)
     out: dict[str, Any] = {"fsdp_sharding_strategy": _TO_SHARDING[stage]}
     notes.append(f"zero_stage={stage} -> fsdp_sharding_strategy={_TO_SHARDING[stage]}")
@@ -151,6 +152,25 @@ def _deepspeed_to_fsdp(cfg: RunConfig, base: dict[str, Any], notes: list[str]) -
     notes.append("wrapping and prefetch were transparent in DeepSpeed; FSDP detects transformer layers from the model "
                  "(set fsdp_transformer_layer_cls_to_wrap to choose) and prefetches BACKWARD_PRE by default")
     return out
+
+
+def _runner_to_fsdp(ds: dict[str, Any], base: dict[str, Any], notes: list[str]) -> None:
+    """DeepSpeed's runner (a hostfile, its filters, a launcher) has no FSDP counterpart: impel launch is then started
+    on every machine, rank 0 on the hostfile's first host."""
+    given = [key for key in ("deepspeed_hostfile", "deepspeed_inclusion_filter", "deepspeed_exclusion_filter",
+                             "deepspeed_multinode_launcher") if ds.get(key) not in (None, "standard")]
+    if not given:
+        return
+    notes.append(f"{', '.join(given)}: DeepSpeed's runner starts only DeepSpeed jobs; under FSDP start impel launch "
+                 "on every machine (--machine_rank R), or the ranks with mpirun (--mpirun_hostfile)")
+    hostfile = ds.get("deepspeed_hostfile")
+    if hostfile and base.get("num_machines", 1) > 1 and not base.get("main_process_ip"):
+        from impel.config.hostfile import hostfile_lines
+
+        first = hostfile_lines(hostfile, "deepspeed_hostfile")[0].host
+        base["main_process_ip"] = first
+        notes.append(f"main_process_ip={first!r}: the deepspeed_hostfile's first host, where DeepSpeed's runner put "
+                     "rank 0")
 
 
 def _effective_deepspeed(cfg: RunConfig, base: dict[str, Any], notes: list[str]) -> dict[str, Any]:

@@ -7,6 +7,7 @@ re-parse flags.
 """
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
@@ -18,6 +19,7 @@ from impel.config import cluster
 from impel.config.schema import ConfigError
 
 CONFIG_VAR = "IMPEL_CONFIG"
+_ENCODED = "base64:"
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,8 @@ def read_launch_config(environ: Mapping[str, str] | None = None) -> dict[str, An
     raw = env.get(CONFIG_VAR)
     if not raw:
         return None
+    if raw.startswith(_ENCODED):  # as DeepSpeed's runner forwards it (impel.commands.deepspeed_runner)
+        raw = base64.urlsafe_b64decode(raw[len(_ENCODED):]).decode("utf-8")
     try:
         data = json.loads(raw)
     except json.JSONDecodeError as exc:
@@ -86,6 +90,16 @@ def read_launch_config(environ: Mapping[str, str] | None = None) -> dict[str, An
     if not isinstance(data, dict):
         raise ValueError(f"{CONFIG_VAR} must hold a JSON object, got {type(data).__name__}")  # noqa: TRY004
     return data
+
+
+def encode_launch_config(raw: str) -> str:
+    """``IMPEL_CONFIG``'s JSON in letters, digits and ``_-=:`` only (read back by :func:`read_launch_config`)."""
+    return _ENCODED + base64.urlsafe_b64encode(raw.encode("utf-8")).decode("ascii")
+
+
+def deepspeed_env_file_name() -> str:
+    """The name of the environment file DeepSpeed's runner reads from ``~`` and ``.`` (``$DS_ENV_FILE``)."""
+    return os.environ.get("DS_ENV_FILE", ".deepspeed_env")
 
 
 def write_launch_config(config: Mapping[str, Any], environ: MutableMapping[str, str] | None = None) -> None:
@@ -238,6 +252,17 @@ def scoped_environ(values: Mapping[str, str]) -> Iterator[None]:
                 os.environ[name] = value
 
 
+_SET_FOR_DEEPSPEED: set[str] = set()  # variables impel set for DeepSpeed where the process had none
+
+
+def release_deepspeed_environment() -> None:
+    """At the end of a DeepSpeed run: remove what :func:`deepspeed_import_environment` set where the process had
+    nothing (``LOCAL_RANK``), so code after the run does not take the process for a launched rank (transformers'
+    ``TrainingArguments`` building Accelerate's ``PartialState`` would start a process group from it)."""
+    while _SET_FOR_DEEPSPEED:
+        os.environ.pop(_SET_FOR_DEEPSPEED.pop(), None)
+
+
 @contextlib.contextmanager
 def deepspeed_import_environment(device_type: str, local_rank: int) -> Iterator[None]:
     """What DeepSpeed reads from the environment, for the block that imports it.
@@ -245,9 +270,12 @@ def deepspeed_import_environment(device_type: str, local_rank: int) -> Iterator[
     ``DS_ACCELERATOR`` must match impel's device, and DeepSpeed reads it once, in the first ``get_accelerator()``
     (cached afterwards): it is set around that import only, then the user's value (or its absence) is back, so it
     does not leak into later code or the subprocesses the script starts. ``LOCAL_RANK`` stays set where it was
-    missing (a plain process: 0): DeepSpeed's engine asserts it later, in ``deepspeed.initialize``.
+    missing (a plain process: 0): DeepSpeed's engine asserts it later, in ``deepspeed.initialize``; the strategy's
+    teardown removes it again (:func:`release_deepspeed_environment`).
     """
-    os.environ.setdefault("LOCAL_RANK", str(local_rank))
+    if "LOCAL_RANK" not in os.environ:
+        os.environ["LOCAL_RANK"] = str(local_rank)
+        _SET_FOR_DEEPSPEED.add("LOCAL_RANK")
     with scoped_environ({"DS_ACCELERATOR": device_type} if device_type in ("cpu", "cuda") else {}):
         yield
 

@@ -446,3 +446,18 @@ class DeepSpeedPlugin(DeepSpeedPluginMembers):
 _FSDP_KEYS = plugin_keywords(FSDPConfig)
 _DEEPSPEED_KEYS = plugin_keywords(DeepSpeedConfig)
 _LISTED = {f.name: f.metadata["listed"] for f in fields(FSDPConfig)}
+
+
+def resolve_project_configuration(project_dir: Any,
+                                  project_config: ProjectConfiguration | None) -> ProjectConfiguration:
+    """``Accelerator(project_dir=..., project_config=...)``: one config, the directory given once."""
+    config = project_config if project_config is not None else ProjectConfiguration()
+    if not isinstance(config, ProjectConfiguration):
+        raise ConfigError(f"project_config={config!r} must be an impel.ProjectConfiguration")
+    if project_dir is not None:
+        wanted = os.fspath(project_dir)
+        if config.project_dir is not None and config.project_dir != wanted:
+            raise ConfigError(f"Accelerator(project_dir={wanted!r}) contradicts project_config.project_dir="
+                              f"{config.project_dir!r}; pass the directory once")
+        config.set_directories(wanted)
+    return config

@@ -102,6 +102,7 @@ SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"
 RESHARD_AFTER_FORWARD = {"FULL_SHARD": True, "SHARD_GRAD_OP": False, "HYBRID_SHARD": True, "HYBRID_SHARD_ZERO2": False}
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 ZERO_STAGES = (0, 1, 2, 3)
+MULTINODE_LAUNCHERS = ("pdsh", "standard", "openmpi", "mvapich", "mpich", "nossh", "slurm")  # Accelerate's
 DEFAULT_ZERO_STAGE = 2  # Accelerate's DeepSpeedPlugin default, used when no DeepSpeed JSON says otherwise
 
 
@@ -233,8 +234,17 @@ class DeepSpeedConfig(Freezable):
     # DeepSpeedPlugin's hf_ds_config, written by hand: it also takes a dict, which stays in the process
     deepspeed_config_file: str | None = option(None, "str", "DeepSpeed JSON for every other setting",
                                                question="DeepSpeed JSON file (empty = none)", plugin=False)
-    deepspeed_multinode_launcher: str = option("standard", "str", "impel starts every node with torchrun",
-                                               choices=("standard",), plugin=False)
+    # several machines: DeepSpeed's own runner (impel.commands.deepspeed_runner), as accelerate launch
+    deepspeed_multinode_launcher: str | None = option(
+        None, "str", "several machines: how DeepSpeed's runner starts the hostfile's machines (default: pdsh with a "
+        "deepspeed_hostfile; standard: impel launch started on every machine, no runner)",
+        choices=MULTINODE_LAUNCHERS, plugin=False)
+    deepspeed_hostfile: str | None = option(None, "str", "several machines: DeepSpeed's runner starts the ranks on "
+                                            "the hosts of this hostfile ('host slots=N' lines)", plugin=False)
+    deepspeed_inclusion_filter: str | None = option(None, "str", "DeepSpeed's --include: the hostfile's hosts (and "
+                                                    "slots) to use, e.g. 'worker-0@worker-1:0,1'", plugin=False)
+    deepspeed_exclusion_filter: str | None = option(None, "str", "DeepSpeed's --exclude: the hostfile's hosts (or "
+                                                    "slots) not to use, e.g. 'worker-1:0'", plugin=False)
 
     def validate(self) -> DeepSpeedConfig:
         if self.zero_stage is not None:
@@ -350,6 +360,10 @@ class RunConfig(Freezable):
 
     def _check_combination(self) -> None:
         kind = self.distributed_type
+        if self.deepspeed_config is not None and self.deepspeed_config.deepspeed_hostfile and kind != "DEEPSPEED":
+            raise ConfigError(f"deepspeed_hostfile={self.deepspeed_config.deepspeed_hostfile!r} starts the ranks "
+                              f"with DeepSpeed's runner, but distributed_type={kind!r}; add --use_deepspeed, or "
+                              "use --mpirun_hostfile for a job without DeepSpeed")
         for name, owner in (("fsdp_config", "FSDP"), ("deepspeed_config", "DEEPSPEED")):
             if getattr(self, name) is not None and kind != owner:
                 flag = "--use_fsdp" if owner == "FSDP" else "--use_deepspeed"
@@ -364,7 +378,8 @@ class RunConfig(Freezable):
             check_elastic(self)
         if self.machine_rank >= self.num_machines:
             raise ConfigError(f"machine_rank={self.machine_rank} must be below num_machines={self.num_machines}")
-        if self.num_machines > 1 and not self.main_process_ip and not self.mpirun_hostfile:  # mpirun: its 1st host
+        hostfile = self.mpirun_hostfile or self.deepspeed.deepspeed_hostfile  # rank 0: the hostfile's first host
+        if self.num_machines > 1 and not self.main_process_ip and not hostfile:
             raise ConfigError(f"num_machines={self.num_machines} needs main_process_ip (the address of the machine "
                               "of rank 0); pass --main_process_ip")
         if kind == "AUTO" and not self.auto_model:

@@ -36,11 +36,6 @@ INERT_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
     "fp8_config": (_OFF_NONE, "FP8 training, not supported"),
     "use_mps_device": (_OFF_NONE, "MPS is picked automatically when present"),
 }
-_DEEPSPEED_INERT = {
-    "deepspeed_hostfile": "pdsh host files; impel launches each machine with torchrun",
-    "deepspeed_inclusion_filter": "pdsh host filters; impel launches each machine with torchrun",
-    "deepspeed_exclusion_filter": "pdsh host filters; impel launches each machine with torchrun",
-}
 _FSDP_RENAMED = {"fsdp_backward_prefetch_policy": "fsdp_backward_prefetch"}
 
 
@@ -97,10 +92,6 @@ def _fold_mpirun(out: dict[str, Any], source: str) -> None:
 
 
 def _normalise_deepspeed(ds: dict[str, Any], top: dict[str, Any], source: str) -> dict[str, Any]:
-    for key, why in _DEEPSPEED_INERT.items():
-        value = ds.pop(key, None)
-        if not _is_off(value, _OFF_NONE):
-            raise ConfigError(f"{source}: deepspeed_config.{key}={value!r} is for {why}; remove it")
     # Accelerate keeps the accumulation steps inside the section; impel has one top-level value.
     if "gradient_accumulation_steps" in ds:
         steps = ds.pop("gradient_accumulation_steps")

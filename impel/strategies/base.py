@@ -18,6 +18,8 @@ import torch
 from torch import nn
 
 from impel.checkpoint.options import DEFAULT_LOAD, DEFAULT_SAVE, LoadOptions, SaveOptions
+from impel.checkpoint.session import SaveSession
+from impel.checkpoint.verified import Manifest
 from impel.config.run_config import ConfigError
 from impel.runtime.precision import Precision, make_precision
 from impel.strategies.fsdp_loading import ParamReplacements
@@ -204,13 +206,14 @@ class Strategy:
         state = get_model_state_dict(inner, options=StateDictOptions(full_state_dict=True))
         return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
 
-    def save_checkpoint(self, models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
-                        directory: Path, *, writer: bool, safe_serialization: bool,
+    def save_checkpoint(self, session: SaveSession, models: Sequence[nn.Module],
+                        optimizers: Sequence[torch.optim.Optimizer], *, safe_serialization: bool,
                         skip_models: Set[int] = frozenset(),
                         options: SaveOptions = DEFAULT_SAVE) -> dict[str, Any]:
-        """Write model and optimizer state into ``directory`` (called on every rank, inside ``save_state``).
+        """Write model and optimizer state into ``session.directory`` through ``session``'s writers (called on
+        every rank, inside ``save_state``; an asynchronous save's session stages the writes).
 
-        ``writer``: this rank writes replicated files (rank 0, or each node's first with save_on_each_node).
+        ``session.leader``: this rank writes replicated files (rank 0, or each node's first with save_on_each_node).
         ``skip_models``: indices a save pre-hook took over. Returns the JSON-able ``strategy`` section of the
         checkpoint metadata; it must hold ``format`` (the key ``merge_weights`` dispatches on) and ``models``.
         Base (single device, DDP): full ``model*.safetensors`` and ``optimizer*.pt`` written by the writer.
@@ -218,16 +221,17 @@ class Strategy:
         if any(has_dtensor(self.unwrap_model(m)) for m in models):  # tensor parallel: every rank its shards, DCP
             from impel.checkpoint.sharded import save_sharded
 
-            return save_sharded(models, optimizers, directory, skip_models=skip_models)
+            return save_sharded(session, models, optimizers, skip_models=skip_models)
         from impel.checkpoint.full import save_full
 
-        return save_full(models, optimizers, directory, writer=writer, safe_serialization=safe_serialization,
+        return save_full(session, models, optimizers, safe_serialization=safe_serialization,
                          skip_models=skip_models)
 
-    def load_checkpoint(self, models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
-                        directory: Path, metadata: Mapping[str, Any], *,
+    def load_checkpoint(self, manifest: Manifest | None, models: Sequence[nn.Module],
+                        optimizers: Sequence[torch.optim.Optimizer], directory: Path, metadata: Mapping[str, Any], *,
                         skip_models: Set[int] = frozenset(), options: LoadOptions = DEFAULT_LOAD) -> None:
-        """Load what ``save_checkpoint`` wrote (``metadata`` is its returned section), on every rank.
+        """Load what ``save_checkpoint`` wrote (``metadata`` is its returned section), on every rank; impel's
+        readers check each file against ``manifest`` as they read it (None: a directory without one).
 
         Base: full files, or a sharded (DCP) checkpoint from FSDP, which DCP reads into full tensors on every rank.
         ``options.strict``: whether the models' keys must match the files exactly.
@@ -238,11 +242,11 @@ class Strategy:
 
         state_options = StateDictOptions(strict=options.strict)
         if metadata.get("format") == sharded.FORMAT:
-            sharded.load_sharded(models, optimizers, directory, metadata, skip_models=skip_models,
+            sharded.load_sharded(manifest, models, optimizers, directory, metadata, skip_models=skip_models,
                                  options=state_options)
         else:  # full files into DTensor (tensor-parallel) parameters: each rank keeps its slice
             split = any(has_dtensor(self.unwrap_model(m)) for m in models)
-            full.load_full(models, optimizers, directory, metadata, skip_models=skip_models,
+            full.load_full(manifest, models, optimizers, directory, metadata, skip_models=skip_models,
                            options=StateDictOptions(strict=options.strict, full_state_dict=split))
 
     def teardown(self) -> None:

@@ -33,6 +33,8 @@ from impel.checkpoint.deepspeed_engines import (
     save_engines,
 )
 from impel.checkpoint.options import DEFAULT_LOAD, DEFAULT_SAVE, LoadOptions, SaveOptions
+from impel.checkpoint.session import SaveSession
+from impel.checkpoint.verified import Manifest
 from impel.config import environment as env
 from impel.config.deepspeed_json import (
     DummyOptim,
@@ -412,17 +414,17 @@ class DeepSpeedStrategy(Strategy):
             return dict(state) if state is not None else {}
         return {k: v.detach().clone() for k, v in model.module.state_dict().items()}
 
-    def save_checkpoint(self, models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
-                        directory: Path, *, writer: bool, safe_serialization: bool,
+    def save_checkpoint(self, session: SaveSession, models: Sequence[nn.Module],
+                        optimizers: Sequence[torch.optim.Optimizer], *, safe_serialization: bool,
                         skip_models: Set[int] = frozenset(), options: SaveOptions = DEFAULT_SAVE) -> dict[str, Any]:
         """Each engine's own checkpoint (its ZeRO partitions, written by every rank): checkpoint/deepspeed_engines."""
         trained = {i for i, m in enumerate(models) if any(m is e for e in self._by_optimizer.values())}
-        return save_engines(models, directory, stages=[self.resolved_for(m).stage for m in models], trained=trained,
-                            world=self.state.num_processes,
+        return save_engines(models, session.checkpoint_dir, stages=[self.resolved_for(m).stage for m in models],
+                            trained=trained, world=self.state.num_processes,
                             dtype=self.resolved.dtype, engine_kwargs=options.engine_kwargs)
 
-    def load_checkpoint(self, models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
-                        directory: Path, metadata: Mapping[str, Any], *,
+    def load_checkpoint(self, manifest: Manifest | None, models: Sequence[nn.Module],
+                        optimizers: Sequence[torch.optim.Optimizer], directory: Path, metadata: Mapping[str, Any], *,
                         skip_models: Set[int] = frozenset(), options: LoadOptions = DEFAULT_LOAD) -> None:
         load_engines(models, directory, metadata, skip_models, stages=[self.resolved_for(m).stage for m in models],
                      world=self.state.num_processes, engine_kwargs=options.engine_kwargs)
@@ -435,6 +437,7 @@ class DeepSpeedStrategy(Strategy):
 
     def teardown(self) -> None:
         self._unregister_from_transformers()
+        env.release_deepspeed_environment()
 
     def _unregister_from_transformers(self) -> None:
         if self._hf_config is not None and importlib.util.find_spec("transformers") is not None:

@@ -26,6 +26,8 @@ import torch.distributed as dist
 from torch import nn
 
 from impel.checkpoint.options import DEFAULT_LOAD, DEFAULT_SAVE, LoadOptions, SaveOptions
+from impel.checkpoint.session import SaveSession
+from impel.checkpoint.verified import Manifest
 from impel.config import environment as env
 from impel.config.run_config import ConfigError, reshards_after_forward
 from impel.runtime.compile import Compiler
@@ -229,8 +231,8 @@ class FSDPStrategy(Strategy):
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
         return cast(dict[str, torch.Tensor], state)
 
-    def save_checkpoint(self, models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
-                        directory: Path, *, writer: bool, safe_serialization: bool,
+    def save_checkpoint(self, session: SaveSession, models: Sequence[nn.Module],
+                        optimizers: Sequence[torch.optim.Optimizer], *, safe_serialization: bool,
                         skip_models: Set[int] = frozenset(), options: SaveOptions = DEFAULT_SAVE) -> dict[str, Any]:
         """SHARDED_STATE_DICT: every rank writes its shards (DCP). FULL_STATE_DICT: full files, each rank writing
         its shards' bytes into them (``checkpoint/cooperative.py``), or gathered on rank 0 with save_on_each_node."""
@@ -239,18 +241,18 @@ class FSDPStrategy(Strategy):
         if self.fsdp.state_dict_type == "SHARDED_STATE_DICT":
             from impel.checkpoint.sharded import save_sharded
 
-            return save_sharded(models, optimizers, directory, skip_models=skip_models)
+            return save_sharded(session, models, optimizers, skip_models=skip_models)
         from impel.checkpoint.full import save_full
 
         full_options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         # one shared directory: each rank writes its shards into the full files (nothing gathered on rank 0)
         shared = options.shared_dir
-        return save_full(models, optimizers, directory, writer=writer, safe_serialization=safe_serialization,
+        return save_full(session, models, optimizers, safe_serialization=safe_serialization,
                          skip_models=skip_models, options=full_options, all_ranks=True,
                          cooperative_rank=dist.get_rank() if shared else None)
 
-    def load_checkpoint(self, models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
-                        directory: Path, metadata: Mapping[str, Any], *,
+    def load_checkpoint(self, manifest: Manifest | None, models: Sequence[nn.Module],
+                        optimizers: Sequence[torch.optim.Optimizer], directory: Path, metadata: Mapping[str, Any], *,
                         skip_models: Set[int] = frozenset(), options: LoadOptions = DEFAULT_LOAD) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions
 
@@ -258,10 +260,10 @@ class FSDPStrategy(Strategy):
 
         strict = options.strict
         if metadata.get("format") == sharded.FORMAT:
-            sharded.load_sharded(models, optimizers, directory, metadata, skip_models=skip_models,
+            sharded.load_sharded(manifest, models, optimizers, directory, metadata, skip_models=skip_models,
                                  options=StateDictOptions(strict=strict))
         else:
-            full.load_full(models, optimizers, directory, metadata, skip_models=skip_models,
+            full.load_full(manifest, models, optimizers, directory, metadata, skip_models=skip_models,
                            options=StateDictOptions(full_state_dict=True, strict=strict), slices=True)
 
     def precision_report(self, models: Sequence[nn.Module],

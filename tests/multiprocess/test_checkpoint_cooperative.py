@@ -78,7 +78,8 @@ def _job(root: str) -> dict:
         out["model_vs_full"] = sorted(k for k in full if k in coop and not torch.equal(coop[k], full[k]))
         out["missing"] = sorted(set(full) - set(coop) - {"lm_head.weight"})  # tied: stored once, restored on load
         out["coop_vs_gathered"] = sorted(k for k in coop if not torch.equal(coop[k], gathered[k]))
-        saved_opt = read_optimizer(__import__("pathlib").Path(root, "coop", "optimizer.safetensors"), "optimizer")
+        saved_opt = read_optimizer(None, __import__("pathlib").Path(root, "coop", "optimizer.safetensors"),
+                                   "optimizer")
         out["groups_equal"] = saved_opt["param_groups"] == full_opt["param_groups"]
         out["opt_diff"] = sorted(f"{p}/{k}" for p, s in full_opt["state"].items() for k, v in s.items()
                                  if not torch.equal(saved_opt["state"][p][k], v))
@@ -152,7 +153,7 @@ def _fsdp_x_tp_job(root: str) -> dict | None:
     out = None
     if acc.is_main_process:
         saved = load_file(os.path.join(root, "model.safetensors"))
-        saved_opt = read_optimizer(Path(root, "optimizer.safetensors"), "optimizer")
+        saved_opt = read_optimizer(None, Path(root, "optimizer.safetensors"), "optimizer")
         out = {"model_diff": [k for k in full if not torch.equal(saved[k], full[k])], "count": len(full),
                "opt_diff": [f"{p}/{k}" for p, s in full_opt["state"].items() for k, v in s.items()
                             if not torch.equal(saved_opt["state"][p][k], v)]}

@@ -54,7 +54,7 @@ def _load_in_process(ckpt):
     from impel.checkpoint import layout, sharded, verified
 
     metadata = layout.verify(ckpt, skip=verified.checked_on_read)
-    return verified.read_checked(ckpt, metadata, lambda: sharded.load_full_state(ckpt / "optimizer"))
+    return sharded.load_full_state(verified.Manifest.of(ckpt, metadata), ckpt / "optimizer")
 
 
 @pytest.mark.parametrize("name", ["__0_0.raw.distcp", "__1_0.raw.distcp", "__0_1.raw.distcp", ".metadata"])

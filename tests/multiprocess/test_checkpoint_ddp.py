@@ -71,9 +71,7 @@ def test_save_state_on_one_rank_only_raises_instead_of_hanging(tmp_path):
 
 def _train_then_die_while_saving(project: str, snapshot_file: str, async_save: bool) -> None:
     import signal
-    import threading
 
-    from impel.accelerator import save_load as checkpointer
     from impel.checkpoint import files
 
     acc, model, opt, loader, sched = make_run(project)
@@ -81,17 +79,16 @@ def _train_then_die_while_saving(project: str, snapshot_file: str, async_save: b
     if acc.is_main_process:
         torch.save(acc.unwrap_model(model).state_dict(), snapshot_file)
     train(acc, model, opt, loader, sched, 5)
-    real_write = files.write_torch
+    real_write = files._write_torch
 
-    def write_half_then_die(obj, path):
-        real_write(obj, path)  # async_save: at the call only staged (and recorded through files.write_torch)
-        writing = threading.current_thread() is not threading.main_thread() if async_save else True
-        if path.name.startswith("random_states") and writing:  # after rank 0 wrote model, optimizer and the rest
+    def write_half_then_die(session, obj, path):
+        real_write(session, obj, path)  # async_save: the recorded write, on the background thread
+        if path.name.startswith("random_states"):  # after rank 0 wrote model, optimizer and the rest
             data = path.read_bytes()
             path.write_bytes(data[: len(data) // 2])
             os.kill(os.getpid(), signal.SIGKILL)
 
-    checkpointer.write_torch = files.write_torch = write_half_then_die
+    files._write_torch = write_half_then_die
     acc.save_state(async_save=async_save)
     train(acc, model, opt, loader, sched, 7)  # async_save: training goes on while the background write dies
     acc.wait_for_checkpoint()

@@ -70,7 +70,7 @@ def _load_sharded(ckpt, what):
 
     metadata = layout.verify(ckpt, skip=verified.checked_on_read)
     assert metadata["format_version"] == 2
-    return verified.read_checked(ckpt, metadata, lambda: sharded.load_full_state(ckpt / what))[what]
+    return sharded.load_full_state(verified.Manifest.of(ckpt, metadata), ckpt / what)[what]
 
 
 def test_a_sharded_checkpoint_with_torch_save_shards_loads(tmp_path):

@@ -147,7 +147,7 @@ def test_a_failed_save_leaves_the_previous_checkpoint_and_no_partial_directory(t
     acc.save_state()
     before = {p.name: p.read_bytes() for p in (tmp_path / "checkpoints" / "checkpoint_0").iterdir()}
 
-    def crash(obj, path):
+    def crash(session, obj, path):
         raise OSError(f"disk full while writing {path.name}")
 
     monkeypatch.setattr(checkpointer, "write_torch", crash)

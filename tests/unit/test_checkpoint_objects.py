@@ -187,10 +187,10 @@ def test_merge_weights_of_a_full_checkpoint_equals_the_state_dict(tmp_path):
 
 def _use_dcp(acc):
     """Stand-in for FSDP's SHARDED_STATE_DICT: the strategy writes DCP through impel.checkpoint.sharded."""
-    acc.strategy.save_checkpoint = lambda models, opts, directory, **kw: sharded.save_sharded(
-        models, opts, directory, skip_models=kw["skip_models"])
-    acc.strategy.load_checkpoint = lambda models, opts, directory, meta, **kw: sharded.load_sharded(
-        models, opts, directory, meta, skip_models=kw["skip_models"])
+    acc.strategy.save_checkpoint = lambda session, models, opts, **kw: sharded.save_sharded(
+        session, models, opts, skip_models=kw["skip_models"])
+    acc.strategy.load_checkpoint = lambda manifest, models, opts, directory, meta, **kw: sharded.load_sharded(
+        manifest, models, opts, directory, meta, skip_models=kw["skip_models"])
 
 
 def test_a_strategy_writing_dcp_plugs_in_for_save_load_and_merge(tmp_path):

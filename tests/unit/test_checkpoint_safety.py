@@ -13,6 +13,7 @@ import torch
 from helpers import make_mlp
 from impel import Accelerator, CheckpointError, merge_weights
 from impel.checkpoint import layout, sharded
+from impel.checkpoint.session import SaveSession
 
 
 class Payload:
@@ -64,13 +65,13 @@ def test_a_malicious_pickle_fails_to_load_and_executes_nothing(tmp_path, victim,
 def test_a_malicious_dcp_metadata_fails_to_load_and_executes_nothing(tmp_path):
     model = make_mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    meta = sharded.save_sharded([model], [opt], tmp_path)
+    meta = sharded.save_sharded(SaveSession(tmp_path), [model], [opt])  # outside save_state: written at once
     marker = tmp_path / "pwned"
     (tmp_path / "model" / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
     with pytest.raises(CheckpointError, match="refusing to load DCP metadata.*system"):
-        sharded.load_sharded([make_mlp()], [torch.optim.SGD(make_mlp().parameters(), lr=0.1)], tmp_path, meta)
+        sharded.load_sharded(None, [make_mlp()], [torch.optim.SGD(make_mlp().parameters(), lr=0.1)], tmp_path, meta)
     with pytest.raises(CheckpointError, match="refusing to load DCP metadata"):
-        sharded.load_full_state(tmp_path / "model")
+        sharded.load_full_state(None, tmp_path / "model")
     assert not marker.exists()
 
 

@@ -58,15 +58,18 @@ def _tensors():
 
 
 def test_a_full_file_written_under_a_save_is_finished_in_the_background_and_its_ranges_recorded(tmp_path):
-    """Under ``digests.sealing`` the last writes and the fsync of a cooperative file go on after ``write`` returns;
+    """During a save (``SaveSession.sealing``) the last writes and the fsync of a cooperative file go on after
+    ``write`` returns;
     ``entries()`` waits for them and gives the file's entry from the ranges hashed as they were written."""
     from safetensors.torch import load_file
 
     from impel.checkpoint import cooperative, digests, hashing, layout
+    from impel.checkpoint.session import SaveSession
 
     tensors = _tensors()
-    with digests.sealing(tmp_path) as sealer:
-        cooperative.write(tensors, tmp_path / "model.safetensors", {}, rank=0)
+    session = SaveSession(tmp_path)
+    with session.sealing() as sealer:
+        cooperative.write(session, tensors, tmp_path / "model.safetensors", {}, rank=0)
         entry = digests.join_ranges([sealer.entries()])["model.safetensors"]
     path = tmp_path / "model.safetensors"
     assert entry["size"] == path.stat().st_size
@@ -80,14 +83,16 @@ def test_a_full_file_written_under_a_save_is_finished_in_the_background_and_its_
 def test_a_background_write_failure_of_a_full_file_raises_from_the_saves_digests(tmp_path, monkeypatch):
     import errno
 
-    from impel.checkpoint import cooperative, digests, direct_io
+    from impel.checkpoint import cooperative, direct_io
+    from impel.checkpoint.session import SaveSession
 
     def full(self, buffer, at, size):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    with digests.sealing(tmp_path) as sealer:
+    session = SaveSession(tmp_path)
+    with session.sealing() as sealer:
         monkeypatch.setattr(direct_io.DirectFile, "_write", full)
-        cooperative.write(_tensors(), tmp_path / "model.safetensors", {}, rank=0)  # queued: no error yet
+        cooperative.write(session, _tensors(), tmp_path / "model.safetensors", {}, rank=0)  # queued: no error yet
         with pytest.raises(OSError, match="No space left"):
             sealer.entries()
 
@@ -100,6 +105,7 @@ def test_every_full_file_of_a_save_is_reserved_before_the_first_write(tmp_path, 
     from safetensors.torch import load_file
 
     from impel.checkpoint import cooperative, direct_io
+    from impel.checkpoint.session import SaveSession
 
     torch.manual_seed(1)
     other = {"m": torch.randn(64, 129), "v": torch.randn(64, 129)}
@@ -113,7 +119,7 @@ def test_every_full_file_of_a_save_is_reserved_before_the_first_write(tmp_path, 
         return write_at(self, offset, data)
 
     monkeypatch.setattr(direct_io.DirectFile, "write_at", spy)
-    cooperative.write_files([(_tensors(), paths[0], {}), (other, paths[1], {"k": "v"})], rank=0)
+    cooperative.write_files(SaveSession.plain(), [(_tensors(), paths[0], {}), (other, paths[1], {"k": "v"})], rank=0)
     assert at_first_write == [{p.name: p.stat().st_size for p in paths}]
     for path, tensors in zip(paths, (_tensors(), other)):
         loaded = load_file(path)
@@ -125,6 +131,7 @@ def test_a_failed_full_file_write_closes_the_files_it_opened(tmp_path, monkeypat
     import os
 
     from impel.checkpoint import cooperative, direct_io
+    from impel.checkpoint.session import SaveSession
 
     def full(self, buffer, at, size):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -133,5 +140,5 @@ def test_a_failed_full_file_write_closes_the_files_it_opened(tmp_path, monkeypat
     monkeypatch.setattr(direct_io.DirectFile, "_write", full)
     files = [(_tensors(), tmp_path / "model.safetensors", {}), (_tensors(), tmp_path / "optimizer.safetensors", {})]
     with pytest.raises(OSError, match="No space left"):
-        cooperative.write_files(files, rank=0)
+        cooperative.write_files(SaveSession.plain(), files, rank=0)
     assert len(os.listdir("/proc/self/fd")) == before

@@ -4,6 +4,7 @@ triggers, the state objects, the Accelerator's setters, profile, tqdm, the launc
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 
 import pytest
@@ -444,6 +445,7 @@ def test_deepspeed_plugin_from_code_or_from_the_launched_config(monkeypatch):
     from impel import DeepSpeedPlugin
     from impel.runtime.process import AcceleratorState, ProcessState
 
+    had_local_rank = "LOCAL_RANK" in os.environ
     given = DeepSpeedPlugin(zero_stage=2)
     acc = Accelerator(cpu=True, deepspeed_plugin=given)
     assert acc.deepspeed_plugin is given and AcceleratorState().deepspeed_plugin is given
@@ -455,3 +457,6 @@ def test_deepspeed_plugin_from_code_or_from_the_launched_config(monkeypatch):
     launched = Accelerator(cpu=True)
     assert launched.deepspeed_plugin.zero_stage == 1 and launched.fsdp_plugin is None
     launched.end_training()
+    # the LOCAL_RANK DeepSpeed needed is gone again: a later TrainingArguments (Accelerate's PartialState) would
+    # otherwise take this process for a launched rank and start a process group (it did, in the unit tier)
+    assert ("LOCAL_RANK" in os.environ) == had_local_rank

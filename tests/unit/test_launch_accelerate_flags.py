@@ -31,8 +31,6 @@ REFUSED = [  # (flags, what the error names)
     (["--megatron-lm-tp-degree", "2"], "--megatron_lm_tp_degree is a Megatron-LM setting"),
     (["--fp8_format", "HYBRID"], "--fp8_format is an FP8 training setting, and impel does not train in FP8"),
     (["--aws_access_key_id", "AKIA"], "--aws_access_key_id is for Amazon SageMaker launches, which impel does not"),
-    (["--deepspeed_hostfile", "hosts"], "--deepspeed_hostfile is for DeepSpeed's own multi-node runner .*, or "
-                                        "start the ranks with mpirun"),
 ]
 TAKEN = [["--main_training_function", "main"], ["--fsdp_activation_checkpointing_offload", "false"],
          ["--parallelism_config_sp_seq_length_is_variable", "true"],
