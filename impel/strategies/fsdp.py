@@ -60,8 +60,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger("impel")
 
 
-def mesh_layout(strategy: str, world: int, local_world: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
-    """The DeviceMesh shape and dim names for a sharding strategy."""
+def mesh_layout(strategy: str, world: int, local_world: int) -> tuple[tuple[int, ...], tuple[str, ...] | None]:
+    """The DeviceMesh shape and dim names for a sharding strategy. Full sharding uses torch's default mesh (every
+    rank, no dim names), the one ``fully_shard`` builds without a mesh, as under Accelerate: a model a library shards
+    itself that way (TRL's reference model) then shares the policy's mesh, so ops between their DTensors (TRL's
+    ``sync_ref_model`` mixing the policy into the reference model) run."""
     if strategy == "NO_SHARD":
         return (world, 1), ("replicate", "shard")
     if strategy.startswith("HYBRID"):
@@ -69,7 +72,7 @@ def mesh_layout(strategy: str, world: int, local_world: int) -> tuple[tuple[int,
             raise ConfigError(f"fsdp_sharding_strategy={strategy!r} needs the same number of ranks on every node, "
                               f"but WORLD_SIZE={world} is not a multiple of LOCAL_WORLD_SIZE={local_world}")
         return (world // local_world, local_world), ("replicate", "shard")
-    return (world,), ("shard",)
+    return (world,), None
 
 
 class FSDPStrategy(Strategy):
