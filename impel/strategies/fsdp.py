@@ -25,9 +25,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from impel.checkpoint.options import DEFAULT_LOAD, DEFAULT_SAVE, LoadOptions, SaveOptions
-from impel.checkpoint.session import SaveSession
-from impel.checkpoint.verified import Manifest
+from impel.checkpoint.io.verified import Manifest
+from impel.checkpoint.saving.options import DEFAULT_LOAD, DEFAULT_SAVE, LoadOptions, SaveOptions
+from impel.checkpoint.saving.session import SaveSession
 from impel.config import environment as env
 from impel.config.run_config import ConfigError, reshards_after_forward
 from impel.runtime.compile import Compiler
@@ -60,8 +60,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger("impel")
 
 
-def mesh_layout(strategy: str, world: int, local_world: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
-    """The DeviceMesh shape and dim names for a sharding strategy."""
+def mesh_layout(strategy: str, world: int, local_world: int) -> tuple[tuple[int, ...], tuple[str, ...] | None]:
+    """The DeviceMesh shape and dim names for a sharding strategy. Full sharding uses torch's default mesh (every
+    rank, no dim names), the one ``fully_shard`` builds without a mesh, as under Accelerate: a model a library shards
+    itself that way (TRL's reference model) then shares the policy's mesh, so ops between their DTensors (TRL's
+    ``sync_ref_model`` mixing the policy into the reference model) run."""
     if strategy == "NO_SHARD":
         return (world, 1), ("replicate", "shard")
     if strategy.startswith("HYBRID"):
@@ -69,7 +72,7 @@ def mesh_layout(strategy: str, world: int, local_world: int) -> tuple[tuple[int,
             raise ConfigError(f"fsdp_sharding_strategy={strategy!r} needs the same number of ranks on every node, "
                               f"but WORLD_SIZE={world} is not a multiple of LOCAL_WORLD_SIZE={local_world}")
         return (world // local_world, local_world), ("replicate", "shard")
-    return (world,), ("shard",)
+    return (world,), None
 
 
 class FSDPStrategy(Strategy):
@@ -232,14 +235,15 @@ class FSDPStrategy(Strategy):
                         optimizers: Sequence[torch.optim.Optimizer], *, safe_serialization: bool,
                         skip_models: Set[int] = frozenset(), options: SaveOptions = DEFAULT_SAVE) -> dict[str, Any]:
         """SHARDED_STATE_DICT: every rank writes its shards (DCP). FULL_STATE_DICT: full files, each rank writing
-        its shards' bytes into them (``checkpoint/cooperative.py``), or gathered on rank 0 with save_on_each_node."""
+        its shards' bytes into them (``checkpoint/formats/cooperative.py``), or gathered on rank 0 with
+        save_on_each_node."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions
 
         if self.fsdp.state_dict_type == "SHARDED_STATE_DICT":
-            from impel.checkpoint.sharded import save_sharded
+            from impel.checkpoint.formats.sharded import save_sharded
 
             return save_sharded(session, models, optimizers, skip_models=skip_models)
-        from impel.checkpoint.full import save_full
+        from impel.checkpoint.formats.full import save_full
 
         full_options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         # one shared directory: each rank writes its shards into the full files (nothing gathered on rank 0)
@@ -253,7 +257,7 @@ class FSDPStrategy(Strategy):
                         skip_models: Set[int] = frozenset(), options: LoadOptions = DEFAULT_LOAD) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-        from impel.checkpoint import full, sharded
+        from impel.checkpoint.formats import full, sharded
 
         strict = options.strict
         if metadata.get("format") == sharded.FORMAT:

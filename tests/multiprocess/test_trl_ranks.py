@@ -1,8 +1,9 @@
 """TRL 1.16's trainers on 2 CPU ranks through ``impel.trainer.on_impel``: the same weights, losses and rewards as TRL
 on Accelerate under the same launch (``ACCELERATE_USE_CPU=1``), each resumed under DDP from a mid-run checkpoint
 to the uninterrupted run, and under impel's FSDP2 a LoRA run (adapter-only
-checkpoints) and a DPO run (its reference model sharded by TRL with the plugin's policies) resumed from a mid-run
-checkpoint end as the uninterrupted ones."""
+checkpoints), a DPO run (its reference model sharded by TRL with the plugin's policies) and a DPO run with
+``sync_ref_model`` (the policy mixed into that reference model) train like one process at the same global batch and
+resume from a mid-run checkpoint exactly."""
 from __future__ import annotations
 
 import os
@@ -18,7 +19,9 @@ from trl_helpers import KINDS, max_diff, run_kinds, run_trl  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
 
-FSDP = {"fsdp": "full_shard", "fsdp_config": {"transformer_layer_cls_to_wrap": ["GPT2Block"]}}
+# fp32 (TRL's configs default to bf16, which FSDP2 applies to the parameters, autocast on one process to the matmuls)
+FSDP = {"fsdp": "full_shard", "fsdp_config": {"transformer_layer_cls_to_wrap": ["GPT2Block"]}, "bf16": False}
+FSDP_KINDS = ("sft_lora", "dpo", "dpo_sync")
 
 
 def test_trl_trainers_on_two_ranks_equal_trl_on_accelerate(tmp_path):
@@ -41,7 +44,7 @@ def test_trl_trainers_on_two_ranks_equal_trl_on_accelerate(tmp_path):
 
 def _fsdp_runs(output_dir: str) -> dict[str, dict]:
     results = {}
-    for kind in ("sft_lora", "dpo"):
+    for kind in FSDP_KINDS:
         run = os.path.join(output_dir, kind)
         results[kind] = run_trl(kind, "impel", run, save_strategy="steps", save_steps=2, **FSDP)
         results[f"{kind} resumed"] = run_trl(kind, "impel", f"{run}-resumed",
@@ -51,9 +54,19 @@ def _fsdp_runs(output_dir: str) -> dict[str, dict]:
     return results
 
 
-def test_lora_and_dpo_under_fsdp2_resume_from_a_checkpoint_exactly(tmp_path):
+def test_lora_and_dpo_under_fsdp2_train_like_one_process_and_resume_from_a_checkpoint_exactly(tmp_path):
+    """2 ranks x 2 samples x accumulation 2 against one process x 2 samples x accumulation 4: the same global batch
+    of the same micro-batches (a micro-batch of 4 pads differently, which moves GPT-2's numbers by 1e-6 on its own).
+    Losses and rewards within 1e-6, the trained LoRA adapters within 1e-6; full models within 1e-4: the attention's
+    key bias has no true gradient (softmax ignores it), and AdamW turns its float noise (1e-10) into steps of the
+    learning rate's size, 6e-5 apart after 4 steps."""
     results = run_on_ranks(_fsdp_runs, 2, args=(str(tmp_path),), timeout=240)[0]
-    for kind in ("sft_lora", "dpo"):
+    for kind in FSDP_KINDS:
+        one = run_trl(kind, "impel", str(tmp_path / f"{kind}-one"), gradient_accumulation_steps=4, bf16=False)
+        bound = 1e-6 if kind == "sft_lora" else 1e-4
+        assert max_diff(results[kind]["weights"], one["weights"]) <= bound, kind
+        assert results[kind]["loss"] == pytest.approx(one["loss"], abs=1e-6), kind
+        assert results[kind]["reward"] == pytest.approx(one["reward"], abs=1e-6), kind
         assert results[kind]["checkpoints"] == ["checkpoint-2", "checkpoint-4"]
         assert results[f"{kind} resumed"]["step"] == 4
         assert max_diff(results[f"{kind} resumed"]["weights"], results[kind]["weights"]) == 0.0, kind

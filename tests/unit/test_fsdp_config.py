@@ -96,8 +96,8 @@ def test_plugin_mixed_precision_must_agree_with_the_accelerator_argument():
 
 # --- mesh ---------------------------------------------------------------------------------------------------------
 def test_mesh_layouts():
-    assert mesh_layout("FULL_SHARD", 8, 4) == ((8,), ("shard",))
-    assert mesh_layout("SHARD_GRAD_OP", 8, 4) == ((8,), ("shard",))
+    assert mesh_layout("FULL_SHARD", 8, 4) == ((8,), None)  # torch's default mesh (fully_shard without one)
+    assert mesh_layout("SHARD_GRAD_OP", 8, 4) == ((8,), None)
     assert mesh_layout("NO_SHARD", 8, 4) == ((8, 1), ("replicate", "shard"))
     assert mesh_layout("HYBRID_SHARD", 8, 4) == ((2, 4), ("replicate", "shard"))
     assert mesh_layout("HYBRID_SHARD_ZERO2", 2, 2) == ((1, 2), ("replicate", "shard"))
