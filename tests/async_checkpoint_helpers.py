@@ -47,7 +47,7 @@ def assert_same_state(a: dict[str, Any], b: dict[str, Any]) -> None:
 @contextmanager
 def held_background(fail_with: BaseException | None = None) -> Any:
     """Hold the background write until the yielded gate is set; with ``fail_with``, the write raises it."""
-    from impel.checkpoint import staging
+    from impel.checkpoint.saving import staging
 
     gate = threading.Event()
     real = staging.Deferred.run
@@ -76,7 +76,7 @@ def async_equals_sync(root: str, fail_on_rank: int | None = None) -> dict[str, A
     """Save the same state synchronously and asynchronously (training on while the async one is written),
     and report both checkpoints' manifests and loaded states. With ``fail_on_rank``, a second async save's
     background write fails there (disk full) and the next save_state's error is reported."""
-    from impel.checkpoint import layout
+    from impel.checkpoint.store import layout
 
     acc, model, opt, loader, sched = make_run(None)
     train(acc, model, opt, loader, sched, 4)

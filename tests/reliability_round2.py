@@ -85,7 +85,8 @@ def _failed_save(acc: Any, target: Path, patch: Any, asynchronous: bool = False)
 
 
 def checkpoint_rows(work: Path) -> list[Row]:
-    from impel.checkpoint import direct_io, storage
+    from impel.checkpoint.io import direct_io
+    from impel.checkpoint.store import storage
 
     acc, model = _model_run()
     root = work / "storage"

@@ -14,7 +14,7 @@ def full_disk_on_one_rank(root: str, failing_rank: int) -> dict[str, Any]:
     """Save, then save again to the same path while ``failing_rank``'s writes hit ENOSPC (FSDP: its own shard;
     DDP: rank 0 writes the model and optimizer, every rank its RNG state). Reports each rank's error and whether
     the first checkpoint still loads with the state it held."""
-    from impel.checkpoint import digests
+    from impel.checkpoint.io import digests
 
     acc, model, opt, loader, sched = make_run(None)
     train(acc, model, opt, loader, sched, 2)

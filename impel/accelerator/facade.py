@@ -37,7 +37,7 @@ from impel.accelerator.resilience import Resilience
 from impel.accelerator.resolve import RunArguments, accelerate_plugins, resolve
 from impel.accelerator.save_load import Checkpointer
 from impel.accelerator.settings import RunSettings
-from impel.checkpoint.options import load_options, save_options
+from impel.checkpoint.saving.options import load_options, save_options
 from impel.config.ddp_hooks import refuse_hook_without_ddp
 from impel.config.environment_settings import launched_settings
 from impel.config.parallelism import ParallelismConfig
@@ -374,8 +374,8 @@ class Accelerator(ProcessMethods, RunSettings, NotProvidedMembers):
     def save_model(self, model: nn.Module, save_directory: str | os.PathLike[str], max_shard_size: int | str = "10GB",
                    safe_serialization: bool = True) -> None:
         """Full weights in Hugging Face's layout (``model.safetensors`` or shards + index), from any strategy."""
-        from impel.checkpoint.hf import save_pretrained_weights
-        from impel.checkpoint.ownership import refuse_inside_checkpoint
+        from impel.checkpoint.formats.hf import save_pretrained_weights
+        from impel.checkpoint.store.ownership import refuse_inside_checkpoint
 
         refuse_inside_checkpoint(save_directory, "save_model save_directory")  # on every rank: none waits in vain
         state = self.get_state_dict(model)
@@ -426,7 +426,7 @@ class Accelerator(ProcessMethods, RunSettings, NotProvidedMembers):
     def load_state(self, input_dir: str | os.PathLike[str] | None = None, load_kwargs: dict[str, Any] | None = None,
                    **load_model_func_kwargs: Any) -> str:
         """Restore a ``save_state`` checkpoint (the newest complete one by default); collective. Returns the path.
-        ``strict=False`` lets model keys differ; other keywords as Accelerate's (impel.checkpoint.options)."""
+        ``strict=False`` lets model keys differ; other keywords as Accelerate's (impel.checkpoint.saving.options)."""
         options = load_options(load_kwargs, load_model_func_kwargs, self.strategy.engine_managed)
         return self._checkpointer.load(input_dir, options)
 

@@ -43,12 +43,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from impel.accelerator.load_accelerate_weights import load_models_and_optimizers
-from impel.checkpoint import layout
-from impel.checkpoint.files import read_torch
-from impel.checkpoint.layout import CheckpointError
-from impel.checkpoint.options import DEFAULT_LOAD, LoadOptions
-from impel.checkpoint.restricted import RefusedGlobal, load_restricted
-from impel.checkpoint.state import describe
+from impel.checkpoint.io.files import read_torch
+from impel.checkpoint.io.restricted import RefusedGlobal, load_restricted
+from impel.checkpoint.saving.options import DEFAULT_LOAD, LoadOptions
+from impel.checkpoint.saving.state import describe
+from impel.checkpoint.store import layout
+from impel.checkpoint.store.layout import CheckpointError
 
 if TYPE_CHECKING:
     from impel.accelerator.prepared import TrainingRun

@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from impel.checkpoint.files import read_torch
-from impel.checkpoint.full import first_mismatch, pair_optimizers, read_weights
-from impel.checkpoint.layout import CheckpointError
-from impel.checkpoint.options import DEFAULT_LOAD, LoadOptions
+from impel.checkpoint.formats.full import first_mismatch, pair_optimizers, read_weights
+from impel.checkpoint.io.files import read_torch
+from impel.checkpoint.saving.options import DEFAULT_LOAD, LoadOptions
+from impel.checkpoint.store.layout import CheckpointError
 
 if TYPE_CHECKING:
     from impel.accelerator.prepared import TrainingRun
@@ -67,7 +67,7 @@ def _load_full(models: list[nn.Module], optimizers: list[torch.optim.Optimizer],
         set_optimizer_state_dict,
     )
 
-    from impel.checkpoint.full import _load_fresh_optimizer
+    from impel.checkpoint.formats.full import _load_fresh_optimizer
 
     # full tensors in the files: they load into plain, DDP and FSDP2 (sharded on the way in) models alike
     options = StateDictOptions(full_state_dict=True, strict=strict)

@@ -117,7 +117,7 @@ class ProcessMethods(ProcessControl):
         """``torch.save`` (``safe_serialization=True``: safetensors, for a dict of tensors) on the main process only,
         or on each machine's local main process with ``ProjectConfiguration(save_on_each_node=True)``. Not
         collective and no barrier, as in Accelerate."""
-        from impel.checkpoint.save_object import save
+        from impel.checkpoint.saving.save_object import save
 
         save(obj, f, save_on_each_node=self.project_configuration.save_on_each_node,
              safe_serialization=safe_serialization)

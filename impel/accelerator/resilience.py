@@ -156,7 +156,7 @@ class Resilience:
             raise SystemExit(PREEMPTED_EXIT_CODE)
 
     def _resume(self) -> str | None:
-        from impel.checkpoint import layout, remote
+        from impel.checkpoint.store import layout, remote
         from impel.runtime.collectives import broadcast_object_list
 
         run = self.run
@@ -185,7 +185,7 @@ class Resilience:
             return None
         from pathlib import Path
 
-        from impel.checkpoint.layout import read_metadata
+        from impel.checkpoint.store.layout import read_metadata
 
         world, steps = self.run.num_processes, self.run.gradient_state.num_steps
         before_world, before_steps = self.elastic

@@ -34,14 +34,15 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from impel.accelerator import load_accelerate as accelerate_format
-from impel.checkpoint import collective, layout, ownership, remote, staging, storage, target, tempdirs, verified
-from impel.checkpoint.digests import share_digests
-from impel.checkpoint.files import crc32_off, read_torch, write_torch
-from impel.checkpoint.full import suffix
-from impel.checkpoint.options import DEFAULT_LOAD, DEFAULT_SAVE, LoadOptions, SaveOptions
-from impel.checkpoint.registered import write_registered
-from impel.checkpoint.session import SaveSession
-from impel.checkpoint.state import (
+from impel.checkpoint.formats.full import suffix
+from impel.checkpoint.io import verified
+from impel.checkpoint.io.digests import share_digests
+from impel.checkpoint.io.files import crc32_off, read_torch, write_torch
+from impel.checkpoint.saving import collective, staging
+from impel.checkpoint.saving.options import DEFAULT_LOAD, DEFAULT_SAVE, LoadOptions, SaveOptions
+from impel.checkpoint.saving.registered import write_registered
+from impel.checkpoint.saving.session import SaveSession
+from impel.checkpoint.saving.state import (
     check_registrable,
     collect_rng_state,
     collect_training_state,
@@ -49,6 +50,7 @@ from impel.checkpoint.state import (
     restore_rng_state,
     restore_training_state,
 )
+from impel.checkpoint.store import layout, ownership, remote, storage, target, tempdirs
 from impel.config.plugins import ProjectConfiguration
 from impel.config.run_config import ConfigError
 from impel.runtime.memory import trim_host_heap
@@ -372,7 +374,7 @@ class Checkpointer:
     def _commit(self, temp: Path, final: Path, metadata: dict[str, Any], known: dict[str, Any],
                 parts: list[dict[str, Any]]) -> None:
         for rel in sorted({rel for rank_parts in parts for rel in rank_parts}):  # after the digests were shared
-            from impel.checkpoint import dcp_raw
+            from impel.checkpoint.formats import dcp_raw
 
             dcp_raw.write_merged(temp / rel, [rank_parts[rel] for rank_parts in parts if rel in rank_parts])
         layout.commit(temp, final, metadata, known, keep=ownership.carry_user_files)

@@ -21,8 +21,8 @@ def register(subparsers: Any) -> None:
 def main(ns: argparse.Namespace) -> int:
     import os
 
-    from impel.checkpoint.layout import CheckpointError
-    from impel.checkpoint.merge import merge_weights
+    from impel.checkpoint.formats.merge import merge_weights
+    from impel.checkpoint.store.layout import CheckpointError
     from impel.config.run_config import ConfigError
 
     if not os.path.isdir(ns.checkpoint):

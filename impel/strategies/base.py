@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from impel.checkpoint.options import DEFAULT_LOAD, DEFAULT_SAVE, LoadOptions, SaveOptions
-from impel.checkpoint.session import SaveSession
-from impel.checkpoint.verified import Manifest
+from impel.checkpoint.io.verified import Manifest
+from impel.checkpoint.saving.options import DEFAULT_LOAD, DEFAULT_SAVE, LoadOptions, SaveOptions
+from impel.checkpoint.saving.session import SaveSession
 from impel.config.run_config import ConfigError
 from impel.runtime.precision import Precision, make_precision
 from impel.strategies.fsdp_loading import ParamReplacements
@@ -219,10 +219,10 @@ class Strategy:
         Base (single device, DDP): full ``model*.safetensors`` and ``optimizer*.pt`` written by the writer.
         """
         if any(has_dtensor(self.unwrap_model(m)) for m in models):  # tensor parallel: every rank its shards, DCP
-            from impel.checkpoint.sharded import save_sharded
+            from impel.checkpoint.formats.sharded import save_sharded
 
             return save_sharded(session, models, optimizers, skip_models=skip_models)
-        from impel.checkpoint.full import save_full
+        from impel.checkpoint.formats.full import save_full
 
         return save_full(session, models, optimizers, safe_serialization=safe_serialization,
                          skip_models=skip_models)
@@ -238,7 +238,7 @@ class Strategy:
         """
         from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-        from impel.checkpoint import full, sharded
+        from impel.checkpoint.formats import full, sharded
 
         state_options = StateDictOptions(strict=options.strict)
         if metadata.get("format") == sharded.FORMAT:

@@ -26,15 +26,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from impel.checkpoint.deepspeed_engines import (
+from impel.checkpoint.formats.deepspeed_engines import (
     load_engines,
     merge_zero_checkpoint,
     safe_loading,
     save_engines,
 )
-from impel.checkpoint.options import DEFAULT_LOAD, DEFAULT_SAVE, LoadOptions, SaveOptions
-from impel.checkpoint.session import SaveSession
-from impel.checkpoint.verified import Manifest
+from impel.checkpoint.io.verified import Manifest
+from impel.checkpoint.saving.options import DEFAULT_LOAD, DEFAULT_SAVE, LoadOptions, SaveOptions
+from impel.checkpoint.saving.session import SaveSession
 from impel.config import environment as env
 from impel.config.deepspeed_json import (
     DummyOptim,

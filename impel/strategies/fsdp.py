@@ -25,9 +25,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from impel.checkpoint.options import DEFAULT_LOAD, DEFAULT_SAVE, LoadOptions, SaveOptions
-from impel.checkpoint.session import SaveSession
-from impel.checkpoint.verified import Manifest
+from impel.checkpoint.io.verified import Manifest
+from impel.checkpoint.saving.options import DEFAULT_LOAD, DEFAULT_SAVE, LoadOptions, SaveOptions
+from impel.checkpoint.saving.session import SaveSession
 from impel.config import environment as env
 from impel.config.run_config import ConfigError, reshards_after_forward
 from impel.runtime.compile import Compiler
@@ -235,14 +235,15 @@ class FSDPStrategy(Strategy):
                         optimizers: Sequence[torch.optim.Optimizer], *, safe_serialization: bool,
                         skip_models: Set[int] = frozenset(), options: SaveOptions = DEFAULT_SAVE) -> dict[str, Any]:
         """SHARDED_STATE_DICT: every rank writes its shards (DCP). FULL_STATE_DICT: full files, each rank writing
-        its shards' bytes into them (``checkpoint/cooperative.py``), or gathered on rank 0 with save_on_each_node."""
+        its shards' bytes into them (``checkpoint/formats/cooperative.py``), or gathered on rank 0 with
+        save_on_each_node."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions
 
         if self.fsdp.state_dict_type == "SHARDED_STATE_DICT":
-            from impel.checkpoint.sharded import save_sharded
+            from impel.checkpoint.formats.sharded import save_sharded
 
             return save_sharded(session, models, optimizers, skip_models=skip_models)
-        from impel.checkpoint.full import save_full
+        from impel.checkpoint.formats.full import save_full
 
         full_options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         # one shared directory: each rank writes its shards into the full files (nothing gathered on rank 0)
@@ -256,7 +257,7 @@ class FSDPStrategy(Strategy):
                         skip_models: Set[int] = frozenset(), options: LoadOptions = DEFAULT_LOAD) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-        from impel.checkpoint import full, sharded
+        from impel.checkpoint.formats import full, sharded
 
         strict = options.strict
         if metadata.get("format") == sharded.FORMAT:

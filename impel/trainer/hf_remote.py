@@ -39,7 +39,7 @@ class RemoteOutput:
     """An ``output_dir`` URL and its local staging directory."""
 
     def __init__(self, url: str) -> None:
-        from impel.checkpoint import remote
+        from impel.checkpoint.store import remote
 
         root = remote.parse(url, "TrainingArguments(output_dir=...)")
         assert root is not None  # the caller checked the scheme
@@ -55,7 +55,7 @@ class RemoteOutput:
     # --- upload -----------------------------------------------------------------------------------------------
     def upload_checkpoint(self, name: str) -> bool:
         """Upload ``checkpoint-N`` when impel marked it complete, its marker last; False when it is not."""
-        from impel.checkpoint import remote
+        from impel.checkpoint.store import remote
 
         folder = self.local / name
         if not hf_resume.is_complete(folder):
@@ -118,7 +118,7 @@ class RemoteOutput:
     def fetch(self, resume: Any, accelerator: Any) -> Any:
         """``resume_from_checkpoint`` made local: "auto" / True the newest marked remote checkpoint (None for "auto"
         without one; True raises), a ``checkpoint-N`` URL that one; downloaded by one rank per machine."""
-        from impel.checkpoint import remote
+        from impel.checkpoint.store import remote
 
         if resume is True or resume == hf_resume.AUTO:
             found = self.complete()
@@ -180,7 +180,7 @@ class UploadOutput(TrainerCallback):
 
 def mirror(args: Any) -> RemoteOutput | None:
     """For an ``output_dir`` URL: its mirror, with ``args.output_dir`` set to the local staging directory."""
-    from impel.checkpoint import remote
+    from impel.checkpoint.store import remote
 
     if remote.scheme_of(getattr(args, "output_dir", None)) is None:
         return None

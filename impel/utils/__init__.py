@@ -73,8 +73,8 @@ SOURCES: dict[str, str] = {
     "tqdm": "impel.runtime.progress_bar",
     **{name: "impel.runtime.memory" for name in (
         "find_executable_batch_size", "release_memory", "should_reduce_batch_size", "clear_device_cache")},
-    "merge_fsdp_weights": "impel.checkpoint.merge",
-    "save": "impel.checkpoint.save_object",
+    "merge_fsdp_weights": "impel.checkpoint.formats.merge",
+    "save": "impel.checkpoint.saving.save_object",
     "load_checkpoint_in_model": "impel.runtime.model_loading",
     **{name: "impel.runtime.availability" for name in _AVAILABILITY},
     **{name: "impel.config.constants" for name in _CONSTANTS},

@@ -212,7 +212,8 @@ def _target_check_fails_on_rank_one(root: str) -> dict:
     from datetime import timedelta
 
     from checkpoint_helpers import make_run
-    from impel.checkpoint import CheckpointError, target
+    from impel.checkpoint import CheckpointError
+    from impel.checkpoint.store import target
 
     acc, *_ = make_run(None)
     acc.state.timeout = timedelta(seconds=60)  # rank 0 must learn of rank 1's failure long before this

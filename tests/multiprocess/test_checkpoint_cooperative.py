@@ -1,5 +1,5 @@
 """FSDP FULL_STATE_DICT saves without gathering: each rank writes its shards' bytes into the full files
-(checkpoint/cooperative.py). On 2 ranks, with a tied embedding and a row count that does not split evenly: the
+(checkpoint/formats/cooperative.py). On 2 ranks, with a tied embedding and a row count that does not split evenly: the
 model file equals the gathered full state dict bit for bit (read back with safetensors' own reader), the optimizer
 file equals the full optimizer state dict (tensors bit for bit, hyper-parameters equal, AdamW's betas still a
 tuple in the file), an asynchronous save writes the same bytes (the state at the call, though the parameters
@@ -44,7 +44,7 @@ def _job(root: str) -> dict:
 
     from async_checkpoint_helpers import held_background
     from impel import Accelerator
-    from impel.checkpoint.full import read_optimizer
+    from impel.checkpoint.formats.full import read_optimizer
 
     acc = Accelerator()
     model = _model()
@@ -134,7 +134,7 @@ def _fsdp_x_tp_job(root: str) -> dict | None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
     from impel import Accelerator, FullyShardedDataParallelPlugin, ParallelismConfig
-    from impel.checkpoint.full import read_optimizer
+    from impel.checkpoint.formats.full import read_optimizer
     from tiny_transformers import tiny_llama
 
     acc = Accelerator(cpu=True, parallelism_config=ParallelismConfig(dp_shard_size=2, tp_size=2),
@@ -214,7 +214,7 @@ def _load_job(root: str) -> str:
 
 
 def test_each_rank_hashes_its_ranges_and_a_flipped_byte_in_them_is_named(tmp_path):
-    from impel.checkpoint import layout
+    from impel.checkpoint.store import layout
 
     env = {"IMPEL_CONFIG": json.dumps(FULL)}
     root = tmp_path / "ckpt"

@@ -51,7 +51,9 @@ def sharded(tmp_path_factory):
 
 def _load_in_process(ckpt):
     """What load_state does with a DCP directory, on one process: sizes up front, checksums while reading."""
-    from impel.checkpoint import layout, sharded, verified
+    from impel.checkpoint.formats import sharded
+    from impel.checkpoint.io import verified
+    from impel.checkpoint.store import layout
 
     metadata = layout.verify(ckpt, skip=verified.checked_on_read)
     return sharded.load_full_state(verified.Manifest.of(ckpt, metadata), ckpt / "optimizer")

@@ -1,7 +1,7 @@
-"""Sharded saves plan without collectives (``checkpoint/dcp_raw.py``: each rank plans its own items, the committing
-rank merges their metadata): on 2 ranks under FSDP2 (uneven shards, AdamW), the merged ``.metadata`` describes the
-same tensors, chunks and stored items as DCP's own coordinated save of the same state, and DCP's planning and
-result collectives are not called by ``save_state``."""
+"""Sharded saves plan without collectives (``checkpoint/formats/dcp_raw.py``: each rank plans its own items, the
+committing rank merges their metadata): on 2 ranks under FSDP2 (uneven shards, AdamW), the merged ``.metadata``
+describes the same tensors, chunks and stored items as DCP's own coordinated save of the same state, and DCP's
+planning and result collectives are not called by ``save_state``."""
 from __future__ import annotations
 
 import json
@@ -20,7 +20,7 @@ SHARDED = {"distributed_type": "FSDP", "use_cpu": True,
 
 
 def _describe(path: str) -> dict:
-    from impel.checkpoint.sharded import _MetadataUnpickler
+    from impel.checkpoint.formats.sharded import _MetadataUnpickler
 
     with open(os.path.join(path, ".metadata"), "rb") as f:
         meta = _MetadataUnpickler(f).load()

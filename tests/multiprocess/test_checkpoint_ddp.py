@@ -72,7 +72,7 @@ def test_save_state_on_one_rank_only_raises_instead_of_hanging(tmp_path):
 def _train_then_die_while_saving(project: str, snapshot_file: str, async_save: bool) -> None:
     import signal
 
-    from impel.checkpoint import files
+    from impel.checkpoint.io import files
 
     acc, model, opt, loader, sched = make_run(project)
     train(acc, model, opt, loader, sched, 3, save_at=[3])

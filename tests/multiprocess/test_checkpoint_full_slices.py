@@ -1,5 +1,5 @@
-"""FSDP FULL_STATE_DICT loads read each rank's own shards from the full files (``checkpoint/full_slices.py``): the
-loaded parameters and optimizer states equal the saved ones bit for bit (uneven shards: 7 rows on 2 ranks), no
+"""FSDP FULL_STATE_DICT loads read each rank's own shards from the full files (``checkpoint/formats/full_slices.py``):
+the loaded parameters and optimizer states equal the saved ones bit for bit (uneven shards: 7 rows on 2 ranks), no
 collective scatters them, a model that does not fit raises naming the parameter before anything is read, and
 ``strict=False`` loads the matching keys and leaves the rest untouched."""
 from __future__ import annotations

@@ -93,7 +93,7 @@ def test_merge_weights_of_a_sharded_checkpoint_equals_the_full_state_dict(tmp_pa
 
 
 def _run_small_blocks(*args):
-    from impel.checkpoint import hashing
+    from impel.checkpoint.io import hashing
 
     hashing.BLOCK = 512  # many blocks per file, dealt to both ranks
     return _run(*args)
@@ -105,7 +105,7 @@ def test_the_manifest_of_a_two_rank_sharded_save_matches_every_file(tmp_path):
     disk, and the checkpoint must load (which verifies every block)."""
     import xxhash
 
-    from impel.checkpoint import layout
+    from impel.checkpoint.store import layout
 
     ckpt = tmp_path / "ckpt"
     run_on_ranks(_run_small_blocks, 2, args=(0, STEPS, None, str(ckpt)), timeout=JOB_TIMEOUT,

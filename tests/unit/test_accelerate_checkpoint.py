@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 from helpers import make_regression
 from impel import Accelerator, CheckpointError, ProjectConfiguration
 from impel.accelerator.load_accelerate_weights import match_names
-from impel.checkpoint.restricted import Inert, RefusedGlobal, load_restricted
+from impel.checkpoint.io.restricted import Inert, RefusedGlobal, load_restricted
 from impel.testing import run_on_ranks
 
 accelerate = pytest.importorskip("accelerate")

@@ -426,7 +426,7 @@ def test_no_two_classes_share_a_name():
 
 def test_no_string_names_a_module_of_a_higher_layer():
     """A dotted path in a string (``"impel.x.y:attr"``, imported by name later) is an import the layer test cannot
-    see: it may only name the same layer or a lower one (``checkpoint/merge.py`` once reached up into
+    see: it may only name the same layer or a lower one (``checkpoint/formats/merge.py`` once reached up into
     ``impel.strategies.deepspeed`` this way). The faces' lazy tables, checked above, are not strings of code."""
     path_string = re.compile(r"^impel(\.\w+)+(:\w+)?$")
     found = []

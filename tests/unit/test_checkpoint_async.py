@@ -53,7 +53,7 @@ SCRIPT = """
 import sys, time
 sys.path.insert(0, {tests!r})
 from checkpoint_helpers import make_run, train
-from impel.checkpoint import staging
+from impel.checkpoint.saving import staging
 
 acc, model, opt, loader, sched = make_run({project!r})
 train(acc, model, opt, loader, sched, 2)
@@ -67,7 +67,7 @@ print(acc.save_state(async_save=True), flush=True)
 
 
 def test_a_script_that_ends_right_after_an_async_save_leaves_a_complete_checkpoint(tmp_path):
-    from impel.checkpoint import layout
+    from impel.checkpoint.store import layout
 
     script = textwrap.dedent(SCRIPT.format(tests=str(TESTS), project=str(tmp_path)))
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False)

@@ -11,7 +11,7 @@ import torch
 
 from helpers import make_mlp
 from impel import Accelerator, CheckpointError
-from impel.checkpoint import hashing
+from impel.checkpoint.io import hashing
 
 KINDS = ["model.safetensors", "pytorch_model.bin", "optimizer.pt", "scheduler.pt", "training_state.pt",
          "random_states_0.pt", "custom_checkpoint_0.pt", "extra.bin"]
@@ -89,7 +89,7 @@ def test_a_truncated_or_missing_file_is_named(saved, tmp_path, kind):
 def test_a_load_reads_each_file_once_hashing_while_it_reads(saved, tmp_path, monkeypatch):
     """The only file hashed in a pass of its own is the hook's (no impel reader reads it); impel's files are
     hashed as their bytes arrive, each byte once."""
-    from impel.checkpoint import verified
+    from impel.checkpoint.io import verified
 
     ckpt = damaged(saved, tmp_path, "model.safetensors")
     acc = prepared(tmp_path)

@@ -66,7 +66,9 @@ def _reference_training():
 
 def _load_sharded(ckpt, what):
     """load_state's checks on a DCP directory, on one process: sizes up front, checksums while reading."""
-    from impel.checkpoint import layout, sharded, verified
+    from impel.checkpoint.formats import sharded
+    from impel.checkpoint.io import verified
+    from impel.checkpoint.store import layout
 
     metadata = layout.verify(ckpt, skip=verified.checked_on_read)
     assert metadata["format_version"] == 2

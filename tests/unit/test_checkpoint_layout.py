@@ -17,7 +17,7 @@ from checkpoint_helpers import prepared_mlp
 from helpers import make_mlp
 from impel import Accelerator, CheckpointError, ConfigError, ProjectConfiguration
 from impel.accelerator import save_load as checkpointer
-from impel.checkpoint import layout
+from impel.checkpoint.store import layout
 from impel.runtime.process import ProcessState
 
 
@@ -48,7 +48,7 @@ def block_digests(data: bytes, block: int) -> list[str]:
 def test_block_digests_computed_while_writing_match_the_bytes_on_disk(tmp_path, monkeypatch):
     """torch.save's and safetensors' blocks are hashed as they are written, a hook's file at commit: every digest
     must equal a fresh hash of the bytes on disk."""
-    from impel.checkpoint import hashing
+    from impel.checkpoint.io import hashing
 
     monkeypatch.setattr(hashing, "BLOCK", 1000)
     acc, _model, _opt = prepared()
@@ -68,7 +68,7 @@ def test_block_digests_computed_while_writing_match_the_bytes_on_disk(tmp_path, 
 
 
 def test_a_flipped_byte_is_named_by_its_block(tmp_path, monkeypatch):
-    from impel.checkpoint import hashing
+    from impel.checkpoint.io import hashing
 
     monkeypatch.setattr(hashing, "BLOCK", 1000)
     acc, _model, _opt = prepared()
@@ -348,7 +348,7 @@ def test_a_manifest_of_a_newer_format_is_refused_naming_the_version(tmp_path):
 _HOLD = """
 import sys, time
 from pathlib import Path
-from impel.checkpoint import tempdirs
+from impel.checkpoint.store import tempdirs
 tempdirs.make(Path(sys.argv[1]))
 print("holding", flush=True)
 time.sleep(60)
@@ -379,7 +379,7 @@ def test_cleaning_spares_another_jobs_save_in_flight_and_removes_it_once_dead(tm
 
 
 def test_a_symlink_planted_at_the_temporary_name_is_refused_and_receives_nothing(tmp_path, monkeypatch):
-    from impel.checkpoint import staging
+    from impel.checkpoint.saving import staging
 
     acc, _model, _opt = prepared()
     elsewhere = tmp_path / "elsewhere"
@@ -396,7 +396,7 @@ def test_a_symlink_planted_at_the_temporary_name_is_refused_and_receives_nothing
 def test_temporary_names_do_not_tell_the_next_one():
     """On several ranks the names are keyed hashes of the save count with the job's secret: consecutive names share
     no visible counter (on one process they are random)."""
-    from impel.checkpoint import staging
+    from impel.checkpoint.saving import staging
 
     monkey = pytest.MonkeyPatch()
     monkey.setattr(staging, "is_distributed", lambda: True)
@@ -428,7 +428,7 @@ def test_a_mount_point_as_the_target_is_refused_in_one_line():
 def test_a_temporary_directory_removed_while_a_rank_joins_it_is_a_checkpoint_error(tmp_path, monkeypatch):
     """Another rank's failed save (or a cleaner) removed the directory between this rank's mkdir and its lock: one
     CheckpointError naming it, not a raw FileNotFoundError that kills the rank."""
-    from impel.checkpoint import tempdirs
+    from impel.checkpoint.store import tempdirs
 
     real_open = tempdirs.os.open
 

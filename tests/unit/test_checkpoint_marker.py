@@ -10,7 +10,7 @@ import torch
 
 from helpers import make_mlp
 from impel import Accelerator, CheckpointError, ProjectConfiguration
-from impel.checkpoint import layout
+from impel.checkpoint.store import layout
 
 
 def _saved(tmp_path, saves: int = 1):

@@ -10,7 +10,7 @@ from torch import nn
 
 from helpers import make_mlp
 from impel import Accelerator, CheckpointError, merge_weights
-from impel.checkpoint import hf, sharded
+from impel.checkpoint.formats import hf, sharded
 from impel.runtime.process import ProcessState
 
 
@@ -186,7 +186,7 @@ def test_merge_weights_of_a_full_checkpoint_equals_the_state_dict(tmp_path):
 
 
 def _use_dcp(acc):
-    """Stand-in for FSDP's SHARDED_STATE_DICT: the strategy writes DCP through impel.checkpoint.sharded."""
+    """Stand-in for FSDP's SHARDED_STATE_DICT: the strategy writes DCP through impel.checkpoint.formats.sharded."""
     acc.strategy.save_checkpoint = lambda session, models, opts, **kw: sharded.save_sharded(
         session, models, opts, skip_models=kw["skip_models"])
     acc.strategy.load_checkpoint = lambda manifest, models, opts, directory, meta, **kw: sharded.load_sharded(

@@ -10,7 +10,7 @@ from torch import nn
 
 from impel import Accelerator, ConfigError
 from impel.checkpoint import CheckpointError
-from impel.checkpoint.options import load_options, save_options
+from impel.checkpoint.saving.options import load_options, save_options
 
 
 class Head(nn.Module):

@@ -10,7 +10,7 @@ import torch
 
 from checkpoint_helpers import prepared_mlp
 from impel import CheckpointError
-from impel.checkpoint import layout
+from impel.checkpoint.store import layout
 
 
 def prepared(project_dir=None, total_limit=None, **config):

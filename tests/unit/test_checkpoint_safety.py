@@ -12,8 +12,9 @@ import torch
 
 from helpers import make_mlp
 from impel import Accelerator, CheckpointError, merge_weights
-from impel.checkpoint import layout, sharded
-from impel.checkpoint.session import SaveSession
+from impel.checkpoint.formats import sharded
+from impel.checkpoint.saving.session import SaveSession
+from impel.checkpoint.store import layout
 
 
 class Payload:

@@ -8,7 +8,7 @@ import torch
 
 from helpers import make_mlp
 from impel import Accelerator
-from impel.checkpoint.stager import Stager
+from impel.checkpoint.saving.stager import Stager
 
 
 def test_a_staged_copy_is_exact_independent_and_keeps_ties():

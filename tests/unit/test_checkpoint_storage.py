@@ -15,7 +15,9 @@ import torch
 from torch import nn
 
 from impel import Accelerator
-from impel.checkpoint import CheckpointError, direct_io, storage
+from impel.checkpoint import CheckpointError
+from impel.checkpoint.io import direct_io
+from impel.checkpoint.store import storage
 
 Usage = namedtuple("Usage", "total used free")
 

@@ -10,7 +10,7 @@ import torch
 
 from helpers import make_mlp
 from impel import Accelerator, CheckpointError, merge_weights
-from impel.checkpoint import layout, ownership
+from impel.checkpoint.store import layout, ownership
 from impel.testing import run_on_ranks
 
 USER_FILES = {"notes.txt": "lr 0.1 looked best\n", "eval/results.json": '{"acc": 0.93}\n',

@@ -1,5 +1,5 @@
-"""The runs a rank writes for its box of a tensor (checkpoint/cooperative.py) are exactly the box's bytes, at the
-box's places in the row-major file: checked against numpy indexing on every box shape FSDP (dim 0), tensor
+"""The runs a rank writes for its box of a tensor (checkpoint/formats/cooperative.py) are exactly the box's bytes, at
+the box's places in the row-major file: checked against numpy indexing on every box shape FSDP (dim 0), tensor
 parallel (dim 1) and both together produce, including empty boxes and 0-d tensors; and a full file written under a
 save is finished in the background, its failures raised by the save's digests."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from impel.checkpoint.cooperative import optimizer_state_from, optimizer_tensors, runs
+from impel.checkpoint.formats.cooperative import optimizer_state_from, optimizer_tensors, runs
 
 
 @pytest.mark.parametrize("shape, offsets, sizes", [
@@ -63,8 +63,10 @@ def test_a_full_file_written_under_a_save_is_finished_in_the_background_and_its_
     ``entries()`` waits for them and gives the file's entry from the ranges hashed as they were written."""
     from safetensors.torch import load_file
 
-    from impel.checkpoint import cooperative, digests, hashing, layout
-    from impel.checkpoint.session import SaveSession
+    from impel.checkpoint.formats import cooperative
+    from impel.checkpoint.io import digests, hashing
+    from impel.checkpoint.saving.session import SaveSession
+    from impel.checkpoint.store import layout
 
     tensors = _tensors()
     session = SaveSession(tmp_path)
@@ -83,8 +85,9 @@ def test_a_full_file_written_under_a_save_is_finished_in_the_background_and_its_
 def test_a_background_write_failure_of_a_full_file_raises_from_the_saves_digests(tmp_path, monkeypatch):
     import errno
 
-    from impel.checkpoint import cooperative, direct_io
-    from impel.checkpoint.session import SaveSession
+    from impel.checkpoint.formats import cooperative
+    from impel.checkpoint.io import direct_io
+    from impel.checkpoint.saving.session import SaveSession
 
     def full(self, buffer, at, size):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -104,8 +107,9 @@ def test_every_full_file_of_a_save_is_reserved_before_the_first_write(tmp_path, 
     import torch
     from safetensors.torch import load_file
 
-    from impel.checkpoint import cooperative, direct_io
-    from impel.checkpoint.session import SaveSession
+    from impel.checkpoint.formats import cooperative
+    from impel.checkpoint.io import direct_io
+    from impel.checkpoint.saving.session import SaveSession
 
     torch.manual_seed(1)
     other = {"m": torch.randn(64, 129), "v": torch.randn(64, 129)}
@@ -130,8 +134,9 @@ def test_a_failed_full_file_write_closes_the_files_it_opened(tmp_path, monkeypat
     import errno
     import os
 
-    from impel.checkpoint import cooperative, direct_io
-    from impel.checkpoint.session import SaveSession
+    from impel.checkpoint.formats import cooperative
+    from impel.checkpoint.io import direct_io
+    from impel.checkpoint.saving.session import SaveSession
 
     def full(self, buffer, at, size):
         raise OSError(errno.ENOSPC, "No space left on device")

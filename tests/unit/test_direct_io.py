@@ -1,4 +1,4 @@
-"""The checkpoint file writer around the page cache (checkpoint/direct_io.py): the bytes on disk are the bytes
+"""The checkpoint file writer around the page cache (checkpoint/io/direct_io.py): the bytes on disk are the bytes
 written, whatever the sizes of the pieces, with O_DIRECT, through the page cache where the file system refuses
 O_DIRECT (at open or at the first write), and for a file several writers fill at unaligned offsets; a failed write
 raises in the caller and leaves no thread or descriptor behind."""
@@ -11,8 +11,8 @@ import threading
 
 import pytest
 
-from impel.checkpoint import direct_io
-from impel.checkpoint.direct_io import BUFFER, PAGE, DirectFile
+from impel.checkpoint.io import direct_io
+from impel.checkpoint.io.direct_io import BUFFER, PAGE, DirectFile
 
 SIZES = [0, 1, PAGE - 1, PAGE, BUFFER - 3, BUFFER, BUFFER + 7, 3 * BUFFER + 12345]
 

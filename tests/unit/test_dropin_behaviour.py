@@ -147,7 +147,7 @@ def _source() -> Net:
 @pytest.mark.parametrize("layout", ["safetensors_file", "bin_file", "sharded_folder", "index_file"])
 def test_load_checkpoint_in_model_into_an_empty_model(tmp_path, layout):
     from impel import init_empty_weights, load_checkpoint_in_model
-    from impel.checkpoint.hf import save_pretrained_weights
+    from impel.checkpoint.formats.hf import save_pretrained_weights
 
     src = _source()
     state = src.state_dict()
@@ -171,7 +171,7 @@ def test_load_checkpoint_in_model_into_an_empty_model(tmp_path, layout):
 
 def test_load_checkpoint_in_model_matches_accelerate(tmp_path):
     accelerate_utils = pytest.importorskip("accelerate.utils")
-    from impel.checkpoint.hf import save_pretrained_weights
+    from impel.checkpoint.formats.hf import save_pretrained_weights
     from impel.utils import load_checkpoint_in_model
 
     save_pretrained_weights(_source().state_dict(), tmp_path)
@@ -190,7 +190,7 @@ def test_load_checkpoint_in_model_matches_accelerate(tmp_path):
 
 def test_load_checkpoint_in_model_refuses_what_it_cannot_do(tmp_path):
     from impel import load_checkpoint_in_model
-    from impel.checkpoint.hf import save_pretrained_weights
+    from impel.checkpoint.formats.hf import save_pretrained_weights
 
     save_pretrained_weights({"embed.weight": torch.ones(10, 4)}, tmp_path)
     with pytest.raises(ValueError, match="offload_folder"):

@@ -1,4 +1,4 @@
-"""State dicts by name from recorded names (checkpoint/named_state.py) equal torch's get_model_state_dict /
+"""State dicts by name from recorded names (checkpoint/formats/named_state.py) equal torch's get_model_state_dict /
 get_optimizer_state_dict, save after save, and fall back to torch's API whenever the structure changed."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-from impel.checkpoint import named_state
+from impel.checkpoint.formats import named_state
 
 
 def _step(model: nn.Module, opt: torch.optim.Optimizer) -> None:

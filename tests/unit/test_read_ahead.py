@@ -8,7 +8,8 @@ import os
 
 import pytest
 
-from impel.checkpoint import hashing, layout, verified
+from impel.checkpoint.io import hashing, verified
+from impel.checkpoint.store import layout
 
 pytestmark = pytest.mark.skipif(verified._WILLNEED is None, reason="no posix_fadvise on this platform")
 AHEAD = 1 << 20

@@ -13,10 +13,12 @@ import torch
 
 import impel
 from checkpoint_helpers import prepared_mlp
-from impel.checkpoint import cooperative, files, full, full_slices, registered, sharded
-from impel.checkpoint.layout import CheckpointError
-from impel.checkpoint.session import SaveSession
-from impel.checkpoint.stager import Stager
+from impel.checkpoint.formats import cooperative, full, full_slices, sharded
+from impel.checkpoint.io import files
+from impel.checkpoint.saving import registered
+from impel.checkpoint.saving.session import SaveSession
+from impel.checkpoint.saving.stager import Stager
+from impel.checkpoint.store.layout import CheckpointError
 from impel.strategies.base import REGISTRY, Strategy
 
 ROOT = Path(impel.__file__).parent
@@ -97,7 +99,9 @@ def test_an_async_save_whose_writer_forgets_the_session_raises_at_the_call_and_c
 def test_the_formats_table_is_what_the_writers_record_the_merger_runs_and_the_verifier_checks():
     import importlib
 
-    from impel.checkpoint import deepspeed_engines, formats, merge, verified
+    from impel.checkpoint import formats
+    from impel.checkpoint.formats import deepspeed_engines, merge
+    from impel.checkpoint.io import verified
 
     assert {full.FORMAT, sharded.FORMAT, deepspeed_engines.FORMAT} == set(formats.FORMATS)
     for name, fmt in formats.FORMATS.items():

@@ -22,9 +22,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from impel.checkpoint import hashing
-from impel.checkpoint.direct_io import DirectFile
-from impel.checkpoint.layout import (
+from impel.checkpoint.io import hashing
+from impel.checkpoint.io.direct_io import DirectFile
+from impel.checkpoint.store.layout import (
     MARKER_FILE,
     METADATA_FILE,
     CheckpointError,
@@ -151,7 +151,7 @@ def sealing(root: Path) -> Iterator[Sealer]:
 
 class _AppendingWriter:
     """What ``torch.save`` and DCP write into under an active :class:`Sealer`: it only appends, hashes the bytes
-    as they pass and hands them to a :class:`~impel.checkpoint.direct_io.DirectFile` (written around the page
+    as they pass and hands them to a :class:`~impel.checkpoint.io.direct_io.DirectFile` (written around the page
     cache on an I/O thread while later bytes are still being serialized)."""
 
     def __init__(self, sealer: Sealer, path: Path, rel: str) -> None:

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from impel.checkpoint.layout import CheckpointError
+from impel.checkpoint.store.layout import CheckpointError
 from impel.runtime.collectives import is_distributed
 
 T = TypeVar("T")

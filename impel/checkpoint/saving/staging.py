@@ -1,12 +1,12 @@
 """Asynchronous ``save_state``: the state staged in CPU memory at call time, written by one background thread.
 
 ``save_state(async_save=True)`` runs the ordinary save sequence (``accelerator/save_load.py``) with its
-:class:`~impel.checkpoint.session.SaveSession` staging: every write a writer does through ``SaveSession.write``
-(``files.write_torch``, ``files.write_safetensors``, DCP's ``save`` in ``sharded``, ...) is recorded in a
-:class:`Deferred` instead, with its state copied to CPU memory by :class:`~impel.checkpoint.stager.Stager` (pinned
-memory where CUDA exists, a plain copy on the CPU, where training then changes the parameters in place; its buffers
-are reused from one save to the next). The call returns once
-every rank has staged. :class:`PendingSave` then replays the recorded writes on a background thread, in the order
+:class:`~impel.checkpoint.saving.session.SaveSession` staging: every write a writer does through
+``SaveSession.write`` (``files.write_torch``, ``files.write_safetensors``, DCP's ``save`` in ``sharded``, ...) is
+recorded in a :class:`Deferred` instead, with its state copied to CPU memory by
+:class:`~impel.checkpoint.saving.stager.Stager` (pinned memory where CUDA exists, a plain copy on the CPU, where
+training then changes the parameters in place; its buffers are reused from one save to the next). The call returns
+once every rank has staged. :class:`PendingSave` then replays the recorded writes on a background thread, in the order
 they were recorded, followed by the rest of the synchronous sequence (digests, the leader's commit).
 
 Collectives of that background part (DCP's planning, the shared errors, the digest exchange, the commit's
@@ -33,8 +33,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from impel.checkpoint.layout import CheckpointError
-from impel.checkpoint.stager import Stager, rewrapped
+from impel.checkpoint.saving.stager import Stager, rewrapped
+from impel.checkpoint.store.layout import CheckpointError
 from impel.runtime.collectives import is_distributed
 
 

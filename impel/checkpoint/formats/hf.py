@@ -15,10 +15,10 @@ from pathlib import Path
 
 import torch
 
-from impel.checkpoint.files import dedupe_aliases, write_safetensors, write_torch
-from impel.checkpoint.layout import fsync_dir
-from impel.checkpoint.ownership import refuse_inside_checkpoint
-from impel.checkpoint.session import SaveSession
+from impel.checkpoint.io.files import dedupe_aliases, write_safetensors, write_torch
+from impel.checkpoint.saving.session import SaveSession
+from impel.checkpoint.store.layout import fsync_dir
+from impel.checkpoint.store.ownership import refuse_inside_checkpoint
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}

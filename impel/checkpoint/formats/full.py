@@ -19,19 +19,20 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
-from impel.checkpoint import cooperative, formats, full_slices, named_state
-from impel.checkpoint.files import (
+from impel.checkpoint import formats
+from impel.checkpoint.formats import cooperative, full_slices, named_state
+from impel.checkpoint.io.files import (
     read_safetensors,
     read_safetensors_file,
     read_torch,
     write_safetensors,
     write_torch,
 )
-from impel.checkpoint.layout import CheckpointError
+from impel.checkpoint.store.layout import CheckpointError
 
 if TYPE_CHECKING:
-    from impel.checkpoint.session import SaveSession
-    from impel.checkpoint.verified import Manifest
+    from impel.checkpoint.io.verified import Manifest
+    from impel.checkpoint.saving.session import SaveSession
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +90,7 @@ def save_full(session: SaveSession, models: Sequence[nn.Module], optimizers: Seq
     ``session.leader``: this rank writes. ``all_ranks``: every rank must take part in building the state dicts (sharded
     models gathered with ``options``); otherwise only writers build them (replicated models, like DDP).
     ``cooperative_rank`` (sharded models, one shared directory): this rank's global rank; every rank writes its
-    own shards into the full files instead of gathering them on the writer (``checkpoint/cooperative.py``).
+    own shards into the full files instead of gathering them on the writer (``checkpoint/formats/cooperative.py``).
     """
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 

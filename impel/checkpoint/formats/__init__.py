@@ -1,4 +1,12 @@
-"""The checkpoint formats impel writes, in one table that the writers, the verifier and the merger all read.
+"""The checkpoint formats impel writes (a room of ``impel.checkpoint``, layer 3), in one table that the writers,
+the verifier and the merger all read.
+
+Modules: ``full`` (model and optimizer as full files: single device, DDP, FSDP FULL_STATE_DICT), ``cooperative``
+(FULL_STATE_DICT files written by every rank), ``full_slices`` (FULL_STATE_DICT read back by every rank, its own
+shards only), ``sharded`` (DCP: FSDP SHARDED_STATE_DICT, resharding), ``dcp_raw`` (DCP shard files of raw bytes,
+planned per rank), ``deepspeed_engines`` (DeepSpeed engines' own checkpoints, loaded safely, and their merge),
+``named_state`` (state dicts by name, names recorded at the first save), ``hf`` (Hugging Face's weight layout),
+``merge`` (any checkpoint to full weights, ``impel merge-weights``).
 
 A strategy's ``save_checkpoint`` returns the ``strategy`` section of a checkpoint's metadata, whose ``format`` names
 one entry of :data:`FORMATS`. The entry says
@@ -32,12 +40,12 @@ class Format:
     read_checked: tuple[str, ...]
 
 
-FULL = Format("full", "impel.checkpoint.merge:full_weights",
+FULL = Format("full", "impel.checkpoint.formats.merge:full_weights",
               (r"(model|optimizer)(_\d+)?\.(safetensors|pt)", r"pytorch_model(_\d+)?\.bin"))
-SHARDED = Format("sharded", "impel.checkpoint.merge:sharded_weights",
+SHARDED = Format("sharded", "impel.checkpoint.formats.merge:sharded_weights",
                  (r"(model|optimizer)(_\d+)?/(\.metadata|[^/]+\.distcp)",))
 # DeepSpeed's engines read their own files: all of them are verified up front
-DEEPSPEED = Format("deepspeed", "impel.checkpoint.deepspeed_engines:merge_zero_checkpoint", ())
+DEEPSPEED = Format("deepspeed", "impel.checkpoint.formats.deepspeed_engines:merge_zero_checkpoint", ())
 FORMATS: dict[str, Format] = {f.name: f for f in (FULL, SHARDED, DEEPSPEED)}
 
 COMMON_READ_CHECKED = (r"scheduler(_\d+)?\.(safetensors|pt)", r"training_state\.pt", r"custom_checkpoint_\d+\.pt",

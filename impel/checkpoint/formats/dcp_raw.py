@@ -29,7 +29,7 @@ from torch.futures import Future
 from impel.runtime.collectives import is_distributed
 
 if TYPE_CHECKING:
-    from impel.checkpoint.session import SaveSession
+    from impel.checkpoint.saving.session import SaveSession
 
 RAW_SUFFIX = ".raw.distcp"
 METADATA_NAME = ".metadata"

@@ -30,10 +30,10 @@ from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
-from impel.checkpoint import digests
-from impel.checkpoint.direct_io import DirectFile
-from impel.checkpoint.layout import CheckpointError
-from impel.checkpoint.staging import Deferred
+from impel.checkpoint.io import digests
+from impel.checkpoint.io.direct_io import DirectFile
+from impel.checkpoint.saving.staging import Deferred
+from impel.checkpoint.store.layout import CheckpointError
 
 __all__ = ["SaveSession"]
 
@@ -76,7 +76,7 @@ class SaveSession:
     @contextmanager
     def staging(self, stager: Any) -> Iterator[Deferred]:
         """An asynchronous save's call: :meth:`write` records each write, its state staged by ``stager``; the
-        yielded :class:`~impel.checkpoint.staging.Deferred` replays them (on the background thread)."""
+        yielded :class:`~impel.checkpoint.saving.staging.Deferred` replays them (on the background thread)."""
         if self._staged is not None or self._sealer is not None:
             raise CheckpointError("a save session stages once, before its files are written")
         self._staged = Deferred(stager)
@@ -109,8 +109,8 @@ class SaveSession:
         """The sealer for a file at ``path`` (None: written plainly); refuses while the session stages."""
         if self._staged is not None:
             raise CheckpointError(f"{path} was written while an asynchronous save staged its state: every writer of "
-                                  "a save goes through SaveSession.write (impel.checkpoint.session), which stages "
-                                  "the state now and writes it in the background")
+                                  "a save goes through SaveSession.write (impel.checkpoint.saving.session), which "
+                                  "stages the state now and writes it in the background")
         return self._sealer if self._sealer is not None and self._sealer.relative(path) is not None else None
 
     def open(self, path: Path) -> AbstractContextManager[Any]:

@@ -7,12 +7,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from impel.checkpoint import layout
-from impel.checkpoint.files import read_torch, write_torch
-from impel.checkpoint.state import describe
+from impel.checkpoint.io.files import read_torch, write_torch
+from impel.checkpoint.saving.state import describe
+from impel.checkpoint.store import layout
 
 if TYPE_CHECKING:
-    from impel.checkpoint.session import SaveSession
+    from impel.checkpoint.saving.session import SaveSession
 
 
 @contextmanager

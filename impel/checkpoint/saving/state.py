@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from impel.checkpoint.layout import CheckpointError
+from impel.checkpoint.store.layout import CheckpointError
 
 logger = logging.getLogger("impel")
 

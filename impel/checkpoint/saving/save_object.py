@@ -44,7 +44,7 @@ def _save_safetensors(obj: Any, f: Any) -> None:
                         "name")
     from safetensors.torch import save_file
 
-    from impel.checkpoint.files import dedupe_aliases
+    from impel.checkpoint.io.files import dedupe_aliases
 
     kept, aliases = dedupe_aliases(obj)
     if aliases:

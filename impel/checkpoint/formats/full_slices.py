@@ -26,9 +26,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from impel.checkpoint import cooperative, safetensors_stream
-from impel.checkpoint.layout import CheckpointError
-from impel.checkpoint.verified import Manifest, open_checked
+from impel.checkpoint.formats import cooperative
+from impel.checkpoint.io import safetensors_stream
+from impel.checkpoint.io.verified import Manifest, open_checked
+from impel.checkpoint.store.layout import CheckpointError
 
 Shape = tuple[int, ...]
 

@@ -23,15 +23,16 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 
-from impel.checkpoint import dcp_raw, formats, named_state
-from impel.checkpoint.files import crc32_off
-from impel.checkpoint.full import optimizer_state, pair_optimizers, suffix
-from impel.checkpoint.layout import CheckpointError
-from impel.checkpoint.verified import Manifest, open_checked, read_all
+from impel.checkpoint import formats
+from impel.checkpoint.formats import dcp_raw, named_state
+from impel.checkpoint.formats.full import optimizer_state, pair_optimizers, suffix
+from impel.checkpoint.io.files import crc32_off
+from impel.checkpoint.io.verified import Manifest, open_checked, read_all
+from impel.checkpoint.store.layout import CheckpointError
 from impel.runtime.collectives import is_distributed
 
 if TYPE_CHECKING:
-    from impel.checkpoint.session import SaveSession
+    from impel.checkpoint.saving.session import SaveSession
 
 FORMAT = formats.SHARDED.name
 

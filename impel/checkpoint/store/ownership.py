@@ -20,7 +20,7 @@ import os
 import shutil
 from pathlib import Path
 
-from impel.checkpoint.layout import MARKER_FILE, METADATA_FILE, CheckpointError, is_complete, read_metadata
+from impel.checkpoint.store.layout import MARKER_FILE, METADATA_FILE, CheckpointError, is_complete, read_metadata
 
 logger = logging.getLogger("impel")
 

@@ -21,8 +21,9 @@ from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from impel.checkpoint import hashing, tempdirs
 from impel.checkpoint.errors import CheckpointError
+from impel.checkpoint.io import hashing
+from impel.checkpoint.store import tempdirs
 
 logger = logging.getLogger("impel")
 
@@ -113,7 +114,7 @@ def temp_dir_for(final: Path, token: str | None = None) -> Path:
 
 def clean_incomplete(root: Path, keep: Path | None = None) -> list[Path]:
     """Delete the temporary and swapped-out directories interrupted saves left in ``root``, but only those provably
-    dead (:mod:`impel.checkpoint.tempdirs`): another job's save in flight there is left alone. ``keep``: the
+    dead (:mod:`impel.checkpoint.store.tempdirs`): another job's save in flight there is left alone. ``keep``: the
     temporary directory of the save that is cleaning, already in use."""
     return tempdirs.clean(root, keep, (TMP_PREFIX, OLD_PREFIX))
 

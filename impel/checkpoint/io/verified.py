@@ -26,8 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from impel.checkpoint import formats, hashing
-from impel.checkpoint.layout import CheckpointError, corrupted, entry_blocks, entry_ends, missing_file
+from impel.checkpoint import formats
+from impel.checkpoint.io import hashing
+from impel.checkpoint.store.layout import CheckpointError, corrupted, entry_blocks, entry_ends, missing_file
 
 # Bytes a reader asks the kernel for ahead of its position (posix_fadvise WILLNEED), within the ranges it will
 # read: a cold read otherwise waits for each request in turn while the disk idles as the caller copies and hashes.

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from impel.checkpoint import layout
+from impel.checkpoint.store import layout
 from impel.config import environment
 
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")

@@ -16,22 +16,22 @@ from typing import Any
 import torch
 
 from impel.checkpoint.formats import FORMATS
-from impel.checkpoint.full import read_weights
-from impel.checkpoint.hf import save_pretrained_weights
-from impel.checkpoint.layout import CheckpointError, verify
-from impel.checkpoint.ownership import refuse_inside_checkpoint
+from impel.checkpoint.formats.full import read_weights
+from impel.checkpoint.formats.hf import save_pretrained_weights
+from impel.checkpoint.store.layout import CheckpointError, verify
+from impel.checkpoint.store.ownership import refuse_inside_checkpoint
 
 MERGERS: dict[str, str] = {name: fmt.merger for name, fmt in FORMATS.items()}  # the formats' table (formats.py)
 
 
 def full_weights(directory: Path, metadata: Mapping[str, Any], model_index: int) -> dict[str, torch.Tensor]:
-    """Model ``model_index`` of a checkpoint written by :func:`impel.checkpoint.full.save_full`."""
+    """Model ``model_index`` of a checkpoint written by :func:`impel.checkpoint.formats.full.save_full`."""
     return read_weights(None, directory / metadata["models"][model_index])  # merge_weights verified every file
 
 
 def sharded_weights(directory: Path, metadata: Mapping[str, Any], model_index: int) -> dict[str, torch.Tensor]:
     """Model ``model_index`` of a DCP checkpoint, gathered on this process (DTensor shards become full tensors)."""
-    from impel.checkpoint.sharded import load_full_state
+    from impel.checkpoint.formats.sharded import load_full_state
 
     state = load_full_state(None, directory / metadata["models"][model_index])  # verified by merge_weights
     return {k: v for k, v in state["model"].items() if isinstance(v, torch.Tensor)}
@@ -92,7 +92,7 @@ def merge_fsdp_weights(checkpoint_dir: str | os.PathLike[str], output_path: str 
         if impel_layout:
             merge_weights(source, output_path, safe_serialization=safe_serialization, max_shard_size=2**62)
         else:
-            from impel.checkpoint.sharded import load_full_state
+            from impel.checkpoint.formats.sharded import load_full_state
 
             state = load_full_state(None, source)  # a bare DCP directory: no manifest
             if len(state) == 1 and isinstance(next(iter(state.values())), dict):  # {"model": {...}}

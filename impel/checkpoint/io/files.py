@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from impel.checkpoint import safetensors_stream
-from impel.checkpoint.layout import CheckpointError
-from impel.checkpoint.verified import Manifest, open_checked
+from impel.checkpoint.io import safetensors_stream
+from impel.checkpoint.io.verified import Manifest, open_checked
+from impel.checkpoint.store.layout import CheckpointError
 
 if TYPE_CHECKING:
-    from impel.checkpoint.session import SaveSession
+    from impel.checkpoint.saving.session import SaveSession
 
 ALIASES_KEY = "impel_aliases"
 

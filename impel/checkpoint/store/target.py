@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from impel.checkpoint import layout, ownership, storage
+from impel.checkpoint.store import layout, ownership, storage
 
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 

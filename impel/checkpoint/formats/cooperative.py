@@ -32,12 +32,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from impel.checkpoint import hashing
-from impel.checkpoint.direct_io import DirectFile, reserve
-from impel.checkpoint.layout import CheckpointError
+from impel.checkpoint.io import hashing
+from impel.checkpoint.io.direct_io import DirectFile, reserve
+from impel.checkpoint.store.layout import CheckpointError
 
 if TYPE_CHECKING:
-    from impel.checkpoint.session import SaveSession
+    from impel.checkpoint.saving.session import SaveSession
 
 ALIASES_KEY = "impel_aliases"
 OPTIMIZER_GROUPS_KEY = "impel_param_groups"
