@@ -14,33 +14,59 @@ import torch
 
 
 def _batches(batch: int, rank: int, world: int) -> list[torch.Tensor]:
+    """24 sequences of 12 tokens in micro-batches of ``batch`` per rank (rank r takes the r-th of each group)."""
     g = torch.Generator().manual_seed(0)
-    data = torch.randint(0, 48, (6 * batch * world, 12), generator=g)
-    return [data[i * batch * world + rank * batch:i * batch * world + (rank + 1) * batch] for i in range(6)]
+    data = torch.randint(0, 48, (24, 12), generator=g)
+    return [data[i * batch * world + rank * batch:i * batch * world + (rank + 1) * batch]
+            for i in range(24 // (batch * world))]
 
 
-def lora_loop(strategy: str, batch: int, output_dir: str) -> dict[str, Any]:
-    import torch.distributed as dist
-    from peft import LoraConfig, PeftModel, get_peft_model
+def _build(strategy: str, accumulation: int) -> tuple[Any, Any, Any]:
+    from peft import LoraConfig, get_peft_model
 
     from impel import Accelerator, FullyShardedDataParallelPlugin
     from trl_helpers import tiny_gpt2
 
     fsdp = FullyShardedDataParallelPlugin(transformer_cls_names_to_wrap=["GPT2Block"]) if strategy == "fsdp" else None
-    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2, fsdp_plugin=fsdp)
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accumulation, fsdp_plugin=fsdp)
     model = get_peft_model(tiny_gpt2(), LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_proj"],
                                                    lora_dropout=0.0, fan_in_fan_out=True))
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     model, optimizer = accelerator.prepare(model, optimizer)
-    rank, world = accelerator.process_index, accelerator.num_processes
+    return accelerator, model, optimizer
+
+
+def _train(accelerator: Any, model: Any, optimizer: Any, batches: list[torch.Tensor]) -> list[float]:
     losses = []
-    for ids in _batches(batch, rank, world):
+    for ids in batches:
         with accelerator.accumulate(model):
             loss = model(input_ids=ids, labels=ids).loss
             accelerator.backward(loss)
             optimizer.step()
             optimizer.zero_grad()
         losses.append(float(accelerator.reduce(loss.detach(), "mean")))
+    return losses
+
+
+def lora_loop(strategy: str, batch: int, output_dir: str, resume_at: int | None = None,
+              accumulation: int = 2) -> dict[str, Any]:
+    """``resume_at=k``: after k micro-batches ``save_state``, then a fresh Accelerator, model and optimizer
+    ``load_state`` it and train the rest (Accelerate's resume recipe)."""
+    import torch.distributed as dist
+    from peft import PeftModel
+
+    from trl_helpers import tiny_gpt2
+
+    accelerator, model, optimizer = _build(strategy, accumulation)
+    batches = _batches(batch, accelerator.process_index, accelerator.num_processes)
+    if resume_at is None:
+        losses = _train(accelerator, model, optimizer, batches)
+    else:
+        losses = _train(accelerator, model, optimizer, batches[:resume_at])
+        accelerator.save_state(os.path.join(output_dir, "state"))
+        accelerator, model, optimizer = _build(strategy, accumulation)
+        accelerator.load_state(os.path.join(output_dir, "state"))
+        losses += _train(accelerator, model, optimizer, batches[resume_at:])
     unwrapped = accelerator.unwrap_model(model)
     try:
         unwrapped.save_pretrained(os.path.join(output_dir, "plain"))
@@ -59,5 +85,7 @@ def lora_loop(strategy: str, batch: int, output_dir: str) -> dict[str, Any]:
 
 
 def both_strategies(output_dir: str) -> dict[str, Any]:
-    """DDP and FSDP2 in one launch (batch 2 per rank)."""
-    return {s: lora_loop(s, 2, os.path.join(output_dir, s)) for s in ("ddp", "fsdp")}
+    """DDP and FSDP2 in one launch (batch 2 per rank), each also resumed after the first optimizer step."""
+    runs = {s: lora_loop(s, 2, os.path.join(output_dir, s)) for s in ("ddp", "fsdp")}
+    return runs | {f"{s} resumed": lora_loop(s, 2, os.path.join(output_dir, f"{s}-resumed"), resume_at=2)
+                   for s in ("ddp", "fsdp")}
