@@ -60,7 +60,7 @@ def _steps(acc: Any, model: Any, opt: Any, batches: list[torch.Tensor]) -> tuple
 
 def measure(reps: int, steps: int) -> dict[str, Any]:
     """On every rank of the current job (one process or a gloo group): eager vs inductor."""
-    from impel.runtime.process import PartialState
+    from impel.runtime.ranks.process import PartialState
 
     rank = PartialState().process_index
     gen = torch.Generator().manual_seed(1234 + rank)

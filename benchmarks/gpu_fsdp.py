@@ -39,11 +39,11 @@ def measure(compile_model: bool, steps: int, seq: int, batch: int) -> dict[str, 
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from impel import Accelerator
-    from impel.runtime.process import ProcessState
+    from impel.runtime.ranks.process import ProcessState
 
     ProcessState._reset()
     # compiled through the Accelerator, as users ask for it: under FSDP2 each transformer block is compiled before
-    # it is sharded (impel.runtime.compile), not the whole sharded model afterwards
+    # it is sharded (impel.runtime.step.compile), not the whole sharded model afterwards
     acc = Accelerator(mixed_precision="bf16", dynamo_backend="inductor" if compile_model else None)
     cfg = GPT2Config(n_layer=20, n_embd=2048, n_head=16, vocab_size=32000, n_positions=seq, resid_pdrop=0.0,
                      embd_pdrop=0.0, attn_pdrop=0.0)
@@ -83,7 +83,7 @@ def measure_checkpoint(steps: int, seq: int, batch: int) -> dict[str, Any]:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from impel import Accelerator
-    from impel.runtime.process import ProcessState
+    from impel.runtime.ranks.process import ProcessState
 
     ProcessState._reset()
     acc = Accelerator(mixed_precision="bf16")

@@ -1,6 +1,7 @@
 """Soak the exit path: launch a finished 2-rank FSDP2 job N times and count how many exit 0.
 
-The job is the smallest one that showed the rare SIGABRT at exit (impel/runtime/teardown.py): FSDP2 over gloo on 2 CPU
+The job is the smallest one that showed the rare SIGABRT at exit (impel/runtime/ranks/teardown.py): FSDP2 over gloo
+on 2 CPU
 ranks, a few AdamW steps, ``save_state``, a ``gather_for_metrics`` evaluation, then either ``end_training()`` or
 a plain return (impel's exit handler does the teardown). Not part of ``make test`` or ``make bench``: it takes
 N x (a few seconds), more under load. Run by hand, e.g. two at once to load both cores:

@@ -123,7 +123,7 @@ def measure_cell(kind: str, mode: str, world: int, rank: int, reps: int, steps: 
 
 
 def _on_ranks(cells: list[tuple[str, str]], reps: int, steps: dict[str, int]) -> list[dict]:
-    from impel.runtime.process import ProcessState
+    from impel.runtime.ranks.process import ProcessState
 
     rank = ProcessState(cpu=True).process_index  # joins the gloo group the raw DDP loop uses too
     return [measure_cell(kind, mode, 2, rank, reps, steps[kind]) for kind, mode in cells]

@@ -1,16 +1,18 @@
 """``impel.data_loader``: Accelerate's ``accelerate.data_loader`` path (a face; sharding lives in
-:mod:`impel.runtime.data`, :mod:`impel.runtime.shard_layout` and :mod:`impel.runtime.prepared_loader`, the standalone
-wrappers in :mod:`impel.runtime.loader_wrappers`)."""
+:mod:`impel.runtime.loaders.data`, :mod:`impel.runtime.loaders.shard_layout` and
+:mod:`impel.runtime.loaders.prepared_loader`, the standalone
+wrappers in :mod:`impel.runtime.loaders.loader_wrappers`)."""
 from __future__ import annotations
 
 from impel.exports import lazy_face
 
 _EXPORTS = {
-    "skip_first_batches": "impel.runtime.data", "DataLoaderDispatcher": "impel.runtime.data",
-    "DataLoaderShard": "impel.runtime.data",
-    "SeedableRandomSampler": "impel.runtime.samplers", "DataLoaderStateMixin": "impel.runtime.loader_state",
-    "send_to_device": "impel.runtime.collectives",
-    **{name: "impel.runtime.loader_wrappers" for name in (
+    "skip_first_batches": "impel.runtime.loaders.data", "DataLoaderDispatcher": "impel.runtime.loaders.data",
+    "DataLoaderShard": "impel.runtime.loaders.data",
+    "SeedableRandomSampler": "impel.runtime.loaders.samplers",
+    "DataLoaderStateMixin": "impel.runtime.loaders.loader_state",
+    "send_to_device": "impel.runtime.ranks.collectives",
+    **{name: "impel.runtime.loaders.loader_wrappers" for name in (
         "prepare_data_loader", "BatchSamplerShard", "IterableDatasetShard", "SkipBatchSampler", "SkipDataLoader")},
 }
 

@@ -5,7 +5,7 @@ access and cached on the face, so importing a face costs no more than ``import i
 
 Example::
 
-    _EXPORTS = {"set_seed": "impel.runtime.seeding"}
+    _EXPORTS = {"set_seed": "impel.runtime.loaders.seeding"}
     __all__ = sorted(_EXPORTS)
     __getattr__, __dir__ = lazy_face(__name__, _EXPORTS)
 """

@@ -11,7 +11,7 @@ warnings.warn("memory_utils has been reorganized to utils.memory. Import `find_e
               "`__init__`: `from impel import find_executable_batch_size` to avoid this warning.", FutureWarning,
               stacklevel=2)
 
-_EXPORTS = {name: "impel.runtime.memory" for name in ("find_executable_batch_size", "release_memory")}
+_EXPORTS = {name: "impel.runtime.step.memory" for name in ("find_executable_batch_size", "release_memory")}
 
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_face(__name__, _EXPORTS)

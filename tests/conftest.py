@@ -37,7 +37,7 @@ def _fresh_process_state(monkeypatch):
     saved = [k for k in os.environ if k in _SETTINGS]
     for var in saved:
         monkeypatch.delenv(var)
-    from impel.runtime.process import ProcessState
+    from impel.runtime.ranks.process import ProcessState
 
     ProcessState._reset()
     _reset_accelerate_state()

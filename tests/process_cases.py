@@ -91,7 +91,7 @@ def _rotation_row(work: Path) -> tuple[str, str, str]:
     import logging
 
     from impel import Accelerator, ProjectConfiguration
-    from impel.runtime.process import ProcessState
+    from impel.runtime.ranks.process import ProcessState
 
     ProcessState._reset()
     config = ProjectConfiguration(str(work / "rotate"), automatic_checkpoint_naming=True, total_limit=1)
@@ -131,7 +131,7 @@ def _elastic_row(raises: Callable[[Callable[[], object]], str]) -> tuple[str, st
     import os
 
     from impel import Accelerator
-    from impel.runtime.process import ProcessState
+    from impel.runtime.ranks.process import ProcessState
 
     ProcessState._reset()
     launched = {"min_machines": 1, "num_machines": 2, "main_process_ip": "127.0.0.1", "use_cpu": True}

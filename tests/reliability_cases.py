@@ -91,7 +91,7 @@ def _prepared(hidden: int):
 
 def _accelerator():
     from impel import Accelerator
-    from impel.runtime.process import ProcessState
+    from impel.runtime.ranks.process import ProcessState
 
     ProcessState._reset()
     return Accelerator(cpu=True)

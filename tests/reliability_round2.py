@@ -54,7 +54,7 @@ def deepspeed_json_rows(work: Path) -> list[Row]:
 
 def _accelerator(**kwargs: Any) -> Any:
     from impel import Accelerator
-    from impel.runtime.process import ProcessState
+    from impel.runtime.ranks.process import ProcessState
 
     ProcessState._reset()
     return Accelerator(cpu=True, **kwargs)

@@ -56,7 +56,7 @@ def _rotating(project: Path) -> Any:
     from torch import nn
 
     from impel import Accelerator, ProjectConfiguration
-    from impel.runtime.process import ProcessState
+    from impel.runtime.ranks.process import ProcessState
 
     ProcessState._reset()
     acc = Accelerator(cpu=True, project_config=ProjectConfiguration(str(project), automatic_checkpoint_naming=True,

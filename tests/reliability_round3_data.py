@@ -9,8 +9,8 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from impel import DataLoaderConfiguration, GradientAccumulationPlugin
-from impel.runtime.accumulation import GradientState
-from impel.runtime.data import shard_dataloader
+from impel.runtime.loaders.data import shard_dataloader
+from impel.runtime.step.accumulation import GradientState
 
 Row = tuple[str, str, str]
 

@@ -25,10 +25,10 @@ _EXPORTS = {
     "ProfileKwargs": "impel.config.profiling", "DistributedType": "impel.config.run_config",
     "PrecisionType": "impel.config.run_config", "ParallelismConfig": "impel.config.parallelism",
     "DummyOptim": "impel.config.deepspeed_json", "DummyScheduler": "impel.config.deepspeed_json",
-    "PartialState": "impel.runtime.process", "AcceleratorState": "impel.runtime.process",
-    "GradientState": "impel.runtime.accumulation", "RNGType": "impel.runtime.seeding",
-    "AcceleratedOptimizer": "impel.runtime.optimizer", "AcceleratedScheduler": "impel.runtime.optimizer",
-    "TorchDynamoPlugin": "impel.runtime.compile", "DynamoBackend": "impel.runtime.compile",
+    "PartialState": "impel.runtime.ranks.process", "AcceleratorState": "impel.runtime.ranks.process",
+    "GradientState": "impel.runtime.step.accumulation", "RNGType": "impel.runtime.loaders.seeding",
+    "AcceleratedOptimizer": "impel.runtime.step.optimizer", "AcceleratedScheduler": "impel.runtime.step.optimizer",
+    "TorchDynamoPlugin": "impel.runtime.step.compile", "DynamoBackend": "impel.runtime.step.compile",
     "LoggerType": "impel.trackers.registry",
 }
 

@@ -2,8 +2,8 @@
 
 It resolves the run config (defaults < file < launch flags < these arguments), joins the process group, picks a
 Strategy and forwards to it. Every difference between single device, DDP, FSDP2 and DeepSpeed is the strategy's;
-accumulation bookkeeping is :mod:`impel.runtime.accumulation`, data sharding :mod:`impel.runtime.data`, collectives
-:mod:`impel.runtime.collectives`.
+accumulation bookkeeping is :mod:`impel.runtime.step.accumulation`, data sharding :mod:`impel.runtime.loaders.data`,
+collectives :mod:`impel.runtime.ranks.collectives`.
 
 Example::
 
@@ -50,21 +50,21 @@ from impel.config.plugins import (
     resolve_project_configuration,
 )
 from impel.config.run_config import ConfigError, RunConfig
-from impel.runtime import rank_health
-from impel.runtime.accumulation import GradientState, MicroStep
-from impel.runtime.compile import Compiler, TorchDynamoPlugin, uncompiled, unwrap
-from impel.runtime.data import agree_on_generator, shard_dataloader, skip_first_batches
-from impel.runtime.item_windows import ItemWindows
-from impel.runtime.model_forward import ForwardContext, is_prepared, patch_forward
-from impel.runtime.optimizer import AcceleratedOptimizer, AcceleratedScheduler
-from impel.runtime.prepared_loader import PreparedLoader
-from impel.runtime.process import AcceleratorState, current_topology
-from impel.runtime.seeding import check_rng_types
+from impel.runtime.loaders.data import agree_on_generator, shard_dataloader, skip_first_batches
+from impel.runtime.loaders.prepared_loader import PreparedLoader
+from impel.runtime.loaders.seeding import check_rng_types
+from impel.runtime.ranks import rank_health
+from impel.runtime.ranks.process import AcceleratorState, current_topology
+from impel.runtime.step.accumulation import GradientState, MicroStep
+from impel.runtime.step.compile import Compiler, TorchDynamoPlugin, uncompiled, unwrap
+from impel.runtime.step.item_windows import ItemWindows
+from impel.runtime.step.model_forward import ForwardContext, is_prepared, patch_forward
+from impel.runtime.step.optimizer import AcceleratedOptimizer, AcceleratedScheduler
 from impel.strategies.base import Strategy, load_strategy, strategy_class
 from impel.trackers.registry import AcceleratorTrackers
 
 if TYPE_CHECKING:
-    from impel.runtime.precision_report import PrecisionReport
+    from impel.runtime.step.precision_report import PrecisionReport
 
 logger = logging.getLogger("impel")
 
@@ -310,7 +310,7 @@ class Accelerator(ProcessMethods, RunSettings, NotProvidedMembers):
 
     def item_windows(self, dataloader: Any, count: Callable[[Any], Any] | None = None) -> ItemWindows:
         """impel: iterate ``dataloader`` so that ``backward`` makes token-level losses exact under accumulation and
-        across ranks (each window's loss items counted on all ranks; :mod:`impel.runtime.item_windows`)."""
+        across ranks (each window's loss items counted on all ranks; :mod:`impel.runtime.step.item_windows`)."""
         return ItemWindows(dataloader, self.gradient_state, lambda t: self.reduce(t, "sum"), self.num_processes,
                            self.device, count)
 

@@ -14,10 +14,10 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from impel.runtime.accumulation import GradientState
-    from impel.runtime.optimizer import AcceleratedOptimizer, AcceleratedScheduler
-    from impel.runtime.prepared_loader import PreparedLoader
-    from impel.runtime.process import ProcessState
+    from impel.runtime.loaders.prepared_loader import PreparedLoader
+    from impel.runtime.ranks.process import ProcessState
+    from impel.runtime.step.accumulation import GradientState
+    from impel.runtime.step.optimizer import AcceleratedOptimizer, AcceleratedScheduler
     from impel.strategies.base import Strategy
 
 

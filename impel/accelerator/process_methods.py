@@ -1,7 +1,7 @@
 """The Accelerator's collectives and process-control methods (Accelerate's names), split out of the facade.
 
-:class:`~impel.runtime.process_control.ProcessControl` needs only the topology properties and ``wait_for_everyone``
-(``PartialState`` uses it too); :class:`ProcessMethods` adds what works over ``self.state`` and
+:class:`~impel.runtime.ranks.process_control.ProcessControl` needs only the topology properties and
+``wait_for_everyone`` (``PartialState`` uses it too); :class:`ProcessMethods` adds what works over ``self.state`` and
 ``self.gradient_state`` (the Accelerator's): collectives, triggers, ``save``, ``profile``, ``join_uneven_inputs``.
 """
 from __future__ import annotations
@@ -12,8 +12,8 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from impel.config.run_config import ConfigError
-from impel.runtime import collectives
-from impel.runtime.process_control import ProcessControl
+from impel.runtime.ranks import collectives
+from impel.runtime.ranks.process_control import ProcessControl
 
 if TYPE_CHECKING:
     import torch
@@ -22,8 +22,8 @@ if TYPE_CHECKING:
     from impel.config.plugins import Handlers, ProjectConfiguration
     from impel.config.profiling import ProfileKwargs
     from impel.config.run_config import DistributedType
-    from impel.runtime.accumulation import GradientState
-    from impel.runtime.process import ProcessState
+    from impel.runtime.ranks.process import ProcessState
+    from impel.runtime.step.accumulation import GradientState
     from impel.strategies.base import Strategy
 
 

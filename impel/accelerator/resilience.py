@@ -18,7 +18,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from impel.config.run_config import ConfigError
-from impel.runtime import rank_health
+from impel.runtime.ranks import rank_health
 
 if TYPE_CHECKING:  # torch is imported lazily: `impel launch` imports this module for its exit code
     import torch
@@ -37,7 +37,7 @@ def _any_rank(flag: bool, device: torch.device) -> bool:
     import torch
     import torch.distributed as dist
 
-    from impel.runtime.collectives import is_distributed
+    from impel.runtime.ranks.collectives import is_distributed
 
     if not is_distributed():
         return flag
@@ -55,7 +55,7 @@ def _same_plan_on_every_machine(low: int, high: int, asked: int, steps: int) -> 
     disagree would each train with their own gradient accumulation (6 on one, 9 on another) and never say so."""
     import torch.distributed as dist
 
-    from impel.runtime.collectives import is_distributed
+    from impel.runtime.ranks.collectives import is_distributed
 
     if not is_distributed():
         return
@@ -157,7 +157,7 @@ class Resilience:
 
     def _resume(self) -> str | None:
         from impel.checkpoint.store import layout, remote
-        from impel.runtime.collectives import broadcast_object_list
+        from impel.runtime.ranks.collectives import broadcast_object_list
 
         run = self.run
         url = remote.parse(self.checkpointer.config.project_dir, "project_dir")

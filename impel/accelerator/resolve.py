@@ -2,7 +2,7 @@
 
 :func:`resolve` takes the launched config (file < flags, exported by ``impel launch``), the Accelerator's own
 arguments, its plugins and the DeepSpeed JSON, and returns one read-only ``RunRecord``
-(:mod:`impel.runtime.run_record`). The Accelerator then
+(:mod:`impel.runtime.step.run_record`). The Accelerator then
 builds from the record alone: the process (joins the process group), the accumulation state, the strategy and the
 compiler, each given what it needs in its constructor. Nothing writes into the record afterwards: its
 ``RunConfig`` is frozen (an assignment raises), and what the DeepSpeed JSON decides (accumulation steps, precision)
@@ -27,9 +27,9 @@ from impel.config.parallelism import ParallelismConfig, TorchTensorParallelPlugi
 from impel.config.plugins import DeepSpeedPlugin, GradientAccumulationPlugin, Handlers
 from impel.config.run_config import ConfigError, DistributedType, RunConfig, merge_code_arguments
 from impel.config.unsupported import NotProvidedError
-from impel.runtime.compile import dynamo_code_arguments, settle_dynamo
-from impel.runtime.process import live_device, pick_device
-from impel.runtime.run_record import PluginsInEffect, RunArguments, RunRecord
+from impel.runtime.ranks.process import live_device, pick_device
+from impel.runtime.step.compile import dynamo_code_arguments, settle_dynamo
+from impel.runtime.step.run_record import PluginsInEffect, RunArguments, RunRecord
 
 if TYPE_CHECKING:
     import torch
@@ -206,7 +206,8 @@ def _code_arguments(args: RunArguments) -> dict[str, Any]:
         code.update(args.fsdp_plugin.code_arguments(args.mixed_precision))
     if args.deepspeed_plugin is not None:
         code.update(args.deepspeed_plugin.code_arguments(steps))
-    code.update(dynamo_code_arguments(args.dynamo_backend, args.dynamo_plugin))  # torch.compile: impel.runtime.compile
+    # torch.compile: impel.runtime.step.compile
+    code.update(dynamo_code_arguments(args.dynamo_backend, args.dynamo_plugin))
     return code
 
 

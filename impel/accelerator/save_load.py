@@ -53,7 +53,7 @@ from impel.checkpoint.saving.state import (
 from impel.checkpoint.store import layout, ownership, remote, storage, target, tempdirs
 from impel.config.plugins import ProjectConfiguration
 from impel.config.run_config import ConfigError
-from impel.runtime.memory import trim_host_heap
+from impel.runtime.step.memory import trim_host_heap
 
 if TYPE_CHECKING:
     from impel.accelerator.prepared import TrainingRun

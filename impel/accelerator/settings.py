@@ -26,8 +26,8 @@ if TYPE_CHECKING:
     )
     from impel.config.profiling import ProfileKwargs
     from impel.config.run_config import RunConfig
-    from impel.runtime.accumulation import GradientState
-    from impel.runtime.run_record import RunRecord
+    from impel.runtime.step.accumulation import GradientState
+    from impel.runtime.step.run_record import RunRecord
 
 
 class RunSettings:
@@ -41,7 +41,7 @@ class RunSettings:
     handlers: Handlers
     record: RunRecord
     distributed_type: DistributedType
-    state: Any  # impel.runtime.process.AcceleratorState
+    state: Any  # impel.runtime.ranks.process.AcceleratorState
     strategy: Any  # impel.strategies.base.Strategy
 
     # --- this process (read from the state) -------------------------------------------------------------------
@@ -211,9 +211,9 @@ class RunSettings:
     def maybe_context_parallel(self, buffers: list[Any] | None = None, buffer_seq_dims: list[int] | None = None,
                                no_restore_buffers: set[Any] | None = None) -> Any:
         """Accelerate's context manager: inside it ``buffers`` hold this rank's part of the sequence and attention
-        runs as ring attention over the cp ranks (``impel.runtime.context_parallel``; CUDA only, refused on CPU naming
-        torch's limit); a no-op without a cp dimension, so loops call it unconditionally, once per step."""
-        from impel.runtime.context_parallel import context_parallel
+        runs as ring attention over the cp ranks (``impel.runtime.step.context_parallel``; CUDA only, refused on CPU
+        naming torch's limit); a no-op without a cp dimension, so loops call it unconditionally, once per step."""
+        from impel.runtime.step.context_parallel import context_parallel
 
         pc = self.parallelism_config
         return context_parallel(self.torch_device_mesh, buffers, buffer_seq_dims, no_restore_buffers,

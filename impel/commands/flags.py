@@ -42,7 +42,8 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
     groups = {None: parser.add_argument_group("run config (flag > --config_file > defaults)"),
               "fsdp_config": parser.add_argument_group("FSDP (with --use_fsdp)"),
               "deepspeed_config": parser.add_argument_group("DeepSpeed (with --use_deepspeed)"),
-              "dynamo_config": parser.add_argument_group("torch.compile of prepared models (impel.runtime.compile)"),
+              "dynamo_config": parser.add_argument_group(
+            "torch.compile of prepared models (impel.runtime.step.compile)"),
               "parallelism_config": parser.add_argument_group("N-D parallelism (ParallelismConfig: device mesh sizes)")}
     groups[None].add_argument("--config_file", default=None, metavar="FILE",
                               help="YAML config (default: $IMPEL_CONFIG_FILE or ~/.cache/impel/default_config.yaml)")

@@ -308,7 +308,7 @@ def _rank_environment(ns: argparse.Namespace) -> dict[str, str]:
 
 
 def _agent_arguments(ns: argparse.Namespace) -> list[str]:
-    args: list[str] = []  # (--dynamo_* are run-config flags: the dynamo_config section, see impel.runtime.compile)
+    args: list[str] = []  # (--dynamo_* are run-config flags: the dynamo_config section, see impel.runtime.step.compile)
     if getattr(ns, "tee", None) is not None:
         if ns.tee not in ("0", "1", "2", "3"):
             raise ConfigError(f"--tee {ns.tee} is not one of 0 (none), 1 (stdout), 2 (stderr), 3 (both)")

@@ -111,7 +111,8 @@ class RankWatch:
                     self.exits.append((time.time(), rank, code))
 
     def _normal_exits(self) -> list[tuple[float, int]]:
-        """(time, rank) of each rank that noted a normal exit (:func:`impel.runtime.rank_health.note_normal_exit`)."""
+        """(time, rank) of each rank that noted a normal exit
+        (:func:`impel.runtime.ranks.rank_health.note_normal_exit`)."""
         found = []
         for path in Path(self.exit_dir).glob("rank*"):
             try:

@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from impel.accelerator.facade import Accelerator
-from impel.runtime.collectives import broadcast_object_list, gather, gather_object, reduce
+from impel.runtime.ranks.collectives import broadcast_object_list, gather, gather_object, reduce
 
 STEPS, PER_RANK_BATCH, LR = 6, 4, 0.1
 

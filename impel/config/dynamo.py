@@ -4,7 +4,7 @@ Keys and flags are Accelerate's: ``dynamo_config: {dynamo_backend: INDUCTOR, dyn
 dynamo_use_fullgraph: false, dynamo_use_dynamic: false, dynamo_use_regional_compilation: false}`` in a config file,
 ``--dynamo_backend inductor --dynamo_use_regional_compilation`` on ``impel launch``. :mod:`impel.config.run_config`
 holds it as
-``RunConfig.dynamo_config``; :mod:`impel.runtime.compile` does the compiling. Like ``impel.config.run_config`` this
+``RunConfig.dynamo_config``; :mod:`impel.runtime.step.compile` does the compiling. Like ``impel.config.run_config`` this
 module never imports
 torch, and it imports nothing from impel but :mod:`impel.config.schema` (``impel.config.run_config`` imports it while it
 is being built).
@@ -33,7 +33,8 @@ class DynamoBackend(str, enum.Enum, metaclass=_ValuesContained):
     """Accelerate's torch.compile backends (values upper case; torch's backend is the lower-case name).
 
     EAGER, AOT_EAGER and INDUCTOR run wherever torch does (INDUCTOR needs a C++ compiler on CPU, triton on CUDA);
-    CUDAGRAPHS needs CUDA; the others need their package (``impel.runtime.compile`` says which) or, for AOT_TS_NVFUSER,
+    CUDAGRAPHS needs CUDA; the others need their package (``impel.runtime.step.compile`` says which) or, for
+    AOT_TS_NVFUSER,
     NVPRIMS_NVFUSER and OFI, no longer exist in torch. One that cannot run raises when the Accelerator is built.
     """
 

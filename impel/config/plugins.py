@@ -117,7 +117,7 @@ class DataLoaderConfiguration:
     ``data_seed`` changes nothing (a warning says so; Accelerate ignores it there too).
     non_blocking: host-to-device copies are asynchronous (pin_memory recommended).
     dispatch_batches: True: rank 0 reads and every rank receives its slice of each global batch, as Accelerate's
-    dispatcher (``impel.runtime.dispatch``); False: every rank reads its own shard; None (Accelerate's default):
+    dispatcher (``impel.runtime.loaders.dispatch``); False: every rank reads its own shard; None (Accelerate's default):
     True for an iterable dataset on several data-parallel ranks with device placement, else False.
     use_stateful_dataloader: prepared loaders always save and restore their position (``state_dict`` /
     ``load_state_dict``, ``save_state``), which is what this flag asks of Accelerate; True and False both hold.

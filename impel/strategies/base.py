@@ -21,15 +21,15 @@ from impel.checkpoint.io.verified import Manifest
 from impel.checkpoint.saving.options import DEFAULT_LOAD, DEFAULT_SAVE, LoadOptions, SaveOptions
 from impel.checkpoint.saving.session import SaveSession
 from impel.config.run_config import ConfigError
-from impel.runtime.precision import Precision, make_precision
+from impel.runtime.step.precision import Precision, make_precision
 from impel.strategies.fsdp_loading import ParamReplacements
 from impel.strategies.tensor_parallel import check_user_plan, clip_by_total_norm, has_dtensor, is_dtensor, parallelize
 
 if TYPE_CHECKING:
-    from impel.runtime.accumulation import GradientState
-    from impel.runtime.precision_report import PrecisionReport
-    from impel.runtime.process import ProcessState
-    from impel.runtime.run_record import RunRecord
+    from impel.runtime.ranks.process import ProcessState
+    from impel.runtime.step.accumulation import GradientState
+    from impel.runtime.step.precision_report import PrecisionReport
+    from impel.runtime.step.run_record import RunRecord
 
 REGISTRY: dict[str, str] = {
     "NO": "impel.strategies.single:SingleDeviceStrategy",
@@ -190,7 +190,7 @@ class Strategy:
     def precision_report(self, models: Sequence[nn.Module],
                          optimizers: Sequence[torch.optim.Optimizer]) -> PrecisionReport:
         """The dtypes in effect: stored parameters, compute, gradients, reduction, optimizer states."""
-        from impel.runtime.precision_report import basic_report
+        from impel.runtime.step.precision_report import basic_report
 
         return basic_report(self.name, self.precision.mode, self.precision.dtype, self.state.use_distributed,
                             [self.unwrap_model(m) for m in models], optimizers)

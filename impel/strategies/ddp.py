@@ -15,7 +15,7 @@ from impel.config.ddp_hooks import reduction_dtype, register_comm_hook
 from impel.strategies.base import Strategy
 
 if TYPE_CHECKING:
-    from impel.runtime.precision_report import PrecisionReport
+    from impel.runtime.step.precision_report import PrecisionReport
 
 
 @contextlib.contextmanager

@@ -43,16 +43,16 @@ from impel.config.deepspeed_json import (
     init_config,
 )
 from impel.config.run_config import ConfigError
-from impel.runtime.precision import AutocastPrecision, Precision
+from impel.runtime.step.precision import AutocastPrecision, Precision
 from impel.strategies.base import Strategy
 from impel.strategies.deepspeed_plugins import PluginConfigs
 
 if TYPE_CHECKING:
     from impel.config.deepspeed_json import Resolved
-    from impel.runtime.accumulation import GradientState
-    from impel.runtime.precision_report import PrecisionReport
-    from impel.runtime.process import ProcessState
-    from impel.runtime.run_record import RunRecord
+    from impel.runtime.ranks.process import ProcessState
+    from impel.runtime.step.accumulation import GradientState
+    from impel.runtime.step.precision_report import PrecisionReport
+    from impel.runtime.step.run_record import RunRecord
 
 logger = logging.getLogger("impel")
 
@@ -211,7 +211,7 @@ class DeepSpeedStrategy(Strategy):
         if len(optimizers) + (self.train_engine is not None) > 1:
             raise ConfigError("DeepSpeed trains one model with one optimizer per Accelerator (one engine); prepare() "
                               f"got {len(optimizers)} optimizer(s) after {len(self.engines)} engine(s) were built")
-        from impel.runtime.optimizer import optimizer_owners
+        from impel.runtime.step.optimizer import optimizer_owners
 
         owners: list[int] = []
         for opt, owner in zip(optimizers, optimizer_owners(models, optimizers)):
@@ -222,7 +222,7 @@ class DeepSpeedStrategy(Strategy):
         return owners
 
     def _build_engine(self, model: nn.Module, optimizer: Any, place: bool) -> Any:
-        from impel.runtime.precision_report import dtype_of
+        from impel.runtime.step.precision_report import dtype_of
 
         if not place:
             logger.warning("device_placement=False has no effect under DeepSpeed: its engine places %s on %s",

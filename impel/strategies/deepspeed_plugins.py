@@ -26,7 +26,7 @@ from impel.config.run_config import ConfigError
 if TYPE_CHECKING:
     from impel.config.deepspeed_json import Resolved
     from impel.config.plugins import DeepSpeedPlugin
-    from impel.runtime.run_record import RunRecord
+    from impel.runtime.step.run_record import RunRecord
 
 
 def _flat(node: Any, prefix: str = "") -> dict[str, Any]:

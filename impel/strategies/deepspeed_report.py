@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import nn
 
-from impel.runtime.precision_report import (
+from impel.runtime.step.precision_report import (
     PrecisionReport,
     dtype_of,
     optimizer_state_dtype,
@@ -22,8 +22,8 @@ from impel.runtime.precision_report import (
 
 if TYPE_CHECKING:
     from impel.config.deepspeed_json import Resolved
-    from impel.runtime.precision import Precision
-    from impel.runtime.process import ProcessState
+    from impel.runtime.ranks.process import ProcessState
+    from impel.runtime.step.precision import Precision
 
 
 class ReportedStrategy(Protocol):

@@ -30,8 +30,8 @@ from impel.checkpoint.saving.options import DEFAULT_LOAD, DEFAULT_SAVE, LoadOpti
 from impel.checkpoint.saving.session import SaveSession
 from impel.config import environment as env
 from impel.config.run_config import ConfigError, reshards_after_forward
-from impel.runtime.compile import Compiler
-from impel.runtime.precision_report import (
+from impel.runtime.step.compile import Compiler
+from impel.runtime.step.precision_report import (
     PrecisionReport,
     dtype_of,
     optimizer_state_dtype,
@@ -53,9 +53,9 @@ from impel.strategies.tensor_parallel import clip_by_total_norm
 if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule
 
-    from impel.runtime.accumulation import GradientState
-    from impel.runtime.process import ProcessState
-    from impel.runtime.run_record import RunRecord
+    from impel.runtime.ranks.process import ProcessState
+    from impel.runtime.step.accumulation import GradientState
+    from impel.runtime.step.run_record import RunRecord
 
 logger = logging.getLogger("impel")
 

@@ -63,7 +63,9 @@ class LoggerType(str, enum.Enum, metaclass=_ValueContains):
 
 
 def _is_main_process() -> bool:
-    from impel.runtime.process import current_topology  # the live state's rank, else torchrun's; initialises nothing
+    from impel.runtime.ranks.process import (
+        current_topology,  # the live state's rank, else torchrun's; initialises nothing
+    )
 
     return current_topology().rank == 0
 

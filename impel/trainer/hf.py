@@ -58,9 +58,9 @@ from impel.config.plugins import (
     GradientAccumulationPlugin,
 )
 from impel.config.run_config import ConfigError
-from impel.runtime.compile import TorchDynamoPlugin
-from impel.runtime.data import skip_first_batches as impel_skip_first_batches
-from impel.runtime.prepared_loader import PreparedLoader
+from impel.runtime.loaders.data import skip_first_batches as impel_skip_first_batches
+from impel.runtime.loaders.prepared_loader import PreparedLoader
+from impel.runtime.step.compile import TorchDynamoPlugin
 from impel.trainer import hf_callbacks, hf_deepspeed, hf_fsdp, hf_ref_model, hf_remote, hf_resume
 
 # transformers' own classes, re-exported so that `from impel import TrainerCallback, ...` names them

@@ -50,42 +50,42 @@ SOURCES: dict[str, str] = {
     "ProfileKwargs": "impel.config.profiling",
     **{name: "impel.config.parallelism" for name in (
         "ParallelismConfig", "TorchTensorParallelConfig", "TorchContextParallelConfig", "TorchTensorParallelPlugin")},
-    **{name: "impel.runtime.compile" for name in (
+    **{name: "impel.runtime.step.compile" for name in (
         "TorchDynamoPlugin", "DynamoBackend", "is_compiled_module", "has_compiled_regions",
         "extract_model_from_parallel")},
     "DDPCommunicationHookType": "impel.config.ddp_hooks",
     "DistributedType": "impel.config.run_config",
     "PrecisionType": "impel.config.run_config",
     "LoggerType": "impel.trackers.registry",
-    **{name: "impel.runtime.seeding" for name in (
+    **{name: "impel.runtime.loaders.seeding" for name in (
         "RNGType", "set_seed", "synchronize_rng_state", "synchronize_rng_states")},
     "DummyOptim": "impel.config.deepspeed_json",
     "DummyScheduler": "impel.config.deepspeed_json",
-    **{name: "impel.runtime.collectives" for name in (
+    **{name: "impel.runtime.ranks.collectives" for name in (
         "gather", "gather_object", "broadcast", "broadcast_object_list", "reduce", "pad_across_processes",
         "recursively_apply", "wait_for_everyone", "send_to_device", "is_torch_tensor", "DistributedOperationException",
         "CannotPadNestedTensorWarning")},
-    **{name: "impel.runtime.operations" for name in (
+    **{name: "impel.runtime.compat.operations" for name in (
         "TensorInformation", "is_tensor_information", "is_namedtuple", "honor_type", "listify", "concatenate",
         "find_batch_size", "ignorant_find_batch_size", "find_device", "get_data_structure", "initialize_tensors",
         "slice_tensors", "convert_to_fp32", "ConvertOutputsToFp32", "convert_outputs_to_fp32", "pad_input_tensors",
         "copy_tensor_to_devices")},
-    "tqdm": "impel.runtime.progress_bar",
-    **{name: "impel.runtime.memory" for name in (
+    "tqdm": "impel.runtime.compat.progress_bar",
+    **{name: "impel.runtime.step.memory" for name in (
         "find_executable_batch_size", "release_memory", "should_reduce_batch_size", "clear_device_cache")},
     "merge_fsdp_weights": "impel.checkpoint.formats.merge",
     "save": "impel.checkpoint.saving.save_object",
-    "load_checkpoint_in_model": "impel.runtime.model_loading",
-    **{name: "impel.runtime.availability" for name in _AVAILABILITY},
+    "load_checkpoint_in_model": "impel.runtime.compat.model_loading",
+    **{name: "impel.runtime.compat.availability" for name in _AVAILABILITY},
     **{name: "impel.config.constants" for name in _CONSTANTS},
     **{name: "impel.config.environment" for name in (
         "str_to_bool", "parse_flag_from_env", "parse_choice_from_env", "get_int_from_env", "patch_environment",
         "clear_environment")},
-    **{name: "impel.runtime.pyutils" for name in (
+    **{name: "impel.runtime.compat.pyutils" for name in (
         "convert_bytes", "merge_dicts", "get_pretty_name", "recursive_getattr", "is_port_in_use",
         "are_libraries_initialized", "convert_dict_to_env_variables", "check_os_kernel",
         "purge_accelerate_environment")},
-    **{name: "impel.runtime.module_tools" for name in (
+    **{name: "impel.runtime.compat.module_tools" for name in (
         "id_tensor_storage", "find_tied_parameters", "dtype_byte_size", "convert_file_size_to_int",
         "compute_module_sizes", "is_peft_model", "get_module_children_bottom_up", "model_has_dtensor")},
     **{name: "impel.config.unsupported" for name in REASONS if name not in TRACKERS},

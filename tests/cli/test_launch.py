@@ -212,7 +212,7 @@ def test_the_process_group_is_destroyed_before_the_interpreter_exits(tmp_path, m
 @pytest.mark.parametrize("strategy", ["--use_fsdp", "ddp"])
 @pytest.mark.parametrize("mode", ["end_training", "implicit"])
 def test_gloo_worker_threads_end_before_the_interpreter_after_a_prepared_model(tmp_path, strategy, mode):
-    """The cause of the rare SIGABRT at exit (impel/runtime/teardown.py): a prepared FSDP2 or DDP model keeps the
+    """The cause of the rare SIGABRT at exit (impel/runtime/ranks/teardown.py): a prepared FSDP2 or DDP model keeps the
     destroyed
     group's C++ object, and so gloo's worker threads, alive into interpreter finalisation, where a worker that
     releases a finished collective's tensors needs the GIL and aborts. impel's exit handler releases those

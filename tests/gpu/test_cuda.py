@@ -70,7 +70,7 @@ def _train(acc, model, opt, batches) -> float:
 
 def test_bf16_autocast_computes_in_bf16_and_trains_near_fp32():
     from impel import Accelerator
-    from impel.runtime.process import ProcessState
+    from impel.runtime.ranks.process import ProcessState
 
     losses = {}
     for mp in ("no", "bf16"):
@@ -90,7 +90,7 @@ def test_bf16_autocast_computes_in_bf16_and_trains_near_fp32():
 def test_save_and_load_state_restore_the_cuda_rng(tmp_path):
     """Dropout draws from the CUDA generator: a resumed run continues bit-identically only if its state came back."""
     from impel import Accelerator
-    from impel.runtime.process import ProcessState
+    from impel.runtime.ranks.process import ProcessState
 
     def run(resume: bool) -> dict[str, torch.Tensor]:
         ProcessState._reset()

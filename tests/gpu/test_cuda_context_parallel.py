@@ -1,4 +1,5 @@
-"""Two GPUs: context parallel attention (CP=2 over nccl, impel.runtime.context_parallel) against the unsplit attention.
+"""Two GPUs: context parallel attention (CP=2 over nccl, impel.runtime.step.context_parallel) against the unsplit
+attention.
 
 Each rank computes causal SDPA on the whole sequence (the reference, forward and backward), then on its half inside
 ``context_parallel`` (torch's ring attention, both rotate methods), gathers the halves back in order
@@ -33,7 +34,7 @@ def _cp_against_whole(strategy: str) -> None:
     from torch.distributed.tensor.experimental._attention import context_parallel_unshard
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
-    from impel.runtime.context_parallel import context_parallel
+    from impel.runtime.step.context_parallel import context_parallel
 
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl")

@@ -87,7 +87,7 @@ def _train_and_check(sizes: dict[str, int], fsdp: bool, layers: int = 2, save: s
             opt.zero_grad()
     gathered = torch.cat([acc.gather_for_metrics(batch) for batch in evaluation]).tolist()
     pc, mesh = acc.parallelism_config, acc.torch_device_mesh
-    from impel.runtime.process import AcceleratorState
+    from impel.runtime.ranks.process import AcceleratorState
 
     assert AcceleratorState().device_mesh is mesh and AcceleratorState().parallelism_config is pc
     assert pc.get_device_mesh() is mesh  # the ParallelismConfig passed in is the run's (as Accelerate's)

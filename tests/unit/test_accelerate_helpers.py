@@ -55,7 +55,7 @@ def test_operations_equal_accelerates(name, args):
     mine = getattr(ops, name)(*copy.deepcopy(args))
     theirs = getattr(acc_ops, name)(*copy.deepcopy(args))
     if name == "get_data_structure":
-        mine, theirs = str(mine).replace("impel.runtime.operations.", ""), str(theirs).replace(
+        mine, theirs = str(mine).replace("impel.runtime.compat.operations.", ""), str(theirs).replace(
             "accelerate.utils.dataclasses.", "")
     assert _same(mine, theirs)
 
@@ -292,7 +292,7 @@ def test_data_loader_dispatcher_built_directly_equals_accelerates():
 
 def test_split_between_processes_over_a_datasets_dataset_equals_accelerates():
     datasets = pytest.importorskip("datasets")
-    from impel.runtime.splitting import split_for_rank
+    from impel.runtime.ranks.splitting import split_for_rank
 
     ds = datasets.Dataset.from_dict({"x": list(range(7))})
     for world in (1, 2, 3):

@@ -14,8 +14,8 @@ import accelerate  # noqa: E402
 import impel  # noqa: E402
 import impel.data_loader as dl  # noqa: E402
 from impel.config.plugins import DataLoaderConfiguration  # noqa: E402
-from impel.runtime.accumulation import GradientState  # noqa: E402
-from impel.runtime.data import shard_dataloader  # noqa: E402
+from impel.runtime.loaders.data import shard_dataloader  # noqa: E402
+from impel.runtime.step.accumulation import GradientState  # noqa: E402
 
 
 class Stream(IterableDataset):

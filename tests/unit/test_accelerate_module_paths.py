@@ -179,8 +179,8 @@ def test_every_accelerate_module_path_imports_under_impel_or_names_its_reason():
 def test_moved_paths_are_the_same_objects_and_memory_utils_warns_as_accelerate():
     import sys
 
-    from impel.runtime.collectives import send_to_device
-    from impel.runtime.optimizer import AcceleratedOptimizer, AcceleratedScheduler
+    from impel.runtime.ranks.collectives import send_to_device
+    from impel.runtime.step.optimizer import AcceleratedOptimizer, AcceleratedScheduler
 
     assert importlib.import_module("impel.optimizer").AcceleratedOptimizer is AcceleratedOptimizer
     assert importlib.import_module("impel.optimizer").move_to_device is send_to_device

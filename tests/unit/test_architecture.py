@@ -236,7 +236,7 @@ def test_no_module_is_longer_than_500_lines():
 
 def test_the_import_graph_is_read():  # the other tests are only as good as the graph
     edges = graph()
-    assert "impel.config.run_config" in edges["impel.runtime.process"]
+    assert "impel.config.run_config" in edges["impel.runtime.ranks.process"]
     assert "impel.checkpoint.errors" in edges["impel.checkpoint"]  # a package __init__ re-exporting
     assert "impel.config.deepspeed_json" in edges["impel.trainer.hf_deepspeed"]
     assert lazy_exports()["impel.trainer"]["Trainer"] == "impel.trainer.hf"  # a lazy table's relative names
@@ -351,9 +351,9 @@ def test_no_module_but_the_facade_reads_an_accelerator_private_attribute():
 
 # --- one owner for the accumulation state --------------------------------------------------------------------------
 def test_only_the_accumulation_module_writes_the_gradient_state():
-    """GradientState's fields change through its methods only (impel/runtime/accumulation.py): no other module
+    """GradientState's fields change through its methods only (impel/runtime/step/accumulation.py): no other module
     assigns one of its fields, public or private, so the accumulation rules live in one file."""
-    owner = "impel.runtime.accumulation"
+    owner = "impel.runtime.step.accumulation"
     (cls,) = [n for n in tree(owner).body if isinstance(n, ast.ClassDef) and n.name == "GradientState"]
     fields = {node.attr for node in ast.walk(cls)
               if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)

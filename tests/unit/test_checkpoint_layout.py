@@ -18,7 +18,7 @@ from helpers import make_mlp
 from impel import Accelerator, CheckpointError, ConfigError, ProjectConfiguration
 from impel.accelerator import save_load as checkpointer
 from impel.checkpoint.store import layout
-from impel.runtime.process import ProcessState
+from impel.runtime.ranks.process import ProcessState
 
 
 def prepared(project_dir=None, total_limit=None, **config):

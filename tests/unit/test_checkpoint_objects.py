@@ -11,7 +11,7 @@ from torch import nn
 from helpers import make_mlp
 from impel import Accelerator, CheckpointError, merge_weights
 from impel.checkpoint.formats import hf, sharded
-from impel.runtime.process import ProcessState
+from impel.runtime.ranks.process import ProcessState
 
 
 class Counter:

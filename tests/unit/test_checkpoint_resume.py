@@ -20,7 +20,7 @@ from checkpoint_helpers import (
 )
 from helpers import IndexDataset, make_mlp, make_regression
 from impel import Accelerator, DataLoaderConfiguration, ProjectConfiguration
-from impel.runtime.process import ProcessState
+from impel.runtime.ranks.process import ProcessState
 
 
 def test_twenty_steps_equal_ten_saved_then_ten_resumed_bitwise(tmp_path):

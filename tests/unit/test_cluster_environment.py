@@ -87,7 +87,7 @@ def test_accelerate_torch_device_names_the_device_as_in_accelerate(monkeypatch):
     """Ray Train sets ACCELERATE_TORCH_DEVICE on its workers; impel reads it as Accelerate does."""
     import torch
 
-    from impel.runtime.process import pick_device
+    from impel.runtime.ranks.process import pick_device
 
     monkeypatch.setenv("ACCELERATE_TORCH_DEVICE", "cpu")
     assert pick_device(0, cpu=False) == torch.device("cpu")

@@ -71,7 +71,7 @@ def _diff(a: dict, b: dict) -> float:
 
 @pytest.fixture(scope="module")
 def eager_reference():
-    from impel.runtime.process import ProcessState
+    from impel.runtime.ranks.process import ProcessState
 
     ProcessState._reset()
     ref = {accumulation: _train(Accelerator(cpu=True, gradient_accumulation_steps=accumulation),
@@ -230,7 +230,7 @@ def test_accelerates_older_top_level_dynamo_backend_key_is_folded_in(tmp_path):
 
 def test_deepspeed_with_a_backend_raises():
     from impel.config.run_config import RunConfig
-    from impel.runtime.compile import settle_dynamo
+    from impel.runtime.step.compile import settle_dynamo
 
     config = RunConfig.from_dict({"distributed_type": "DEEPSPEED", "dynamo_config": {"dynamo_backend": "eager"}})
     with pytest.raises(ConfigError, match="dynamo_backend='eager' under DeepSpeed is not supported yet"):

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.nn.functional import scaled_dot_product_attention
 
 from impel.config.run_config import ConfigError
-from impel.runtime.context_parallel import _check_buffers, comm_strategy, context_parallel, cp_mesh
+from impel.runtime.step.context_parallel import _check_buffers, comm_strategy, context_parallel, cp_mesh
 
 
 @pytest.fixture

@@ -14,8 +14,8 @@ from torch.utils.data import BatchSampler, DataLoader, RandomSampler, Sequential
 
 from helpers import IndexDataset
 from impel import DataLoaderConfiguration, GradientAccumulationPlugin
-from impel.runtime.accumulation import GradientState
-from impel.runtime.data import shard_dataloader
+from impel.runtime.loaders.data import shard_dataloader
+from impel.runtime.step.accumulation import GradientState
 
 accelerate_data_loader = pytest.importorskip("accelerate.data_loader")
 

@@ -1,4 +1,5 @@
-"""Skipping and resuming prepared dataloaders (impel.runtime.data): skip_batches, skip_first_batches, state_dict round
+"""Skipping and resuming prepared dataloaders (impel.runtime.loaders.data): skip_batches, skip_first_batches,
+state_dict round
 trips
 that replay the interrupted pass without consuming the live global RNG. Ranks are built as in test_data_sharding."""
 from __future__ import annotations
@@ -9,7 +10,7 @@ from torch.utils.data import DataLoader
 
 from helpers import IndexDataset
 from impel import ConfigError
-from impel.runtime.data import skip_first_batches
+from impel.runtime.loaders.data import skip_first_batches
 from test_data_sharding import RangeIterable, batches, custom_loader, shard
 
 # --- skipping and resuming ----------------------------------------------------------------------------------------

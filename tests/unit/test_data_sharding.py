@@ -1,4 +1,4 @@
-"""Sharding of dataloaders (impel.runtime.data) without a process group: each rank is
+"""Sharding of dataloaders (impel.runtime.loaders.data) without a process group: each rank is
 built with an explicit rank/world."""
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from torch.utils.data.distributed import DistributedSampler
 
 from helpers import IndexDataset
 from impel import Accelerator, ConfigError, DataLoaderConfiguration, GradientAccumulationPlugin, set_seed
-from impel.runtime.accumulation import GradientState
-from impel.runtime.data import DataLoaderShard, shard_dataloader
+from impel.runtime.loaders.data import DataLoaderShard, shard_dataloader
+from impel.runtime.step.accumulation import GradientState
 
 SEED = 1234
 

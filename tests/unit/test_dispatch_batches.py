@@ -45,7 +45,7 @@ def test_settings_dispatch_cannot_honour_raise():
 
 
 def test_batches_of_different_shapes_name_the_fix():
-    from impel.runtime.dispatch import _concatenate
+    from impel.runtime.loaders.dispatch import _concatenate
 
     with pytest.raises(ConfigError, match="pass split_batches=True"):
         _concatenate([torch.zeros(2, 3), torch.zeros(2, 4)])

@@ -72,5 +72,5 @@ def test_every_impel_path_named_in_a_docstring_or_comment_resolves():
 
 
 def test_the_check_sees_a_stale_path():
-    assert not _resolves("impel.rank_health.note_normal_exit")  # moved to impel.runtime.rank_health
-    assert _resolves("impel.runtime.rank_health.note_normal_exit")
+    assert not _resolves("impel.rank_health.note_normal_exit")  # moved to impel.runtime.ranks.rank_health
+    assert _resolves("impel.runtime.ranks.rank_health.note_normal_exit")

@@ -283,7 +283,7 @@ def test_set_and_check_trigger_on_one_process():
 
 
 def test_state_objects():
-    from impel.runtime.process import AcceleratorState, GradientState, PartialState
+    from impel.runtime.ranks.process import AcceleratorState, GradientState, PartialState
 
     with pytest.raises(RuntimeError, match="create Accelerator"):
         AcceleratorState().mixed_precision  # noqa: B018
@@ -432,7 +432,7 @@ def test_merge_fsdp_weights_from_an_impel_checkpoint_and_a_bare_dcp_directory(tm
 # --- the active plugins ---------------------------------------------------------------------------------------
 def test_fsdp_plugin_and_state_under_fsdp():
     from impel import FullyShardedDataParallelPlugin
-    from impel.runtime.process import AcceleratorState
+    from impel.runtime.ranks.process import AcceleratorState
 
     acc = Accelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin(sharding_strategy="SHARD_GRAD_OP"))
     plugin = acc.fsdp_plugin
@@ -443,7 +443,7 @@ def test_fsdp_plugin_and_state_under_fsdp():
 def test_deepspeed_plugin_from_code_or_from_the_launched_config(monkeypatch):
     pytest.importorskip("deepspeed")
     from impel import DeepSpeedPlugin
-    from impel.runtime.process import AcceleratorState, ProcessState
+    from impel.runtime.ranks.process import AcceleratorState, ProcessState
 
     had_local_rank = "LOCAL_RANK" in os.environ
     given = DeepSpeedPlugin(zero_stage=2)

@@ -15,7 +15,7 @@ from impel.commands.main import build_parser
 from impel.config import environment as env
 from impel.config.elastic import scaled_accumulation, smallest_steps
 from impel.config.environment import Topology
-from impel.runtime.run_record import RunArguments
+from impel.runtime.step.run_record import RunArguments
 from impel.testing import free_port
 
 

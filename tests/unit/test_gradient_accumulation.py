@@ -11,8 +11,8 @@ from torch.utils.data import DataLoader, IterableDataset
 from helpers import IndexDataset, make_mlp, make_regression, max_abs_diff
 from impel import Accelerator, DataLoaderConfiguration, GradientAccumulationPlugin
 from impel.config.run_config import ConfigError
-from impel.runtime.accumulation import GradientState
-from impel.runtime.data import shard_dataloader
+from impel.runtime.loaders.data import shard_dataloader
+from impel.runtime.step.accumulation import GradientState
 
 
 def prepared(n: int, batch_size: int, plugin: GradientAccumulationPlugin | None = None, world: int = 1,

@@ -7,7 +7,7 @@ import torch
 
 from hf_trainer_helpers import custom_loop
 from impel.config.run_config import ConfigError
-from impel.runtime.item_windows import count_loss_items
+from impel.runtime.step.item_windows import count_loss_items
 
 
 def _max_diff(a, b):

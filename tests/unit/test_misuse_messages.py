@@ -103,7 +103,7 @@ def test_a_loader_that_yields_no_batch_warns_with_its_sizes(samples, batch_size,
 
 
 def test_a_loader_with_batches_does_not_warn_nor_one_that_leaves_a_rank_empty_on_purpose():
-    from impel.runtime.data import DataLoaderShard, ShardSampler
+    from impel.runtime.loaders.data import DataLoaderShard, ShardSampler
 
     acc = Accelerator(cpu=True)
     loader = acc.prepare(DataLoader(TensorDataset(torch.zeros(3, 2)), batch_size=4))

@@ -19,8 +19,8 @@ from impel.config.environment import Topology
 from impel.config.mesh_sizes import ParallelismSection
 from impel.config.parallelism import TorchContextParallelConfig, TorchTensorParallelConfig, settle
 from impel.config.yaml_file import read_config_file
-from impel.runtime.accumulation import GradientState
-from impel.runtime.data import shard_dataloader
+from impel.runtime.loaders.data import shard_dataloader
+from impel.runtime.step.accumulation import GradientState
 
 ACCELERATE_FIELDS = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "cp_backend", "sp_size", "sp_backend",
                      "tp_handler", "cp_handler", "sp_handler")

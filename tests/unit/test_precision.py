@@ -10,7 +10,7 @@ from torch import nn
 
 from helpers import make_mlp, make_regression
 from impel import Accelerator, AutocastKwargs, GradScalerKwargs
-from impel.runtime.precision import make_precision
+from impel.runtime.step.precision import make_precision
 
 # bf16 keeps 8 significant bits (relative rounding error 2**-9 per value); through a small MLP the mse loss
 # stays within 1% of the fp32 loss.

@@ -19,8 +19,8 @@ from impel import (
     GradScalerKwargs,
     InitProcessGroupKwargs,
 )
-from impel.runtime.data import DataLoaderShard
-from impel.runtime.optimizer import AcceleratedOptimizer, AcceleratedScheduler
+from impel.runtime.loaders.data import DataLoaderShard
+from impel.runtime.step.optimizer import AcceleratedOptimizer, AcceleratedScheduler
 
 
 def objects():

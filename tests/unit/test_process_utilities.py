@@ -9,7 +9,7 @@ import torch
 
 from impel import Accelerator, ConfigError, set_seed
 from impel.config.environment import Topology
-from impel.runtime.splitting import split_for_rank
+from impel.runtime.ranks.splitting import split_for_rank
 
 
 def pretend_rank(acc: Accelerator, rank: int, world: int = 2) -> None:

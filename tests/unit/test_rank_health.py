@@ -8,7 +8,7 @@ import time
 import pytest
 
 from impel.config import environment as env
-from impel.runtime import rank_health
+from impel.runtime.ranks import rank_health
 
 
 class DictStore:

@@ -62,7 +62,7 @@ def test_auto_resume_needs_a_project_with_automatic_naming(tmp_path):
 
 def test_auto_resume_starts_fresh_then_resumes(tmp_path, capsys):
     def run(project, steps: int):
-        from impel.runtime.process import ProcessState
+        from impel.runtime.ranks.process import ProcessState
 
         ProcessState._reset()
         acc = Accelerator(cpu=True, project_config=ProjectConfiguration(

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from impel.runtime.collectives import is_distributed
+from impel.runtime.ranks.collectives import is_distributed
 
 if TYPE_CHECKING:
     from impel.checkpoint.saving.session import SaveSession

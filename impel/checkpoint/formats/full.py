@@ -54,7 +54,7 @@ def optimizer_file(index: int, cooperative: bool = False) -> str:
 
 def pair_optimizers(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer]) -> list[int]:
     """For each optimizer, the index of the model that owns all its parameters."""
-    from impel.runtime.optimizer import optimizer_owners
+    from impel.runtime.step.optimizer import optimizer_owners
 
     owners: list[int] = []
     for i, (opt, owner) in enumerate(zip(optimizers, optimizer_owners(models, optimizers))):

@@ -80,7 +80,7 @@ def merge_fsdp_weights(checkpoint_dir: str | os.PathLike[str], output_path: str 
     the source); every process that joined a group waits for it."""
     import shutil
 
-    from impel.runtime.process import ProcessState, current_topology
+    from impel.runtime.ranks.process import ProcessState, current_topology
 
     source = Path(checkpoint_dir)
     refuse_inside_checkpoint(output_path, "merge_fsdp_weights output_path")  # checked on every rank, as below

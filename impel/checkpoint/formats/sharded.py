@@ -29,7 +29,7 @@ from impel.checkpoint.formats.full import optimizer_state, pair_optimizers, suff
 from impel.checkpoint.io.files import crc32_off
 from impel.checkpoint.io.verified import Manifest, open_checked, read_all
 from impel.checkpoint.store.layout import CheckpointError
-from impel.runtime.collectives import is_distributed
+from impel.runtime.ranks.collectives import is_distributed
 
 if TYPE_CHECKING:
     from impel.checkpoint.saving.session import SaveSession

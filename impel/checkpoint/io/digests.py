@@ -31,7 +31,7 @@ from impel.checkpoint.store.layout import (
     fsync_file,
     manifest_entry,
 )
-from impel.runtime.collectives import is_distributed
+from impel.runtime.ranks.collectives import is_distributed
 
 Entry = dict[str, Any]  # layout.manifest_entry: {"size": int, "xxh3_128_blocks": [str, ...]}
 RANGES_KEY = "ranges"  # a rank's part of an entry (finish_ranges): [[start, end, digest], ...]

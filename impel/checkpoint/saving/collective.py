@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 
 from impel.checkpoint.store.layout import CheckpointError
-from impel.runtime.collectives import is_distributed
+from impel.runtime.ranks.collectives import is_distributed
 
 T = TypeVar("T")
 

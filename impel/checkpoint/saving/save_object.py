@@ -19,7 +19,7 @@ def save(obj: Any, f: str | os.PathLike[str] | Any, save_on_each_node: bool = Fa
     """Write ``obj`` to ``f`` on the main process (each machine's local main with ``save_on_each_node``); other
     processes do nothing and nobody waits. ``safe_serialization=True`` writes safetensors: ``obj`` must be a
     mapping of names to tensors and ``f`` a path; tensors sharing memory (tied weights) are kept once."""
-    from impel.runtime.process import current_topology
+    from impel.runtime.ranks.process import current_topology
 
     topo = current_topology()
     writer = topo.local_rank == 0 if save_on_each_node else topo.rank == 0

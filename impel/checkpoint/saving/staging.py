@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from impel.checkpoint.saving.stager import Stager, rewrapped
 from impel.checkpoint.store.layout import CheckpointError
-from impel.runtime.collectives import is_distributed
+from impel.runtime.ranks.collectives import is_distributed
 
 
 class Deferred:
@@ -113,7 +113,7 @@ def temp_token() -> str:
 
 def release_group() -> None:
     """Forget the dedicated group (the default group's destruction destroys it): its gloo threads can then be joined
-    at exit (:mod:`impel.runtime.teardown`)."""
+    at exit (:mod:`impel.runtime.ranks.teardown`)."""
     _group.clear()
 
 

@@ -9,7 +9,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from impel.runtime.teardown import gloo_worker_threads
+from impel.runtime.ranks.teardown import gloo_worker_threads
 
 
 def emit(row: dict) -> None:

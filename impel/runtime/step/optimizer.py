@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from impel.runtime.accumulation import GradientState
+from impel.runtime.step.accumulation import GradientState
 
 
 def optimizer_owners(models: Sequence[torch.nn.Module],

@@ -82,7 +82,7 @@ def synchronize_rng_state(rng_type: str | RNGType | None = None, generator: torc
     """
     import torch.distributed as dist
 
-    from impel.runtime.collectives import is_distributed
+    from impel.runtime.ranks.collectives import is_distributed
 
     if rng_type is None:  # Accelerate's default, which fails there (UnboundLocalError)
         raise ValueError("synchronize_rng_state() needs rng_type: one of 'torch', 'cuda' or 'generator' (with "

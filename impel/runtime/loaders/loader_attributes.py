@@ -1,6 +1,6 @@
 """What a prepared DataLoader shows of ``torch.utils.data.DataLoader``, as Accelerate's prepared loaders do.
 
-impel's prepared loader (:class:`impel.runtime.prepared_loader.PreparedLoader`) is a ``DataLoader`` subclass
+impel's prepared loader (:class:`impel.runtime.loaders.prepared_loader.PreparedLoader`) is a ``DataLoader`` subclass
 (``isinstance`` is True) that iterates a rebuilt loader over this rank's shard. It carries the attributes code
 reads from a DataLoader:
 

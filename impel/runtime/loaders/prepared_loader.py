@@ -1,8 +1,8 @@
 """What every prepared DataLoader does (:class:`PreparedLoader`): this rank's batches, on the device, with epoch,
 position, ``end_of_dataloader`` and the random states an exact resume replays.
 
-Accelerate's two public kinds, :class:`impel.runtime.data.DataLoaderShard` (each rank reads its shard) and
-:class:`impel.runtime.data.DataLoaderDispatcher` (rank 0 reads, every rank receives), are subclasses with
+Accelerate's two public kinds, :class:`impel.runtime.loaders.data.DataLoaderShard` (each rank reads its shard) and
+:class:`impel.runtime.loaders.data.DataLoaderDispatcher` (rank 0 reads, every rank receives), are subclasses with
 Accelerate's constructors; ``prepare`` builds them through :meth:`PreparedLoader.build`."""
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, SequentialSampler
 
-from impel.runtime.collectives import send_to_device
-from impel.runtime.loader_attributes import loader_attributes
-from impel.runtime.samplers import SeedableRandomSampler
-from impel.runtime.seeding import synchronize_rng_states
+from impel.runtime.loaders.loader_attributes import loader_attributes
+from impel.runtime.loaders.samplers import SeedableRandomSampler
+from impel.runtime.loaders.seeding import synchronize_rng_states
+from impel.runtime.ranks.collectives import send_to_device
 
 _END = object()
 
@@ -25,8 +25,8 @@ class PreparedLoader(DataLoader[Any]):
     """A prepared DataLoader: this rank's batches, on the device, with epoch and position tracking.
 
     A ``torch.utils.data.DataLoader`` (``isinstance`` holds) with its attributes (``batch_sampler``, ``drop_last``,
-    ``num_workers``, ...: :mod:`impel.runtime.loader_attributes`); it iterates ``base_dataloader``, the loader over this
-    rank's shard.
+    ``num_workers``, ...: :mod:`impel.runtime.loaders.loader_attributes`); it iterates ``base_dataloader``, the
+    loader over this rank's shard.
 
     Iterating it sets ``end_of_dataloader`` while the last batch is being used (one batch of look-ahead), which
     gradient accumulation and ``gather_for_metrics`` read. A complete pass advances the epoch by itself, so

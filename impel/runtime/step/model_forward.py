@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from impel.runtime.accumulation import GradientState
-from impel.runtime.collectives import recursively_apply
+from impel.runtime.ranks.collectives import recursively_apply
+from impel.runtime.step.accumulation import GradientState
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 

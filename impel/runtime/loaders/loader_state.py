@@ -1,7 +1,7 @@
 """Accelerate's ``DataLoaderStateMixin``: the state a prepared loader shows while it is iterated.
 
 ``end_of_dataloader`` (the batch in use is the pass's last) and ``remainder`` (real samples of the last global batch,
--1 when unknown). impel's prepared loaders (:class:`impel.runtime.prepared_loader.PreparedLoader`, hence
+-1 when unknown). impel's prepared loaders (:class:`impel.runtime.loaders.prepared_loader.PreparedLoader`, hence
 ``DataLoaderDispatcher``) keep them and are instances of this class, as Accelerate's are of its mixin. A class of
 one's own that subclasses it gets the two attributes and ``reset()``; Accelerate's ``begin()`` / ``end()`` register
 the loader in its GradientState's internals, which impel's prepared loaders do for themselves, so they raise here.
@@ -15,7 +15,7 @@ from __future__ import annotations
 from abc import ABC
 from typing import Any, NoReturn
 
-from impel.runtime.prepared_loader import PreparedLoader
+from impel.runtime.loaders.prepared_loader import PreparedLoader
 
 
 class DataLoaderStateMixin(ABC):  # noqa: B024  # no abstract method: a mixin, and the type of prepared loaders

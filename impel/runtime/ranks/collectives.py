@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from impel.config import environment as env
-from impel.runtime import rank_health
+from impel.runtime.ranks import rank_health
 
 
 def is_distributed() -> bool:

@@ -2,7 +2,7 @@
 
 ``no``: plain fp32 (or whatever dtype the model was loaded in). ``bf16``: autocast to bfloat16, no scaler.
 ``fp16``: autocast to float16 with a GradScaler (torch's CPU scaler on CPU). The prepared forward casts floating
-outputs back to fp32 (:mod:`impel.runtime.model_forward`; ``cast_outputs_to_fp32=False`` skips it), as Accelerate
+outputs back to fp32 (:mod:`impel.runtime.step.model_forward`; ``cast_outputs_to_fp32=False`` skips it), as Accelerate
 does.
 """
 from __future__ import annotations

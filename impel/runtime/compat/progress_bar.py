@@ -22,7 +22,7 @@ def tqdm(*args: Any, main_process_only: bool = True, **kwargs: Any) -> Any:
     if args and isinstance(args[0], bool):
         raise ValueError(f"tqdm({args[0]!r}, ...): a bool as the first argument is Accelerate's old signature; pass "
                          f"main_process_only={args[0]!r} as a keyword")
-    from impel.runtime.process import current_topology
+    from impel.runtime.ranks.process import current_topology
 
     disable = kwargs.pop("disable", False)
     if main_process_only and not disable:

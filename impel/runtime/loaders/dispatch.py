@@ -9,7 +9,7 @@ samples of the epoch's first global batch (``n`` + 1 per rank) unless the loader
 ``drop_last`` a last group of fewer than ``num_processes`` batches is dropped. Every rank starts the user's
 loader at each pass (only rank 0 draws from it), so torch's global RNG sees the draws it sees under Accelerate.
 
-:class:`DispatchingLoader` is both the loader :class:`impel.runtime.prepared_loader.PreparedLoader` iterates and
+:class:`DispatchingLoader` is both the loader :class:`impel.runtime.loaders.prepared_loader.PreparedLoader` iterates and
 the shard it asks for ``set_epoch``, ``skip`` and the remainder, so the prepared loader keeps impel's position,
 resume and ``end_of_dataloader`` bookkeeping.
 """
@@ -23,7 +23,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from impel.config.run_config import ConfigError
-from impel.runtime.collectives import broadcast, broadcast_object_list, recursively_apply, send_to_device
+from impel.runtime.ranks.collectives import broadcast, broadcast_object_list, recursively_apply, send_to_device
 
 
 class DispatchingLoader(DataLoader[Any]):

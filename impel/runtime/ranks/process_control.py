@@ -1,7 +1,7 @@
 """Process control over the topology alone: ``main_process_first``, the ``on_*_process`` decorators, ``print``,
 ``split_between_processes`` (Accelerate's names).
 
-A mixin for :class:`~impel.runtime.process.PartialState` and (through
+A mixin for :class:`~impel.runtime.ranks.process.PartialState` and (through
 :class:`~impel.accelerator.process_methods.ProcessMethods`)
 the Accelerator: it needs only the topology properties and ``wait_for_everyone`` of the class it is mixed into.
 """
@@ -92,6 +92,6 @@ class ProcessControl:
     @contextlib.contextmanager
     def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> Iterator[Any]:
         """Yield this rank's contiguous share of a list, tuple, dict of sequences or tensor."""
-        from impel.runtime.splitting import split_for_rank
+        from impel.runtime.ranks.splitting import split_for_rank
 
         yield split_for_rank(inputs, self.num_processes, self.process_index, apply_padding)

@@ -37,7 +37,7 @@ from impel.config.dynamo import BACKENDS, DynamoBackend, DynamoConfig
 from impel.config.environment_settings import launched_settings
 from impel.config.plugins import KwargsHandler
 from impel.config.run_config import ConfigError
-from impel.runtime.model_forward import ForwardContext, patch_forward, unpatch_forward
+from impel.runtime.step.model_forward import ForwardContext, patch_forward, unpatch_forward
 
 if TYPE_CHECKING:
     from impel.config.run_config import RunConfig

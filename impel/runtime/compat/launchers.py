@@ -32,7 +32,7 @@ def _entrypoint(function: Callable[..., Any]) -> Callable[..., None]:
     @functools.wraps(function)
     def run_rank(*args: Any) -> None:
         function(*args)
-        from impel.runtime.process import ProcessState
+        from impel.runtime.ranks.process import ProcessState
 
         if ProcessState._shared.get("initialized"):
             ProcessState().destroy_process_group()
@@ -41,7 +41,7 @@ def _entrypoint(function: Callable[..., Any]) -> Callable[..., None]:
 
 
 def _check_fresh_process(launcher: str) -> None:
-    from impel.runtime.process import ProcessState
+    from impel.runtime.ranks.process import ProcessState
 
     if ProcessState._shared.get("initialized"):
         raise ConfigError(f"{launcher}: an Accelerator or PartialState already exists in this process, and forked "

@@ -25,12 +25,12 @@ import torch.distributed as dist
 
 from impel.config import environment as env
 from impel.config.run_config import ConfigError, DistributedType
-from impel.runtime import collectives, rank_health
-from impel.runtime.accumulation import (
-    GradientState as GradientState,  # re-exported: impel.runtime.process.GradientState, as Accelerate's
+from impel.runtime.ranks import collectives, rank_health
+from impel.runtime.ranks.process_control import ProcessControl
+from impel.runtime.ranks.teardown import release_process_groups
+from impel.runtime.step.accumulation import (
+    GradientState as GradientState,  # re-exported: impel.runtime.ranks.process.GradientState, as Accelerate's
 )
-from impel.runtime.process_control import ProcessControl
-from impel.runtime.teardown import release_process_groups
 
 logger = logging.getLogger("impel")
 
@@ -239,7 +239,8 @@ class ProcessState:
         ``Accelerator.end_training()`` calls this after a final barrier, as Accelerate does; impel also calls it
         when the interpreter exits normally, so gloo and nccl shut down while everything is alive instead of in
         the interpreter's teardown; at exit it also releases the references torch objects keep to the group, so
-        that gloo's worker threads are joined before the interpreter finalises (see :mod:`impel.runtime.teardown`).
+        that gloo's worker threads are joined before the interpreter finalises (see
+        :mod:`impel.runtime.ranks.teardown`).
         """
         rank_health.stop_watchdog()
         if group is not None:  # a group the script made with new_group: destroyed as asked, as Accelerate does
@@ -289,7 +290,7 @@ def _default_store() -> Any:
 
 def _destroy_at_exit() -> None:
     """atexit: destroy impel's process group on a normal exit, then let its C++ object (and gloo's worker threads)
-    go while the interpreter is alive (:mod:`impel.runtime.teardown` says why). After an unhandled exception
+    go while the interpreter is alive (:mod:`impel.runtime.ranks.teardown` says why). After an unhandled exception
     (``sys.last_value`` is set) the group is left alone: a peer may be dead and a teardown could then block.
     The stall watchdog stops in every case: its thread must not be inside a store call when the interpreter
     finalises (the same abort as gloo's workers)."""
@@ -308,7 +309,7 @@ def _destroy_at_exit() -> None:
 # All share ProcessState's one process-wide record, as Accelerate's do: ``PartialState()`` is the process (rank,
 # device, process group) with its process-control helpers and needs no Accelerator; ``AcceleratorState()`` adds
 # what the live Accelerator resolved (``distributed_type``, ``mixed_precision``, ``deepspeed_plugin``,
-# ``fsdp_plugin``, ``dynamo_plugin``). ``GradientState`` is :mod:`impel.runtime.accumulation`'s, named here as in
+# ``fsdp_plugin``, ``dynamo_plugin``). ``GradientState`` is :mod:`impel.runtime.step.accumulation`'s, named here as in
 # Accelerate.
 def current_topology() -> env.Topology:
     """This process's place in the job: the live state's, else torchrun's variables (nothing is initialised)."""

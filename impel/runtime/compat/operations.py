@@ -1,7 +1,7 @@
 """Accelerate's tensor-structure helpers (``accelerate.utils.operations`` beyond the collectives): concatenating,
 listing, slicing and casting nested lists / tuples / dicts of tensors, finding their batch size and device.
 
-The collectives themselves (gather, reduce, broadcast, ...) live in :mod:`impel.runtime.collectives`.
+The collectives themselves (gather, reduce, broadcast, ...) live in :mod:`impel.runtime.ranks.collectives`.
 
 Example::
 
@@ -19,13 +19,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from impel.runtime.collectives import (  # re-exported: Accelerate's path
+from impel.runtime.ranks.collectives import (  # re-exported: Accelerate's path
     CannotPadNestedTensorWarning as CannotPadNestedTensorWarning,
 )
-from impel.runtime.collectives import (
+from impel.runtime.ranks.collectives import (
     DistributedOperationException as DistributedOperationException,
 )
-from impel.runtime.collectives import is_distributed, is_torch_tensor, recursively_apply, reduce
+from impel.runtime.ranks.collectives import is_distributed, is_torch_tensor, recursively_apply, reduce
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 

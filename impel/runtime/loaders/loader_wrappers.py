@@ -1,5 +1,5 @@
 """Accelerate's standalone data-loading pieces (``accelerate.data_loader``), built on impel's sharding
-(:mod:`impel.runtime.data`): ``prepare_data_loader`` outside an Accelerator, the ``BatchSamplerShard`` /
+(:mod:`impel.runtime.loaders.data`): ``prepare_data_loader`` outside an Accelerator, the ``BatchSamplerShard`` /
 ``IterableDatasetShard`` wrappers with Accelerate's constructors, and the batch-skipping ``SkipBatchSampler`` /
 ``SkipDataLoader``.
 
@@ -18,12 +18,12 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
 from impel.config.plugins import DataLoaderConfiguration, GradientAccumulationPlugin
 from impel.config.run_config import ConfigError
-from impel.runtime.accumulation import GradientState
-from impel.runtime.data import DataLoaderDispatcher as DataLoaderDispatcher  # re-exported: its earlier home
-from impel.runtime.data import _SkipBatchSampler, shard_dataloader
-from impel.runtime.prepared_loader import PreparedLoader
-from impel.runtime.process import PartialState
-from impel.runtime.shard_layout import BatchShardSampler, IterableShard
+from impel.runtime.loaders.data import DataLoaderDispatcher as DataLoaderDispatcher  # re-exported: its earlier home
+from impel.runtime.loaders.data import _SkipBatchSampler, shard_dataloader
+from impel.runtime.loaders.prepared_loader import PreparedLoader
+from impel.runtime.loaders.shard_layout import BatchShardSampler, IterableShard
+from impel.runtime.ranks.process import PartialState
+from impel.runtime.step.accumulation import GradientState
 
 
 class BatchSamplerShard(BatchShardSampler):
@@ -120,8 +120,8 @@ def prepare_data_loader(dataloader: DataLoader[Any], device: torch.device | None
     ``num_processes`` (default :class:`PartialState`'s), the same batches as ``accelerator.prepare`` gives, on
     ``device`` (default the process's) when ``put_on_device``. With several processes a shuffling sampler takes rank
     0's generator (as ``accelerator.prepare`` does), so every rank draws the same order. ``dispatch_batches=True``
-    (with ``put_on_device``): rank 0 reads and every rank receives its slice (:mod:`impel.runtime.dispatch`), cut
-    by ``slice_fn_for_dispatch`` when given; None dispatches an iterable dataset (with ``put_on_device``), as
+    (with ``put_on_device``): rank 0 reads and every rank receives its slice (:mod:`impel.runtime.loaders.dispatch`),
+    cut by ``slice_fn_for_dispatch`` when given; None dispatches an iterable dataset (with ``put_on_device``), as
     Accelerate's."""
     _refuse_unsupported(dispatch_batches, put_on_device, torch_device_mesh)
     state = PartialState() if num_processes is None or process_index is None or put_on_device else None

@@ -1,8 +1,8 @@
 """Preparing a DataLoader: :func:`shard_dataloader` rebuilds the user's loader over this rank's shard
-(:mod:`impel.runtime.shard_layout`), with the order agreed across ranks, behind Accelerate's two prepared kinds:
+(:mod:`impel.runtime.loaders.shard_layout`), with the order agreed across ranks, behind Accelerate's two prepared kinds:
 :class:`DataLoaderShard` (each rank reads its shard) or, with ``dispatch_batches``, :class:`DataLoaderDispatcher`
-(rank 0 reads, :mod:`impel.runtime.dispatch`). Both are ``PreparedLoader`` subclasses
-(:mod:`impel.runtime.prepared_loader`) and take Accelerate's constructors when built directly.
+(rank 0 reads, :mod:`impel.runtime.loaders.dispatch`). Both are ``PreparedLoader`` subclasses
+(:mod:`impel.runtime.loaders.prepared_loader`) and take Accelerate's constructors when built directly.
 :func:`skip_first_batches` starts a pass some batches in.
 
 The shard kinds are importable from here too (their earlier home).
@@ -20,16 +20,18 @@ from torch.utils.data.distributed import DistributedSampler
 
 from impel.config.plugins import DataLoaderConfiguration
 from impel.config.run_config import ConfigError
-from impel.runtime import collectives
-from impel.runtime.accumulation import GradientState
-from impel.runtime.dispatch import dispatching_loader
-from impel.runtime.prepared_loader import PreparedLoader
-from impel.runtime.process import PartialState
-from impel.runtime.samplers import SeedableRandomSampler as SeedableRandomSampler  # re-exported: Accelerate's path
-from impel.runtime.shard_layout import BatchShardSampler as BatchShardSampler
-from impel.runtime.shard_layout import ItemShard
-from impel.runtime.shard_layout import IterableShard as IterableShard
-from impel.runtime.shard_layout import ShardSampler as ShardSampler
+from impel.runtime.loaders.dispatch import dispatching_loader
+from impel.runtime.loaders.prepared_loader import PreparedLoader
+from impel.runtime.loaders.samplers import (
+    SeedableRandomSampler as SeedableRandomSampler,  # re-exported: Accelerate's path
+)
+from impel.runtime.loaders.shard_layout import BatchShardSampler as BatchShardSampler
+from impel.runtime.loaders.shard_layout import ItemShard
+from impel.runtime.loaders.shard_layout import IterableShard as IterableShard
+from impel.runtime.loaders.shard_layout import ShardSampler as ShardSampler
+from impel.runtime.ranks import collectives
+from impel.runtime.ranks.process import PartialState
+from impel.runtime.step.accumulation import GradientState
 
 
 def _check_loader(loader: DataLoader, config: DataLoaderConfiguration) -> None:
@@ -171,7 +173,7 @@ def shard_dataloader(loader: DataLoader, *, world: int, rank: int, device: torch
     parts = (device, config.non_blocking, gradient_state, per_rank, loader, rng_types, hooks)
     if config.dispatch_batches or (config.dispatch_batches is None and _dispatch_by_default(loader, world, device,
                                                                                             config)):
-        # rank 0 reads, every rank receives its slice (impel.runtime.dispatch)
+        # rank 0 reads, every rank receives its slice (impel.runtime.loaders.dispatch)
         shard = dispatching_loader(loader, _loader_kwargs(loader), world=world, rank=rank,
                                    split_batches=config.split_batches, device=device,
                                    seedable=config.use_seedable_sampler, slice_fn=slice_fn)
@@ -239,7 +241,7 @@ def _total_batch_size(loader: DataLoader) -> int | None:
 
 class DataLoaderDispatcher(PreparedLoader):
     """A prepared DataLoader that rank 0 reads, every rank receiving its slice of each global batch on its device
-    (:mod:`impel.runtime.dispatch`; what ``prepare`` returns with ``dispatch_batches=True``).
+    (:mod:`impel.runtime.loaders.dispatch`; what ``prepare`` returns with ``dispatch_batches=True``).
 
     Built directly, Accelerate's constructor: a ``DataLoader(dataset, **kwargs)`` read by rank 0 of
     :class:`PartialState`. ``_drop_last`` drops a last global batch too short to split (else it is completed from the

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from impel.config.run_config import ConfigError
-from impel.runtime.accumulation import GradientState
+from impel.runtime.step.accumulation import GradientState
 
 IGNORE_INDEX = -100
 

@@ -17,7 +17,7 @@ from typing import Any
 
 
 def _state() -> Any:
-    from impel.runtime.process import PartialState, ProcessState
+    from impel.runtime.ranks.process import PartialState, ProcessState
 
     if not ProcessState._shared.get("initialized"):
         raise RuntimeError("the multi-process logger needs the process state: create the Accelerator (or "

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
         Handlers,
     )
     from impel.config.run_config import DistributedType, RunConfig
-    from impel.runtime.compile import TorchDynamoPlugin
+    from impel.runtime.step.compile import TorchDynamoPlugin
 
 
 @dataclass(frozen=True)
