@@ -21,14 +21,23 @@ def _batches(batch: int, rank: int, world: int) -> list[torch.Tensor]:
             for i in range(24 // (batch * world))]
 
 
-def _build(strategy: str, accumulation: int) -> tuple[Any, Any, Any]:
+def _build(strategy: str, accumulation: int, library: str = "impel") -> tuple[Any, Any, Any]:
+    """``library``: "impel", or "accelerate" (Accelerate's own Accelerator, the reference; its state reset first, as
+    a fresh script has none)."""
+    import importlib
+
     from peft import LoraConfig, get_peft_model
 
-    from impel import Accelerator, FullyShardedDataParallelPlugin
     from trl_helpers import tiny_gpt2
 
-    fsdp = FullyShardedDataParallelPlugin(transformer_cls_names_to_wrap=["GPT2Block"]) if strategy == "fsdp" else None
-    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accumulation, fsdp_plugin=fsdp)
+    if library == "accelerate":
+        from accelerate.state import AcceleratorState
+
+        AcceleratorState._reset_state(True)
+    lib = importlib.import_module(library)
+    fsdp = lib.FullyShardedDataParallelPlugin(transformer_cls_names_to_wrap=["GPT2Block"]) if strategy == "fsdp" \
+        else None
+    accelerator = lib.Accelerator(cpu=True, gradient_accumulation_steps=accumulation, fsdp_plugin=fsdp)
     model = get_peft_model(tiny_gpt2(), LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_proj"],
                                                    lora_dropout=0.0, fan_in_fan_out=True))
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
@@ -49,22 +58,22 @@ def _train(accelerator: Any, model: Any, optimizer: Any, batches: list[torch.Ten
 
 
 def lora_loop(strategy: str, batch: int, output_dir: str, resume_at: int | None = None,
-              accumulation: int = 2) -> dict[str, Any]:
+              accumulation: int = 2, library: str = "impel") -> dict[str, Any]:
     """``resume_at=k``: after k micro-batches ``save_state``, then a fresh Accelerator, model and optimizer
-    ``load_state`` it and train the rest (Accelerate's resume recipe)."""
+    ``load_state`` it and train the rest (Accelerate's resume recipe). ``library``: see :func:`_build`."""
     import torch.distributed as dist
     from peft import PeftModel
 
     from trl_helpers import tiny_gpt2
 
-    accelerator, model, optimizer = _build(strategy, accumulation)
+    accelerator, model, optimizer = _build(strategy, accumulation, library)
     batches = _batches(batch, accelerator.process_index, accelerator.num_processes)
     if resume_at is None:
         losses = _train(accelerator, model, optimizer, batches)
     else:
         losses = _train(accelerator, model, optimizer, batches[:resume_at])
         accelerator.save_state(os.path.join(output_dir, "state"))
-        accelerator, model, optimizer = _build(strategy, accumulation)
+        accelerator, model, optimizer = _build(strategy, accumulation, library)
         accelerator.load_state(os.path.join(output_dir, "state"))
         losses += _train(accelerator, model, optimizer, batches[resume_at:])
     unwrapped = accelerator.unwrap_model(model)
