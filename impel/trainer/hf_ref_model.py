@@ -16,11 +16,14 @@ Example::
 from __future__ import annotations
 
 import logging
-import os
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+from impel.checkpoint.io.files import read_torch, write_torch
+from impel.checkpoint.saving.session import SaveSession
 
 __all__ = ["FILE", "load", "save"]
 
@@ -44,8 +47,8 @@ def save(trainer: Any, folder: str) -> None:
         return
     several = trainer.accelerator.num_processes > 1
     state = get_model_state_dict(reference, options=StateDictOptions(full_state_dict=True, cpu_offload=several))
-    if trainer.args.should_save:
-        torch.save(state, os.path.join(folder, FILE))
+    if trainer.args.should_save:  # fsynced, loaded back safely (impel's checkpoint files)
+        write_torch(SaveSession.plain(), state, Path(folder) / FILE)
 
 
 def load(trainer: Any, folder: str) -> None:
@@ -53,11 +56,11 @@ def load(trainer: Any, folder: str) -> None:
     reference = _synced_reference(trainer)
     if reference is None:
         return
-    path = os.path.join(folder, FILE)
-    if not os.path.isfile(path):
+    path = Path(folder) / FILE
+    if not path.is_file():
         logger.warning("impel: %s has no %s (a checkpoint written on Accelerate): the reference model "
                        "(sync_ref_model=True) goes on as loaded, not as synced before the save, so the resumed run "
                        "differs from the uninterrupted one", folder, FILE)
         return
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    state = read_torch(None, path, "the synced reference model (sync_ref_model=True)")
     set_model_state_dict(reference, state, options=StateDictOptions(full_state_dict=True))

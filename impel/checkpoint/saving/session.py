@@ -106,12 +106,13 @@ class SaveSession:
         fn(self, state, *args, **kwargs)
 
     def _writing(self, path: Path) -> digests.Sealer | None:
-        """The sealer for a file at ``path`` (None: written plainly); refuses while the session stages."""
+        """The save's sealer (``digests`` writes a file outside its directory plainly); refuses while the session
+        stages."""
         if self._staged is not None:
             raise CheckpointError(f"{path} was written while an asynchronous save staged its state: every writer of "
                                   "a save goes through SaveSession.write (impel.checkpoint.saving.session), which "
                                   "stages the state now and writes it in the background")
-        return self._sealer if self._sealer is not None and self._sealer.relative(path) is not None else None
+        return self._sealer
 
     def open(self, path: Path) -> AbstractContextManager[Any]:
         """An append-only file for ``torch.save`` and DCP (``digests.appending``): sealed in the background during
