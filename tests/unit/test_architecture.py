@@ -46,7 +46,7 @@ ENV_NAMES = {"environ", "environb", "getenv", "getenvb", "putenv", "unsetenv"}
 # ``impel`` is the package's own __init__ (the version and the lazy name table). A module may import from its own
 # layer and the ones below.
 LAYERS = {
-    "impel": 0, "exports": 0,
+    "impel": 0, "exports": 0, "types": 0,
     "config.*": 1,
     "runtime.*": 2,
     "checkpoint.*": 3,
