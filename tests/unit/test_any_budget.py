@@ -18,7 +18,7 @@ BUDGET = {
     "checkpoint": 276,
     "commands": 90,
     "config": 247,
-    "runtime": 387,
+    "runtime": 280,
     "strategies": 89,
     "trackers": 68,
     "trainer": 113,
