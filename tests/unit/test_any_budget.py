@@ -20,7 +20,7 @@ BUDGET = {
     "config": 247,
     "runtime": 387,
     "strategies": 89,
-    "trackers": 68,
+    "trackers": 11,
     "trainer": 113,
     "*": 16,  # the top-level modules (testing.py, exports.py)
 }
