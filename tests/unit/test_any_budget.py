@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "impel"
 BUDGET = {
     "accelerator": 139,
     "checkpoint": 276,
-    "commands": 90,
+    "commands": 25,
     "config": 247,
     "runtime": 387,
     "strategies": 89,
