@@ -227,6 +227,27 @@ def test_only_env_reads_the_environment():
                        "function there (named after what it reads):\n  " + "\n  ".join(found))
 
 
+# Modules that read the launch config (``IMPEL_CONFIG``) themselves, each with the reason. Everything else gets
+# its launched values from resolve() (the run record), once: a value read again elsewhere could disagree with it.
+LAUNCH_CONFIG_READERS = {
+    "impel.config.environment_settings": "launched_settings(): the one source resolve() reads (and impel env)",
+    "impel.runtime.ranks.rank_health": "the stall watchdog starts with the process group, before any Accelerator "
+                                       "resolves: it asks only whether the job is elastic (min_machines)",
+}
+
+
+def test_only_resolve_reads_the_launch_config():
+    callers = {m for m, path in modules().items() if m != ENV_MODULE
+               for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+               if isinstance(node, ast.Attribute | ast.Name)
+               and (node.attr if isinstance(node, ast.Attribute) else node.id) == "read_launch_config"}
+    assert "impel.config.environment_settings" in callers  # the probe sees what it looks for
+    assert callers <= set(LAUNCH_CONFIG_READERS), (
+        f"{sorted(callers - set(LAUNCH_CONFIG_READERS))} read IMPEL_CONFIG themselves; take the value from the run "
+        "record (resolve) or, for what user code builds before the Accelerator (ParallelismConfig), from the "
+        "Accelerate variable impel launch exports")
+
+
 def test_no_module_is_longer_than_500_lines():
     long = {m: n for m, p in modules().items() if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
     assert not long, (f"modules over {MAX_LINES} lines: "
