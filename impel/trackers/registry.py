@@ -86,8 +86,7 @@ class AcceleratorTrackers:
     ``end_training`` use. Names are checked (and packages looked for) when the Accelerator is built, on every rank.
     """
 
-    def __init__(self, log_with: str | LoggerType | GeneralTracker | Sequence[str | LoggerType | GeneralTracker] | None
-                 ) -> None:
+    def __init__(self, log_with: object) -> None:  # a name, LoggerType or tracker, a list of them, or None
         given = list(log_with) if isinstance(log_with, (list, tuple)) else ([] if log_with is None else [log_with])
         entries: list[str | GeneralTracker] = [
             e if isinstance(e, GeneralTracker) else str(e.value if isinstance(e, LoggerType) else e) for e in given]
