@@ -58,7 +58,7 @@ class TorchTensorParallelConfig:
     """
 
     enable_async_tp: bool = False
-    tp_plan: dict[str, Any] | None = None
+    tp_plan: dict[str, object] | None = None
 
     def __post_init__(self) -> None:
         if self.enable_async_tp:
@@ -106,9 +106,9 @@ class ParallelismConfig:
     ``sp_size > 1`` (DeepSpeed sequence parallelism) raises.
     """
 
-    tp_handler: Any = by_hand()
-    cp_handler: Any = None
-    sp_handler: Any = None
+    tp_handler: TorchTensorParallelConfig | None = by_hand()
+    cp_handler: TorchContextParallelConfig | None = None
+    sp_handler: object = None
 
     device_mesh = None  # built by get_device_mesh (not a field, as in Accelerate)
 

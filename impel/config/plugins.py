@@ -334,12 +334,12 @@ class FullyShardedDataParallelPlugin:
     cpu_offload: Any = by_hand(before="offload_params")
     mixed_precision_policy: Any = None
     # Accelerate's arguments impel refuses when set (impel.config.plugin_refusals says why and what to use instead)
-    ignored_modules: Any = None
-    state_dict_config: Any = None
-    optim_state_dict_config: Any = None
+    ignored_modules: object = None
+    state_dict_config: object = None
+    optim_state_dict_config: object = None
     limit_all_gathers: bool = True
-    param_init_fn: Any = None
-    activation_checkpointing_offload: Any = None
+    param_init_fn: object = None
+    activation_checkpointing_offload: object = None
 
     if TYPE_CHECKING:  # the dataclass __init__ config_backed builds, with keywords type checkers cannot see
         def __init__(self, *args: Any, **kwargs: Any) -> None: ...
@@ -405,9 +405,9 @@ class DeepSpeedPlugin(DeepSpeedPluginMembers):
     hf_ds_config: Any = by_hand(before="gradient_clipping")  # deepspeed_config_file, or a dict
     gradient_accumulation_steps: int | None = by_hand(before="gradient_clipping")  # the top-level key
     is_train_batch_min: bool = by_hand(True, before="offload_optimizer_device")
-    transformer_moe_cls_names: Any = None  # these three: refused when set (impel.config.plugin_refusals)
-    enable_msamp: Any = None
-    msamp_opt_level: Any = None
+    transformer_moe_cls_names: object = None  # these three: refused when set (impel.config.plugin_refusals)
+    enable_msamp: object = None
+    msamp_opt_level: object = None
 
     if TYPE_CHECKING:  # the dataclass __init__ config_backed builds, with keywords type checkers cannot see
         def __init__(self, *args: Any, **kwargs: Any) -> None: ...
