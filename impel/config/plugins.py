@@ -349,7 +349,7 @@ class FullyShardedDataParallelPlugin:
         self.mixed_precision = mixed_precision_mode(self.mixed_precision_policy)
         self.to_config_section()  # validate now, with the YAML key names in the messages
 
-    def to_config_section(self) -> dict[str, Any]:
+    def to_config_section(self) -> dict[str, object]:
         """The explicitly given fields as an ``fsdp_config`` section (``fsdp_*`` keys), validated and normalised."""
         raw = self._raw_section()
         checked = FSDPConfig(**raw).validate()
@@ -423,7 +423,7 @@ class DeepSpeedPlugin(DeepSpeedPluginMembers):
         _check_bool("DeepSpeedPlugin", "is_train_batch_min", self.is_train_batch_min)
         self.to_config_section()  # validate now, with the YAML key names in the messages
 
-    def to_config_section(self) -> dict[str, Any]:
+    def to_config_section(self) -> dict[str, object]:
         """The explicitly given fields as a ``deepspeed_config`` section, validated (a dict JSON is not in it)."""
         raw = {name: getattr(self, attr) for attr, name in _DEEPSPEED_KEYS.items() if getattr(self, attr) is not None}
         if isinstance(self.hf_ds_config, (str, os.PathLike)):
@@ -431,7 +431,7 @@ class DeepSpeedPlugin(DeepSpeedPluginMembers):
         checked = DeepSpeedConfig(**raw).validate()
         return {key: getattr(checked, key) for key in raw}
 
-    def code_arguments(self, gradient_accumulation_steps: int | None) -> dict[str, Any]:
+    def code_arguments(self, gradient_accumulation_steps: int | None) -> dict[str, object]:
         """What this plugin adds to the Accelerator's code arguments (merged over the launched config)."""
         steps = self.gradient_accumulation_steps
         if steps is not None and gradient_accumulation_steps is not None and steps != gradient_accumulation_steps:
