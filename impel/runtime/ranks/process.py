@@ -365,7 +365,7 @@ class AcceleratorState(PartialState):
     """``PartialState`` plus the settings the live Accelerator resolved; ``accelerator.state`` is one."""
 
     def __init__(self, cpu: bool = False, backend: str | None = None, timeout: timedelta | None = None,
-                 init_method: str | None = None, *, accelerator: Any = None) -> None:
+                 init_method: str | None = None, *, accelerator: object = None) -> None:
         """``accelerator``: the Accelerator building this state (it passes itself); later ``AcceleratorState()``
         calls read its settings. Every live Accelerator is remembered (weakly; the newest answers), so a short-lived
         one that a helper builds and drops leaves the settings of the ones still alive readable, as Accelerate's

@@ -33,7 +33,7 @@ CPU_LIMIT = ("torch's context_parallel has no CPU sharding rule for scaled_dot_p
              "registered'): context parallelism runs on CUDA only")
 
 
-def comm_strategy(value: Any = None) -> str:
+def comm_strategy(value: object = None) -> str:
     """The rotate method: a name, a handler carrying ``cp_comm_strategy`` (Accelerate's TorchContextParallelConfig),
     or None (Accelerate's default, "allgather")."""
     name = getattr(value, "cp_comm_strategy", value)
@@ -92,7 +92,7 @@ def _check_buffers(mesh: Any, buffers: Sequence[Any], seq_dims: Sequence[int], n
 
 @contextmanager
 def context_parallel(mesh: Any, buffers: Sequence[Any] | None = None, buffer_seq_dims: Sequence[int] | None = None,
-                     no_restore_buffers: set[Any] | None = None, cp_comm_strategy: Any = None) -> Iterator[None]:
+                     no_restore_buffers: set[Any] | None = None, cp_comm_strategy: object = None) -> Iterator[None]:
     """Split ``buffers`` along ``buffer_seq_dims`` over the cp ranks and run SDPA as ring attention inside; a
     no-op when ``mesh`` has no cp dimension larger than 1 (see the module docstring)."""
     strategy = comm_strategy(cp_comm_strategy)

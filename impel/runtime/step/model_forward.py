@@ -22,7 +22,7 @@ from impel.runtime.step.accumulation import GradientState
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
-def outputs_to_fp32(outputs: Any) -> Any:
+def outputs_to_fp32(outputs: object) -> Any:
     """fp16/bf16 tensors in (nested) outputs become fp32; everything else is returned as it is."""
     return recursively_apply(lambda t: t.float() if t.dtype in _LOW_PRECISION else t, outputs,
                              error_on_other_type=False)
@@ -65,7 +65,7 @@ class PreparedForward:
         """The forward underneath (``inspect.signature`` follows it)."""
         return self.__self__.__dict__["_impel_original_forward"]
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: object, **kwargs: object) -> Any:
         model = self.__self__
         ctx: ForwardContext = model.__dict__["_impel_ctx"]
         original: Callable[..., Any] = model.__dict__["_impel_original_forward"]  # where patch_forward put both

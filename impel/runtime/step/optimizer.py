@@ -142,7 +142,7 @@ class AcceleratedScheduler:
         self.step_with_optimizer = step_with_optimizer
         self.steps_per_update = steps_per_update
 
-    def step(self, *args: Any, **kwargs: Any) -> None:
+    def step(self, *args: Any, **kwargs: object) -> None:
         if not self.step_with_optimizer:
             self.scheduler.step(*args, **kwargs)
             return
@@ -167,7 +167,7 @@ class AcceleratedScheduler:
     def get_lr(self) -> Any:
         return self.scheduler.get_lr()
 
-    def print_lr(self, *args: Any, **kwargs: Any) -> Any:
+    def print_lr(self, *args: object, **kwargs: object) -> Any:
         return self.scheduler.print_lr(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:

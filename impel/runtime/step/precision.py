@@ -30,7 +30,7 @@ class Precision:
     def autocast(self, enabled: bool | None = None) -> contextlib.AbstractContextManager[Any]:
         return contextlib.nullcontext()
 
-    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+    def backward(self, loss: torch.Tensor, **kwargs: object) -> None:
         loss.backward(**kwargs)
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
@@ -89,7 +89,7 @@ class ScaledPrecision(AutocastPrecision):
             self.scaler.unscale_(optimizer)
             self._unscaled.add(id(optimizer))
 
-    def step(self, optimizer: torch.optim.Optimizer, closure: Any = None) -> bool:
+    def step(self, optimizer: torch.optim.Optimizer, closure: object = None) -> bool:
         scale_before = self.scaler.get_scale()
         self.scaler.step(optimizer) if closure is None else self.scaler.step(optimizer, closure)
         self.scaler.update()
