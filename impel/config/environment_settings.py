@@ -105,7 +105,7 @@ def environment_settings() -> dict[str, Any]:
     chosen = [(kind, table) for var, (kind, table) in STRATEGIES.items() if _switch(found, var)]
     if len(chosen) > 1:
         raise ConfigError("both ACCELERATE_USE_FSDP and ACCELERATE_USE_DEEPSPEED are true; set only one of them")
-    out: dict[str, Any] = {}
+    out: dict[str, object] = {}
     tables = [PLAIN, *(table for _, table in chosen)]
     if chosen:
         out["distributed_type"] = chosen[0][0]

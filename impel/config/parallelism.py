@@ -68,7 +68,7 @@ class TorchTensorParallelConfig:
             check_plan(self.tp_plan)
 
 
-def check_plan(plan: Any) -> None:
+def check_plan(plan: object) -> None:
     """A plan maps module paths to style names or ParallelStyle objects; a misspelled name fails here."""
     if not isinstance(plan, dict) or not plan:
         raise ConfigError(f"tp_plan={plan!r} must be a non-empty dict of module path -> style, e.g. "
@@ -145,7 +145,7 @@ class ParallelismConfig:
 
     def _given_section(self) -> dict[str, Any]:
         """The section values set here: the keywords given, then Accelerate's variables for the others."""
-        out: dict[str, Any] = {}
+        out: dict[str, object] = {}
         variables = _environment()
         for f in fields(ParallelismSection):
             if f.name == "cp_comm_strategy":
@@ -300,7 +300,7 @@ class ParallelismConfig:
         setattr(self, f"{parallelism}_size", size)
 
 
-def _field_value(name: str, value: Any, from_text: bool = False) -> Any:
+def _field_value(name: str, value: object, from_text: bool = False) -> Any:
     meta = next(f.metadata for f in fields(ParallelismSection) if f.name == name)
     return coerce(name, value, meta, from_text=from_text)
 

@@ -27,7 +27,7 @@ DEEPSPEED_REFUSED: dict[str, tuple[Any, str]] = {
 }
 
 
-def refuse_set(plugin: Any, refused: dict[str, tuple[Any, str]]) -> None:
+def refuse_set(plugin: object, refused: dict[str, tuple[object, str]]) -> None:
     """A ConfigError naming the first of ``refused`` that ``plugin`` sets, with its reason."""
     for name, (unset, reason) in refused.items():
         value = getattr(plugin, name)

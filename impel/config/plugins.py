@@ -26,7 +26,7 @@ from impel.config.run_config import (
 )
 
 
-def _check_bool(owner: str, name: str, value: Any) -> None:
+def _check_bool(owner: str, name: str, value: object) -> None:
     if not isinstance(value, bool):
         raise ConfigError(f"{owner}({name}={value!r}) must be True or False")
 
@@ -259,7 +259,7 @@ class Handlers:
         return out
 
 
-def by_hand(default: Any = None, *, before: str | None = None) -> Any:
+def by_hand(default: object = None, *, before: str | None = None) -> Any:
     """A plugin field written by hand (not a config field), placed before the generated keyword ``before``
     (after all of them without one)."""
     return field(default=default, metadata={"before": before})
@@ -281,7 +281,7 @@ def config_backed(section: type, *, enums: bool = False) -> Callable[[type], typ
     """
     def build(cls: type) -> type:
         own = inspect.get_annotations(cls)
-        generated: dict[str, tuple[str, Any]] = {}
+        generated: dict[str, tuple[str, object]] = {}
         for f in fields(section):
             keyword = plugin_keyword(f)
             if keyword is None:
@@ -357,7 +357,7 @@ class FullyShardedDataParallelPlugin:
 
     def _raw_section(self) -> dict[str, Any]:
         """Config field -> the value given here (torch's enums and classes as names)."""
-        out: dict[str, Any] = {}
+        out: dict[str, object] = {}
         for attr, name in _FSDP_KEYS.items():
             value = getattr(self, attr)
             if attr == "offload_params":  # cpu_offload is the same switch

@@ -67,7 +67,7 @@ class Freezable:
                 value.freeze()
         object.__setattr__(self, "_frozen", True)
 
-    def __setattr__(self, name: str, value: Any) -> None:
+    def __setattr__(self, name: str, value: object) -> None:
         if self._frozen:
             raise AttributeError(f"{type(self).__name__}.{name} is read-only: the run config is settled when the "
                                  f"Accelerator is built; pass {name} to Accelerator(...) or set it in the launch "
@@ -135,7 +135,7 @@ def coerce(name: str, value: Any, meta: Mapping[str, Any], from_text: bool = Fal
     return value
 
 
-def _hashable(value: Any) -> bool:
+def _hashable(value: object) -> bool:
     try:
         hash(value)
     except TypeError:
@@ -143,7 +143,7 @@ def _hashable(value: Any) -> bool:
     return True
 
 
-def _min_text(meta: Mapping[str, Any]) -> str:
+def _min_text(meta: Mapping[str, object]) -> str:
     if meta.get("max") is not None:
         return f" from {meta['min']:g} to {meta['max']:g}"
     return f" >= {meta['min']:g}" if meta["min"] is not None else ""

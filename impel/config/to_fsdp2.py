@@ -64,7 +64,7 @@ def _reshards(key: str, value: Any, notes: list[str]) -> Any:
     return RESHARD_AFTER_FORWARD[name]
 
 
-def _check_impel_reads(converted: Mapping[str, Any]) -> None:
+def _check_impel_reads(converted: Mapping[str, object]) -> None:
     from impel.config.yaml_file import normalise_accelerate_keys
 
     try:

@@ -136,7 +136,7 @@ class _NotProvided(type):
     """The type of a placeholder: building or calling it raises :class:`NotProvidedError`; reading an attribute it
     does not have raises :class:`NotProvidedAttributeError` (an AttributeError); introspection works."""
 
-    def __call__(cls, *args: Any, **kwargs: Any) -> NoReturn:
+    def __call__(cls, *args: object, **kwargs: object) -> NoReturn:
         _refuse(cls.__name__)
 
     def __getattr__(cls, attr: str) -> NoReturn:

@@ -31,7 +31,7 @@ STAGING_ENV = "IMPEL_STAGING_DIR"  # read by impel.config.environment.staging_di
 Location = str | os.PathLike[str] | None  # a checkpoint location as given: a path, a URL, or none
 
 
-def scheme_of(value: Location) -> str | None:
+def scheme_of(value: Any) -> str | None:  # Any: callers pass what users gave (HF's resume flag too)
     """The URL scheme of a checkpoint location (``None``: a path; ``file://`` counts as a path)."""
     if value is None:
         return None
@@ -72,11 +72,11 @@ class Remote:
             return False
 
 
-def parse(value: Location, what: str) -> Remote | None:
+def parse(value: Any, what: str) -> Remote | None:
     """``value`` as a :class:`Remote` when it is a URL other than ``file://``; ``None`` for a path. A scheme
     whose fsspec implementation is not installed raises one error naming the extra to install."""
     scheme = scheme_of(value)
-    if scheme is None or value is None:
+    if scheme is None:
         return None
     text = os.fspath(value).rstrip("/")
     try:
