@@ -30,7 +30,7 @@ class Prompter:
         self.interactive = self.stdin.isatty()
 
     def ask(self, name: str, meta: Any, default: Any, *, leave: bool = False,
-            check: Callable[[Any], None] | None = None) -> Any:
+            check: Callable[[Any], None] | None = None) -> object:
         """Ask for one field; returns the coerced value (``_LEAVE`` when ``leave`` and the answer is empty)."""
         shown = "leave it to the script" if leave else ("none" if default is None else _show(default))
         choices = f" ({'/'.join(_show(c) for c in meta['choices'])})" if meta["choices"] else ""

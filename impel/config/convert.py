@@ -33,7 +33,7 @@ _PRECISION_NOTE = {
 }
 
 
-def convert(explicit: Mapping[str, object], target: str) -> tuple[dict[str, Any], list[str]]:
+def convert(explicit: Mapping[str, object], target: str) -> tuple[dict[str, object], list[str]]:
     """Return the translated explicit config and the notes; ``target`` is 'deepspeed' or 'fsdp'."""
     target = target.lower()
     if target not in ("deepspeed", "fsdp"):
@@ -78,7 +78,7 @@ def _zero_stage(strategy: str) -> int:
     return 0 if strategy == "NO_SHARD" else 3 if reshards_after_forward(strategy) else 2
 
 
-def _fsdp_to_deepspeed(cfg: RunConfig, given: Mapping[str, object], notes: list[str]) -> dict[str, Any]:
+def _fsdp_to_deepspeed(cfg: RunConfig, given: Mapping[str, object], notes: list[str]) -> dict[str, object]:
     fsdp = cfg.fsdp
     strategy = fsdp.resolved_sharding_strategy
     stage = _zero_stage(strategy)
@@ -121,7 +121,7 @@ def _fsdp_to_deepspeed(cfg: RunConfig, given: Mapping[str, object], notes: list[
     return out
 
 
-def _deepspeed_to_fsdp(cfg: RunConfig, base: dict[str, object], notes: list[str]) -> dict[str, Any]:
+def _deepspeed_to_fsdp(cfg: RunConfig, base: dict[str, object], notes: list[str]) -> dict[str, object]:
     ds = _effective_deepspeed(cfg, base, notes)
     _runner_to_fsdp(ds, base, notes)
     stage = ds.get("zero_stage", 2)

@@ -134,7 +134,7 @@ def find_auto(node: object, prefix: str = "") -> list[str]:
 
 
 # --- loading -----------------------------------------------------------------------------------------------------
-def load_json(source: Any) -> tuple[dict[str, Any], str]:
+def load_json(source: Any) -> tuple[dict[str, object], str]:
     """(a deep copy of the JSON as a dict, a name for messages); ``source`` is a path, a dict or None."""
     if source is None:
         return {}, "the DeepSpeed config impel builds"
@@ -163,7 +163,7 @@ class Resolved:
         return "none" if device in (_ABSENT, None) else str(device)
 
 
-def settle_deepspeed(config: RunConfig, plugin: object) -> tuple[Resolved, dict[str, Any]]:
+def settle_deepspeed(config: RunConfig, plugin: object) -> tuple[Resolved, dict[str, object]]:
     """The DeepSpeed JSON (the plugin's dict, else ``deepspeed_config_file``, else none) settled against the run
     config, and what it decides for the run config: ``gradient_accumulation_steps`` and ``mixed_precision``."""
     source = json_source(config, plugin)
@@ -171,7 +171,7 @@ def settle_deepspeed(config: RunConfig, plugin: object) -> tuple[Resolved, dict[
     return resolve_static(ds, name, config, json_given=source is not None)
 
 
-def json_source(config: RunConfig, plugin: object) -> Any:
+def json_source(config: RunConfig, plugin: object) -> object:
     """Where the DeepSpeed JSON comes from: a dict given to ``DeepSpeedPlugin(hf_ds_config=...)``, else the config's
     ``deepspeed_config_file`` (a path given to the plugin is already there), else None."""
     path = config.deepspeed.deepspeed_config_file
@@ -185,7 +185,7 @@ def json_source(config: RunConfig, plugin: object) -> Any:
 
 
 def resolve_static(ds: dict[str, object], source: str, config: RunConfig,
-                   json_given: bool) -> tuple[Resolved, dict[str, Any]]:
+                   json_given: bool) -> tuple[Resolved, dict[str, object]]:
     """Settle what is known before prepare; returns the settled JSON and the accumulation steps and precision the
     run takes from it (``config`` is not changed)."""
     check_json_values(ds, source)
@@ -279,7 +279,7 @@ def _check_combinations(r: Resolved) -> None:
                           "below stage 3 every rank holds the whole model and save_model needs no gathering")
 
 
-def init_config(r: Resolved) -> dict[str, Any]:
+def init_config(r: Resolved) -> dict[str, object]:
     """A copy DeepSpeed's ``zero.Init`` (and transformers) can parse before batch sizes are known."""
     ds = {k: copy.deepcopy(v) for k, v in r.ds.items() if k not in ("optimizer", "scheduler", "train_batch_size")}
     for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
@@ -290,7 +290,7 @@ def init_config(r: Resolved) -> dict[str, Any]:
 
 # --- at prepare --------------------------------------------------------------------------------------------------
 def fill_runtime(r: Resolved, *, micro_batch: int | None, world: int, optimizer: object, scheduler: object,
-                 has_optimizer: bool, model: object = None) -> dict[str, Any]:
+                 has_optimizer: bool, model: object = None) -> dict[str, object]:
     """The concrete JSON for one engine; raises for "auto" values nothing can fill."""
     ds = copy.deepcopy(r.ds)
     micro = settle(ds, "train_micro_batch_size_per_gpu", micro_batch, "the prepared DataLoader's batch size "

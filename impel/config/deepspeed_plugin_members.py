@@ -23,7 +23,7 @@ from __future__ import annotations
 import copy
 import types
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from impel.config.deepspeed_json import _ABSENT, AUTO, get, put, settle_deepspeed
 from impel.config.run_config import ConfigError, merge_code_arguments
@@ -81,7 +81,7 @@ class DeepSpeedPluginMembers:
     def is_auto(self, ds_key_long: str) -> bool:
         return bool(self.get_value(ds_key_long) == AUTO)
 
-    def _live(self, what: str) -> dict[str, Any]:
+    def _live(self, what: str) -> dict[str, object]:
         if self._settled is None:
             raise ConfigError(f"DeepSpeedPlugin.{what}: the DeepSpeed JSON is settled when the Accelerator is built; "
                               "create Accelerator(deepspeed_plugin=...) first, or give the value in the JSON "
@@ -139,7 +139,7 @@ class DeepSpeedPluginMembers:
         resolved = self._alone()
         return resolved.zero3_init and resolved.stage == 3
 
-    def zero3_init_context_manager(self, enable: bool = False) -> Any:
+    def zero3_init_context_manager(self, enable: bool = False) -> NoReturn:
         from impel.config.unsupported import NotProvidedError
 
         raise NotProvidedError(f"DeepSpeedPlugin.zero3_init_context_manager(enable={enable}): impel settles "

@@ -13,7 +13,7 @@ import json
 import os
 from collections.abc import Iterable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from impel.config import cluster
 from impel.config.schema import ConfigError
@@ -78,7 +78,7 @@ def export_topology(topology: Topology, environ: MutableMapping[str, str] | None
             env[name] = str(value)
 
 
-def read_launch_config(environ: Mapping[str, str] | None = None) -> dict[str, Any] | None:
+def read_launch_config(environ: Mapping[str, str] | None = None) -> dict[str, object] | None:
     """The run config ``impel launch`` validated and exported, or None when not launched by impel."""
     env = os.environ if environ is None else environ
     raw = env.get(CONFIG_VAR)

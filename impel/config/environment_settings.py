@@ -98,7 +98,7 @@ def set_variables() -> dict[str, tuple[str, str]]:
     return out
 
 
-def environment_settings() -> dict[str, Any]:
+def environment_settings() -> dict[str, object]:
     """The run config keys the environment sets (sections as nested mappings); ``{}`` when it sets none."""
     found = set_variables()
     _refuse_unsupported(found)
@@ -158,7 +158,7 @@ def _refuse_unsupported(found: Mapping[str, tuple[str, str]]) -> None:
             raise ConfigError(f"environment variable {shown}={value!r} {reason}; unset it to run on impel")
 
 
-def _value(found: tuple[str, str], key: str) -> Any:
+def _value(found: tuple[str, str], key: str) -> object:
     shown, raw = found
     section, _, name = key.rpartition(".")
     owner = SECTIONS[section] if section else RunConfig

@@ -8,7 +8,7 @@ from typing import Any
 from impel.config.run_config import ConfigError
 
 
-def enum_name(value: object) -> Any:
+def enum_name(value: object) -> object:
     return value.name if isinstance(value, enum.Enum) else value
 
 

@@ -120,7 +120,7 @@ def check_zero_stage(value: object, what: str) -> None:
 
 # --- sections ------------------------------------------------------------------------------------------------
 # FSDP1's ShardingStrategy numbers, as Accelerate accepts them (YAML 1 or "1", flag --fsdp_sharding_strategy 1)
-_FSDP1_STRATEGY_NUMBERS: dict[Any, str] = {k: v for n, v in enumerate(SHARDING_STRATEGIES, 1) for k in (n, str(n))}
+_FSDP1_STRATEGY_NUMBERS: dict[object, str] = {k: v for n, v in enumerate(SHARDING_STRATEGIES, 1) for k in (n, str(n))}
 _WRAPPING_NOTE = "wrapping is transparent in DeepSpeed (it partitions every parameter)"
 _PREFETCH_NOTE = "prefetching is automatic in DeepSpeed (tune stage3_prefetch_bucket_size in a DeepSpeed JSON)"
 
@@ -274,7 +274,7 @@ def section_keys(cls: type[Section]) -> dict[str, str]:
     return {cls.PREFIX + f.name: f.name for f in fields(cls)}
 
 
-def _section_from_dict(name: str, cls: type[Section], data: object) -> Any:
+def _section_from_dict(name: str, cls: type[Section], data: object) -> object:
     if data is None:
         return None
     if not isinstance(data, Mapping):
@@ -441,7 +441,7 @@ class RunConfig(Freezable):
         return cfg
 
 
-def _normalised_explicit(cfg: RunConfig, explicit: Mapping[str, Any]) -> dict[str, Any]:
+def _normalised_explicit(cfg: RunConfig, explicit: Mapping[str, Any]) -> dict[str, object]:
     """The explicitly given keys, with the validated (coerced) values."""
     full = cfg.to_dict()
     out: dict[str, Any] = {}
@@ -453,11 +453,11 @@ def _normalised_explicit(cfg: RunConfig, explicit: Mapping[str, Any]) -> dict[st
     return out
 
 
-def to_plain(data: Mapping[str, object]) -> dict[str, Any]:
+def to_plain(data: Mapping[str, object]) -> dict[str, object]:
     return {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in data.items()}
 
 
-def defaults() -> dict[str, Any]:
+def defaults() -> dict[str, object]:
     return {f.name: f.default for f in fields(RunConfig) if f.default is not MISSING}
 
 

@@ -97,7 +97,7 @@ def bool_word(text: str) -> bool | None:
     return True if word in TRUE_WORDS else False if word in FALSE_WORDS else None
 
 
-def coerce(name: str, value: Any, meta: Mapping[str, Any], from_text: bool = False) -> Any:
+def coerce(name: str, value: Any, meta: Mapping[str, Any], from_text: bool = False) -> object:
     """Check (and, for text from flags or prompts, convert) one value against its field schema."""
     if value is None:
         return None
@@ -149,7 +149,7 @@ def _min_text(meta: Mapping[str, object]) -> str:
     return f" >= {meta['min']:g}" if meta["min"] is not None else ""
 
 
-def _parse_text(name: str, raw: str, kind: str, choices: tuple | None) -> Any:
+def _parse_text(name: str, raw: str, kind: str, choices: tuple | None) -> object:
     text = raw.strip()
     if choices is not None and any(isinstance(c, int) and not isinstance(c, bool) for c in choices):
         kind = "int"

@@ -154,7 +154,7 @@ def placeholder(name: str) -> type:
                                     "__module__": __name__})
 
 
-_made: dict[str, Any] = {}
+_made: dict[str, object] = {}
 
 
 def __getattr__(name: str) -> Any:
@@ -166,7 +166,7 @@ def __getattr__(name: str) -> Any:
     return _made[name]
 
 
-def _accelerates(name: str) -> Any:
+def _accelerates(name: str) -> object:
     """Accelerate's own ``name`` (one of :data:`ACCELERATES_OWN`), or None when Accelerate is not installed."""
     for module in _ACCELERATE_MODULES:
         try:

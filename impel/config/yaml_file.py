@@ -19,7 +19,7 @@ from impel.config.run_config import SECTIONS, ConfigError, RunConfig
 
 # Accelerate keys that load only with their "off" value: key -> (values meaning off, what the key is for).
 _OFF_NONE = (None, False, "", "no", "NO", "none", "None")
-INERT_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
+INERT_KEYS: dict[str, tuple[tuple[object, ...], str]] = {
     "downcast_bf16": (_OFF_NONE, "a TPU setting"),
     "tpu_env": (_OFF_NONE + ((),), "a TPU setting"),
     "tpu_use_cluster": (_OFF_NONE, "a TPU setting"),
@@ -47,7 +47,7 @@ def _is_off(value: object, off: tuple[object, ...]) -> bool:
     return any(value is o or (type(value) is type(o) and value == o) for o in off)
 
 
-def normalise_accelerate_keys(data: Mapping[str, Any], source: str) -> dict[str, Any]:
+def normalise_accelerate_keys(data: Mapping[str, Any], source: str) -> dict[str, object]:
     """Drop Accelerate's inert keys (raising when one is on) and fold its aliases into impel's keys."""
     out: dict[str, Any] = {}
     for key, value in data.items():
@@ -91,7 +91,7 @@ def _fold_mpirun(out: dict[str, object], source: str) -> None:
         out["mpirun_hostfile"] = os.path.expanduser(str(hostfile))
 
 
-def _normalise_deepspeed(ds: dict[str, object], top: dict[str, object], source: str) -> dict[str, Any]:
+def _normalise_deepspeed(ds: dict[str, object], top: dict[str, object], source: str) -> dict[str, object]:
     # Accelerate keeps the accumulation steps inside the section; impel has one top-level value.
     if "gradient_accumulation_steps" in ds:
         steps = ds.pop("gradient_accumulation_steps")
@@ -131,7 +131,7 @@ def unique_key_loader() -> Any:
     return UniqueKeyLoader
 
 
-def read_config_file(path: str) -> dict[str, Any]:
+def read_config_file(path: str) -> dict[str, object]:
     """The explicitly set keys of a YAML (or JSON) config file, validated; raises ConfigError naming the file."""
     data = load_config_mapping(path)
     try:
@@ -140,7 +140,7 @@ def read_config_file(path: str) -> dict[str, Any]:
         raise ConfigError(f"{path}: {exc}") from None
 
 
-def load_config_mapping(path: str) -> dict[str, Any]:
+def load_config_mapping(path: str) -> dict[str, object]:
     """A config file's keys in impel's names (Accelerate's older names mapped), not yet validated."""
     import yaml
 
@@ -172,7 +172,7 @@ def load_config_mapping(path: str) -> dict[str, Any]:
     return dict(normalise_accelerate_keys(data, path))
 
 
-def file_document(explicit: Mapping[str, Any]) -> dict[str, Any]:
+def file_document(explicit: Mapping[str, Any]) -> dict[str, object]:
     """What a config file holds: the explicit keys in a stable order, sections without unset (None) values."""
     order = [k for k in RunConfig.__dataclass_fields__ if k in explicit]
     doc: dict[str, Any] = {}
@@ -209,7 +209,7 @@ def dump_yaml(data: Mapping[str, object]) -> str:
     return yaml.safe_dump(dict(data), sort_keys=False, default_flow_style=False)
 
 
-def read_json_object(path: str | os.PathLike[str], name: str) -> dict[str, Any]:
+def read_json_object(path: str | os.PathLike[str], name: str) -> dict[str, object]:
     """The JSON object in the file ``path``; a ConfigError naming ``name=path`` when the file is missing, is not
     JSON or holds something other than an object (the DeepSpeed JSON, the Trainer's dict knobs)."""
     path = os.fspath(path)
@@ -228,7 +228,7 @@ def read_json_object(path: str | os.PathLike[str], name: str) -> dict[str, Any]:
     return data
 
 
-def _unique_pairs(pairs: list[tuple[str, object]]) -> dict[str, Any]:
+def _unique_pairs(pairs: list[tuple[str, object]]) -> dict[str, object]:
     """``json.load``'s object hook: a key given twice in one object raises :class:`DuplicateKey` (no lines known)."""
     out: dict[str, object] = {}
     for key, value in pairs:

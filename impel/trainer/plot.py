@@ -38,7 +38,7 @@ def _pyplot() -> Any:
     return plt
 
 
-def read_history(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+def read_history(path: str | os.PathLike[str]) -> list[dict[str, object]]:
     """The rows of a ``metrics.jsonl`` file."""
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
