@@ -260,14 +260,15 @@ def _check_no_agent(ns: argparse.Namespace, flag: str, starter: str) -> None:
 
 
 def _rank_variables(config: RunConfig, ns: argparse.Namespace) -> dict[str, str]:
-    """What ``accelerate launch`` tells its ranks through Accelerate's own variables, for code that reads them:
-    ``--debug`` turns on debug mode (``ACCELERATE_DEBUG_MODE``: collectives check shapes across ranks first; set
-    either way, so a variable left in the shell cannot contradict the resolved config);
-    ``--use_parallelism_config`` makes ``Accelerator()`` build a ``ParallelismConfig()`` without sizes
-    (``ACCELERATE_USE_PARALLELISM_CONFIG``: every rank data parallel, ``accelerator.parallelism_config`` set)."""
+    """Accelerate's variables as ``accelerate launch`` sets them, for code that reads them: ``--debug``
+    (``ACCELERATE_DEBUG_MODE``, set either way so a shell's value cannot contradict the config: collectives check
+    shapes first), ``--use_parallelism_config`` (``ACCELERATE_USE_PARALLELISM_CONFIG``: ``Accelerator()`` builds a
+    ``ParallelismConfig()``) and the ``parallelism_config`` section (``PARALLELISM_CONFIG_*``, which it reads)."""
     out = {"ACCELERATE_DEBUG_MODE": "true" if config.debug else "false"}
     if getattr(ns, "use_parallelism_config", False):
         out["ACCELERATE_USE_PARALLELISM_CONFIG"] = "true"
+    if config.parallelism_config is not None:
+        out.update(env.parallelism_exports(config.parallelism_config))
     return out
 
 

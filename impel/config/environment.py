@@ -12,11 +12,14 @@ import contextlib
 import json
 import os
 from collections.abc import Iterable, Iterator, Mapping, MutableMapping
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any
 
 from impel.config import cluster
 from impel.config.schema import ConfigError
+
+if TYPE_CHECKING:
+    from impel.config.mesh_sizes import ParallelismSection
 
 CONFIG_VAR = "IMPEL_CONFIG"
 _ENCODED = "base64:"
@@ -187,6 +190,14 @@ def parallelism_variables(names: list[str]) -> dict[str, str]:
     by field name: only those set and not empty."""
     found = {name: os.environ.get("PARALLELISM_CONFIG_" + name.upper(), "") for name in names}
     return {name: value for name, value in found.items() if value.strip()}
+
+
+def parallelism_exports(section: ParallelismSection) -> dict[str, str]:
+    """What ``accelerate launch`` tells its ranks of the ``parallelism_config`` section, by field name
+    (``tp_size`` -> ``PARALLELISM_CONFIG_TP_SIZE``): ``ParallelismConfig()`` reads these, under impel as under
+    Accelerate, so the launched sizes reach the code without it reading the launch config."""
+    values = {f.name: getattr(section, f.name) for f in fields(section)}
+    return {"PARALLELISM_CONFIG_" + name.upper(): str(value) for name, value in values.items() if value is not None}
 
 
 def launch_environment(config: Mapping[str, Any], threads: int | None, gpu_ids: str | None,

@@ -6,10 +6,10 @@ The sizes describe one ``DeviceMesh`` with the dims ``dp_replicate``, ``dp_shard
 innermost; a dim of size 1 is left out), plus the flattened sub-meshes ``dp`` (replicate x shard: the ranks that
 see different batches), ``dp_shard_cp`` (what FSDP shards over) and ``dp_cp`` (what a loss is averaged over).
 
-A size left at None takes ``$PARALLELISM_CONFIG_<NAME>`` (Accelerate's launcher variables), else the launched
-``parallelism_config`` section (``--parallelism_config_tp_size``), else 1. The Accelerator settles the sizes against
-the world size before anything is built (:func:`settle`): their product must equal it; a config whose sizes are
-all 1 becomes plain data parallelism over every rank.
+A size left at None takes ``$PARALLELISM_CONFIG_<NAME>`` (Accelerate's launcher variables: ``impel launch``
+exports its ``parallelism_config`` section, ``--parallelism_config_tp_size``, as them, like ``accelerate launch``),
+else 1. The Accelerator settles the sizes against the world size before anything is built (:func:`settle`): their
+product must equal it; a config whose sizes are all 1 becomes plain data parallelism over every rank.
 
 Example::
 
@@ -30,7 +30,6 @@ from impel.config.mesh_sizes import (
     ParallelismSection,
     check_strategy,
     check_world_size,
-    section_keys,
     total_size,
 )
 from impel.config.plugins import by_hand, config_backed
@@ -85,14 +84,14 @@ def check_plan(plan: Any) -> None:
 @dataclass
 class TorchContextParallelConfig:
     """Context parallelism settings (``ParallelismConfig(cp_handler=...)``): ``cp_comm_strategy`` ('allgather' or
-    'alltoall'; None takes ``$PARALLELISM_CONFIG_CP_COMM_STRATEGY``, else the launched section, else 'allgather')."""
+    'alltoall'; None takes ``$PARALLELISM_CONFIG_CP_COMM_STRATEGY``, else 'allgather')."""
 
     cp_comm_strategy: str | None = None
 
     def __post_init__(self) -> None:
         given = self.cp_comm_strategy is not None
         if not given:
-            self.cp_comm_strategy = _environment().get("cp_comm_strategy") or _launched().get("cp_comm_strategy")
+            self.cp_comm_strategy = _environment().get("cp_comm_strategy")
         self.cp_comm_strategy = _field_value("cp_comm_strategy", self.cp_comm_strategy or "allgather", from_text=True)
         self.__dict__["_given"] = given
 
@@ -103,8 +102,8 @@ class ParallelismConfig:
 
     ``dp_replicate_size`` / ``dp_shard_size`` / ``tp_size`` / ``cp_size`` / ``cp_backend`` / ``sp_size`` /
     ``sp_backend`` are generated from :class:`impel.config.mesh_sizes.ParallelismSection` (the YAML section):
-    None takes Accelerate's environment variable, else the launched value, else the default. ``sp_size > 1``
-    (DeepSpeed sequence parallelism) raises.
+    None takes Accelerate's environment variable (which ``impel launch`` sets from its section), else the default.
+    ``sp_size > 1`` (DeepSpeed sequence parallelism) raises.
     """
 
     tp_handler: Any = by_hand()
@@ -126,8 +125,7 @@ class ParallelismConfig:
 
     def __post_init__(self) -> None:
         given = self._given_section()
-        merged = {**_launched(), **given}
-        section = ParallelismSection(**merged).validate()
+        section = ParallelismSection(**given).validate()
         for f in fields(ParallelismSection):
             if f.name != "cp_comm_strategy":
                 setattr(self, f.name, getattr(section, f.name))
@@ -310,13 +308,6 @@ def _field_value(name: str, value: Any, from_text: bool = False) -> Any:
 def _environment() -> dict[str, str]:
     """Accelerate's launcher variables for the section's fields (``PARALLELISM_CONFIG_TP_SIZE`` -> tp_size)."""
     return env.parallelism_variables([f.name for f in fields(ParallelismSection)])
-
-
-def _launched() -> dict[str, Any]:
-    """The launched ``parallelism_config`` section (``impel launch``), by field name."""
-    section = (env.read_launch_config() or {}).get("parallelism_config") or {}
-    keys = section_keys()
-    return {keys[k]: v for k, v in section.items() if k in keys}
 
 
 def requested(given: ParallelismConfig | None) -> ParallelismConfig | None:
