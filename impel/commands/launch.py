@@ -37,7 +37,7 @@ def add_script_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
 
 
-def register(subparsers: Any) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("launch", allow_abbrev=False,
                               help="run a training script on every rank of the configured job",
                               description="Run a script under the config file, with flags overriding it.")
@@ -74,7 +74,7 @@ class LaunchPlan:
     """Everything resolved before a process starts."""
 
     config: RunConfig
-    explicit: dict[str, Any]
+    explicit: dict[str, object]
     nproc_per_node: int
     command: list[str]
     torchrun_args: list[str] = field(default_factory=list)
@@ -92,7 +92,7 @@ class LaunchPlan:
                 and not self.agent_args)
 
 
-def resolve_config(ns: argparse.Namespace) -> tuple[RunConfig, dict[str, Any], list[str]]:
+def resolve_config(ns: argparse.Namespace) -> tuple[RunConfig, dict[str, object], list[str]]:
     """defaults < file < environment (``ACCELERATE_*`` variables) < flags, validated; the explicit keys are what
     the ranks receive."""
     path, accelerates = env.config_to_read(ns.config_file)
@@ -109,7 +109,7 @@ def resolve_config(ns: argparse.Namespace) -> tuple[RunConfig, dict[str, Any], l
     return config, config.to_dict(explicit_only=True), notes
 
 
-def with_nnodes(flags: dict[str, Any], ns: argparse.Namespace) -> dict[str, Any]:
+def with_nnodes(flags: dict[str, object], ns: argparse.Namespace) -> dict[str, object]:
     """torchrun's spellings: ``--nnodes N`` / ``--nnodes MIN:MAX`` as the keys ``num_machines`` / ``min_machines``,
     ``--node_rank R`` as ``machine_rank``; a contradiction with Accelerate's flags raises."""
     values: dict[str, int] = {}
@@ -342,8 +342,8 @@ def _device_memory(config: RunConfig, per_machine: int) -> str:
     return str(available // max(per_machine, 1))
 
 
-def _choose_strategy(config: RunConfig, explicit: dict[str, Any],
-                     notes: list[str]) -> tuple[RunConfig, dict[str, Any]]:
+def _choose_strategy(config: RunConfig, explicit: dict[str, object],
+                     notes: list[str]) -> tuple[RunConfig, dict[str, object]]:
     """distributed_type AUTO: estimate every strategy for --auto_model and keep the cheapest that fits."""
     from impel.commands.estimate import plan
     from impel.commands.planning.estimate import LAUNCH_FLAGS

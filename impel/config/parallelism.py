@@ -33,6 +33,9 @@ from impel.config.mesh_sizes import (
     total_size,
 )
 from impel.config.plugins import by_hand, config_backed
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 from impel.config.schema import ConfigError, coerce
 
 logger = logging.getLogger("impel")
@@ -58,7 +61,7 @@ class TorchTensorParallelConfig:
     """
 
     enable_async_tp: bool = False
-    tp_plan: dict[str, Any] | None = None
+    tp_plan: dict[str, object] | None = None
 
     def __post_init__(self) -> None:
         if self.enable_async_tp:
@@ -68,7 +71,7 @@ class TorchTensorParallelConfig:
             check_plan(self.tp_plan)
 
 
-def check_plan(plan: Any) -> None:
+def check_plan(plan: object) -> None:
     """A plan maps module paths to style names or ParallelStyle objects; a misspelled name fails here."""
     if not isinstance(plan, dict) or not plan:
         raise ConfigError(f"tp_plan={plan!r} must be a non-empty dict of module path -> style, e.g. "
@@ -106,9 +109,9 @@ class ParallelismConfig:
     ``sp_size > 1`` (DeepSpeed sequence parallelism) raises.
     """
 
-    tp_handler: Any = by_hand()
-    cp_handler: Any = None
-    sp_handler: Any = None
+    tp_handler: TorchTensorParallelConfig | None = by_hand()
+    cp_handler: TorchContextParallelConfig | None = None
+    sp_handler: object = None
 
     device_mesh = None  # built by get_device_mesh (not a field, as in Accelerate)
 
@@ -145,7 +148,7 @@ class ParallelismConfig:
 
     def _given_section(self) -> dict[str, Any]:
         """The section values set here: the keywords given, then Accelerate's variables for the others."""
-        out: dict[str, Any] = {}
+        out: dict[str, object] = {}
         variables = _environment()
         for f in fields(ParallelismSection):
             if f.name == "cp_comm_strategy":
@@ -162,12 +165,12 @@ class ParallelismConfig:
             out["cp_comm_strategy"] = _field_value("cp_comm_strategy", variables["cp_comm_strategy"], from_text=True)
         return out
 
-    def code_arguments(self) -> dict[str, Any]:
+    def code_arguments(self) -> dict[str, object]:
         """What this config adds to the Accelerator's code arguments (merged over the launched config)."""
         given = {ParallelismSection.PREFIX + k: v for k, v in self.__dict__.get("_given", {}).items()}
         return {"parallelism_config": given} if given else {}
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         """The sizes and backends (Accelerate's method returns nothing; this returns the dict)."""
         return {name: getattr(self, name) for name in (*SIZES, "cp_backend", "sp_backend")}
 
@@ -247,7 +250,7 @@ class ParallelismConfig:
         dims = [d for d in MESH_ORDER if d in self.active_mesh_dims]
         return (tuple(dims), tuple(self._sizes[d] for d in dims)) if dims else ()
 
-    def build_device_mesh(self, device_type: str) -> Any:
+    def build_device_mesh(self, device_type: str) -> DeviceMesh | None:
         """The ``DeviceMesh`` with the enabled dims and the flattened ``dp``, ``dp_shard_cp`` and ``dp_cp``; None when
         no dim is enabled (one process)."""
         from torch.distributed.device_mesh import init_device_mesh
@@ -300,7 +303,7 @@ class ParallelismConfig:
         setattr(self, f"{parallelism}_size", size)
 
 
-def _field_value(name: str, value: Any, from_text: bool = False) -> Any:
+def _field_value(name: str, value: object, from_text: bool = False) -> Any:
     meta = next(f.metadata for f in fields(ParallelismSection) if f.name == name)
     return coerce(name, value, meta, from_text=from_text)
 

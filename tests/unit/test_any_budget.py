@@ -16,12 +16,12 @@ PACKAGE = Path(__file__).resolve().parents[2] / "impel"
 BUDGET = {
     "accelerator": 89,
     "checkpoint": 214,
-    "commands": 90,
-    "config": 247,
+    "commands": 24,
+    "config": 104,
     "runtime": 387,
     "strategies": 57,
-    "trackers": 68,
-    "trainer": 113,
+    "trackers": 11,
+    "trainer": 11,
     "*": 16,  # the top-level modules (testing.py, exports.py)
 }
 
