@@ -18,7 +18,7 @@ BUDGET = {
     "checkpoint": 214,
     "commands": 24,
     "config": 104,
-    "runtime": 387,
+    "runtime": 280,
     "strategies": 57,
     "trackers": 11,
     "trainer": 11,
