@@ -20,14 +20,15 @@ import contextlib
 import gc
 import logging
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader
+from torch.utils.hooks import RemovableHandle
 
 from impel.accelerator import accelerate_state
 from impel.accelerator.not_provided import NotProvidedMembers
@@ -40,7 +41,7 @@ from impel.accelerator.settings import RunSettings
 from impel.checkpoint.saving.options import load_options, save_options
 from impel.config.ddp_hooks import refuse_hook_without_ddp
 from impel.config.environment_settings import launched_settings
-from impel.config.parallelism import ParallelismConfig
+from impel.config.parallelism import ParallelismConfig, TorchTensorParallelPlugin
 from impel.config.plugins import (
     DataLoaderConfiguration,
     DeepSpeedPlugin,
@@ -61,10 +62,12 @@ from impel.runtime.step.item_windows import ItemWindows
 from impel.runtime.step.model_forward import ForwardContext, is_prepared, patch_forward
 from impel.runtime.step.optimizer import AcceleratedOptimizer, AcceleratedScheduler
 from impel.strategies.base import Strategy, load_strategy, strategy_class
-from impel.trackers.registry import AcceleratorTrackers
+from impel.trackers.registry import AcceleratorTrackers, GeneralTracker
 
 if TYPE_CHECKING:
+    from impel.config.plugins import AutocastKwargs
     from impel.runtime.step.precision_report import PrecisionReport
+    from impel.types import Options
 
 logger = logging.getLogger("impel")
 
@@ -78,14 +81,14 @@ class Accelerator(ProcessMethods, RunSettings, NotProvidedMembers):
                  step_scheduler_with_optimizer: bool = True, step_scheduler_per_process: bool = True,
                  cast_outputs_to_fp32: bool = True,
                  gradient_accumulation_plugin: GradientAccumulationPlugin | None = None,
-                 kwargs_handlers: Sequence[Any] | None = None, project_dir: str | os.PathLike[str] | None = None,
+                 kwargs_handlers: Sequence[object] | None = None, project_dir: str | os.PathLike[str] | None = None,
                  project_config: ProjectConfiguration | None = None,
                  fsdp_plugin: FullyShardedDataParallelPlugin | None = None,
                  deepspeed_plugin: DeepSpeedPlugin | dict[str, DeepSpeedPlugin] | None = None,
-                 nonfinite_loss: str | None = None, log_with: Any = None, rng_types: Sequence[str] | None = None,
-                 dynamo_backend: Any = None, dynamo_plugin: TorchDynamoPlugin | None = None,
-                 parallelism_config: ParallelismConfig | None = None, torch_tp_plugin: Any = None,
-                 megatron_lm_plugin: Any = None,
+                 nonfinite_loss: str | None = None, log_with: object = None, rng_types: Sequence[str] | None = None,
+                 dynamo_backend: object = None, dynamo_plugin: TorchDynamoPlugin | None = None,
+                 parallelism_config: ParallelismConfig | None = None,
+                 torch_tp_plugin: TorchTensorParallelPlugin | None = None, megatron_lm_plugin: object = None,
                  deepspeed_plugins: DeepSpeedPlugin | dict[str, DeepSpeedPlugin] | None = None) -> None:
         # resolve: every value settled (launch config, these arguments, plugins, DeepSpeed JSON) before any object
         ds_plugin, ds_name, ds_others, parallelism_config = accelerate_plugins(
@@ -158,7 +161,7 @@ class Accelerator(ProcessMethods, RunSettings, NotProvidedMembers):
     _dataloaders = property(attrgetter("prepared.dataloaders"), doc="list[PreparedLoader], Accelerate's name")
 
     @property
-    def log_with(self) -> list[Any]:
+    def log_with(self) -> list[str | GeneralTracker]:
         """The tracker names and ``GeneralTracker`` instances asked for with ``Accelerator(log_with=...)`` (``"all"``
         expanded)."""
         return self._tracking.log_with
@@ -168,7 +171,7 @@ class Accelerator(ProcessMethods, RunSettings, NotProvidedMembers):
         return self.dataloader_config.split_batches
 
     @property
-    def scaler(self) -> Any:
+    def scaler(self) -> torch.amp.GradScaler | None:
         return self.strategy.scaler
 
     # --- prepare ----------------------------------------------------------------------------------------------
@@ -202,7 +205,7 @@ class Accelerator(ProcessMethods, RunSettings, NotProvidedMembers):
         return result[0] if len(result) == 1 else tuple(result)
 
     @staticmethod
-    def _kind(obj: Any) -> str:
+    def _kind(obj: object) -> str:
         if obj is None:
             return "none"
         if isinstance(obj, nn.Module):
@@ -251,7 +254,7 @@ class Accelerator(ProcessMethods, RunSettings, NotProvidedMembers):
         return self.prepare(optimizer)
 
     def prepare_data_loader(self, data_loader: DataLoader, device_placement: bool | None = None,
-                            slice_fn_for_dispatch: Callable[..., Any] | None = None) -> PreparedLoader:
+                            slice_fn_for_dispatch: Callable[..., object] | None = None) -> PreparedLoader:
         """``slice_fn_for_dispatch`` cuts each rank's part of a dispatched batch (``dispatch_batches=True``); on a
         loader that is not dispatched it raises."""
         if isinstance(data_loader, PreparedLoader):
@@ -330,17 +333,17 @@ class Accelerator(ProcessMethods, RunSettings, NotProvidedMembers):
         return self.strategy.forced_sync(uncompiled(model))
 
     @contextlib.contextmanager
-    def autocast(self, autocast_handler: Any = None) -> Iterator[None]:
+    def autocast(self, autocast_handler: AutocastKwargs | None = None) -> Iterator[None]:
         with self.strategy.autocast(None if autocast_handler is None else autocast_handler.enabled):
             yield
 
-    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor | None:
+    def clip_grad_norm_(self, parameters: Iterable[Tensor], max_norm: float, norm_type: float = 2.0) -> Tensor | None:
         """Clip at a group boundary (gradients unscaled first) and return the total norm; None mid-group."""
         if not self.sync_gradients:
             return None
         return self.strategy.clip_grad_norm_(parameters, max_norm, norm_type, self.prepared.inner_optimizers())
 
-    def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
+    def clip_grad_value_(self, parameters: Iterable[Tensor], clip_value: float) -> None:
         if self.sync_gradients:
             self.strategy.clip_grad_value_(parameters, clip_value, self.prepared.inner_optimizers())
 
@@ -354,7 +357,7 @@ class Accelerator(ProcessMethods, RunSettings, NotProvidedMembers):
                      keep_torch_compile: bool = True) -> nn.Module:
         return unwrap(self.strategy, model, keep_fp32_wrapper, keep_torch_compile)
 
-    def init_context(self) -> contextlib.AbstractContextManager[Any]:
+    def init_context(self) -> contextlib.AbstractContextManager[object]:
         """Build models inside ``with accelerator.init_context():`` to have them created the strategy's way:
         DeepSpeed ZeRO-3 with ``zero3_init_flag`` partitions them at construction, FSDP with RAM-efficient loading
         builds them on the meta device on ranks > 0; elsewhere it does nothing."""
@@ -409,7 +412,7 @@ class Accelerator(ProcessMethods, RunSettings, NotProvidedMembers):
         self.gradient_state.set_step(value)
 
     def save_state(self, output_dir: str | os.PathLike[str] | None = None, safe_serialization: bool = True,
-                   async_save: bool | None = None, **save_model_func_kwargs: Any) -> str:
+                   async_save: bool | None = None, **save_model_func_kwargs: object) -> str:
         """Save everything an exact resume needs, atomically; collective (call on every rank). Returns the path.
         ``async_save=True`` returns once the state is staged in CPU memory and writes it in the background (None:
         ``ProjectConfiguration.async_save`` or the ``async_save`` config key); ``wait_for_checkpoint()``, the next
@@ -423,22 +426,22 @@ class Accelerator(ProcessMethods, RunSettings, NotProvidedMembers):
         none is pending). Its failure raises here, on every rank that calls. Not collective."""
         return self._checkpointer.wait()
 
-    def load_state(self, input_dir: str | os.PathLike[str] | None = None, load_kwargs: dict[str, Any] | None = None,
-                   **load_model_func_kwargs: Any) -> str:
+    def load_state(self, input_dir: str | os.PathLike[str] | None = None, load_kwargs: Options | None = None,
+                   **load_model_func_kwargs: object) -> str:
         """Restore a ``save_state`` checkpoint (the newest complete one by default); collective. Returns the path.
         ``strict=False`` lets model keys differ; other keywords as Accelerate's (impel.checkpoint.saving.options)."""
         options = load_options(load_kwargs, load_model_func_kwargs, self.strategy.engine_managed)
         return self._checkpointer.load(input_dir, options)
 
-    def register_for_checkpointing(self, *objects: Any) -> None:
+    def register_for_checkpointing(self, *objects: object) -> None:
         """Save and load these objects (each needs ``state_dict``/``load_state_dict``) with the training state."""
         self._checkpointer.register(*objects)
 
-    def register_save_state_pre_hook(self, hook: Callable[..., None]) -> Any:
+    def register_save_state_pre_hook(self, hook: Callable[..., None]) -> RemovableHandle:
         """``hook(models, weights, output_dir)`` runs before models are saved; returns a removable handle."""
         return self._checkpointer.add_hook(self._checkpointer.save_hooks, hook)
 
-    def register_load_state_pre_hook(self, hook: Callable[..., None]) -> Any:
+    def register_load_state_pre_hook(self, hook: Callable[..., None]) -> RemovableHandle:
         """``hook(models, input_dir)`` runs before models are loaded; returns a removable handle."""
         return self._checkpointer.add_hook(self._checkpointer.load_hooks, hook)
 
@@ -451,7 +454,7 @@ class Accelerator(ProcessMethods, RunSettings, NotProvidedMembers):
     def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
         return skip_first_batches(dataloader, num_batches)
 
-    def free_memory(self, *objects: Any) -> list[Any]:
+    def free_memory(self, *objects: object) -> list[None]:
         """Drop impel's references to prepared objects and release cached device memory (and the CPU buffers of
         asynchronous saves; a pending one still finishes)."""
         self.prepared.clear()
@@ -465,8 +468,8 @@ class Accelerator(ProcessMethods, RunSettings, NotProvidedMembers):
     clear = free_memory
 
     # --- trackers (Accelerate's API) ----------------------------------------------------------------------------
-    def init_trackers(self, project_name: str, config: dict[str, Any] | None = None,
-                      init_kwargs: dict[str, Any] | None = None) -> None:
+    def init_trackers(self, project_name: str, config: Mapping[str, object] | None = None,
+                      init_kwargs: Mapping[str, Mapping[str, object]] | None = None) -> None:
         """Start the ``log_with`` trackers (main process only, unless ``main_process_only=False``), built with
         ``init_kwargs[name]``, under ``logging_dir`` (else ``project_dir``, else "."); store ``config``."""
         where = self.project_configuration.logging_dir or self.project_configuration.project_dir or "."
@@ -477,7 +480,7 @@ class Accelerator(ProcessMethods, RunSettings, NotProvidedMembers):
         self._tracking.log(values, step, log_kwargs, jsonl_step=self.step)
 
     @property
-    def trackers(self) -> list[Any]:
+    def trackers(self) -> list[GeneralTracker]:
         return list(self._tracking.trackers)
 
     def get_tracker(self, name: str, unwrap: bool = False) -> Any:

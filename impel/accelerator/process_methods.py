@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, TypeVar
 
 from impel.config.run_config import ConfigError
 from impel.runtime.ranks import collectives
@@ -17,14 +17,20 @@ from impel.runtime.ranks.process_control import ProcessControl
 
 if TYPE_CHECKING:
     import torch
+    from torch.distributed.algorithms.join import Joinable
+    from torch.distributed.device_mesh import DeviceMesh
 
     from impel.accelerator.prepared import Prepared
-    from impel.config.plugins import Handlers, ProjectConfiguration
+    from impel.config.parallelism import ParallelismConfig
+    from impel.config.plugins import DataLoaderConfiguration, Handlers, ProjectConfiguration
     from impel.config.profiling import ProfileKwargs
     from impel.config.run_config import DistributedType
     from impel.runtime.ranks.process import ProcessState
     from impel.runtime.step.accumulation import GradientState
     from impel.strategies.base import Strategy
+
+
+T = TypeVar("T")
 
 
 class ProcessMethods(ProcessControl):
@@ -37,14 +43,14 @@ class ProcessMethods(ProcessControl):
     strategy: Strategy
     handlers: Handlers
     project_configuration: ProjectConfiguration
-    dataloader_config: Any
+    dataloader_config: DataLoaderConfiguration
     prepared: Prepared
-    flag_tensor: Any = None  # set_trigger's flag (a 0-d tensor once set)
-    parallelism_config: Any  # RunSettings' properties: the settled ParallelismConfig and its mesh
-    torch_device_mesh: Any
+    flag_tensor: torch.Tensor | None = None  # set_trigger's flag (a 0-d tensor once set)
+    parallelism_config: ParallelismConfig | None  # RunSettings' properties: the settled ParallelismConfig and its mesh
+    torch_device_mesh: DeviceMesh | None
 
     # --- collectives ------------------------------------------------------------------------------------------
-    def gather(self, tensor: Any) -> Any:
+    def gather(self, tensor: T) -> T:
         return collectives.gather(tensor)
 
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
@@ -75,16 +81,16 @@ class ProcessMethods(ProcessControl):
             return collectives.SELF
         return pc.submesh("dp").get_group()
 
-    def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
+    def reduce(self, tensor: T, reduction: str = "sum", scale: float = 1.0) -> T:
         return collectives.reduce(tensor, reduction, scale)
 
-    def pad_across_processes(self, tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
+    def pad_across_processes(self, tensor: T, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> T:
         return collectives.pad_across_processes(tensor, dim, pad_index, pad_first)
 
-    def broadcast(self, data: Any, from_process: int = 0) -> Any:
+    def broadcast(self, data: T, from_process: int = 0) -> T:
         return collectives.broadcast(data, from_process)
 
-    def broadcast_object_list(self, object_list: list[Any], from_process: int = 0) -> list[Any]:
+    def broadcast_object_list(self, object_list: list[T], from_process: int = 0) -> list[T]:
         return collectives.broadcast_object_list(object_list, from_process)
 
     def wait_for_everyone(self) -> None:
@@ -113,7 +119,7 @@ class ProcessMethods(ProcessControl):
         return False
 
     # --- saving, profiling, uneven inputs -----------------------------------------------------------------------
-    def save(self, obj: Any, f: str | os.PathLike[str] | Any, safe_serialization: bool = False) -> None:
+    def save(self, obj: object, f: str | os.PathLike[str] | IO[bytes], safe_serialization: bool = False) -> None:
         """``torch.save`` (``safe_serialization=True``: safetensors, for a dict of tensors) on the main process only,
         or on each machine's local main process with ``ProjectConfiguration(save_on_each_node=True)``. Not
         collective and no barrier, as in Accelerate."""
@@ -134,7 +140,7 @@ class ProcessMethods(ProcessControl):
             yield prof
 
     @contextlib.contextmanager
-    def join_uneven_inputs(self, joinables: Sequence[Any], even_batches: bool | None = None) -> Iterator[None]:
+    def join_uneven_inputs(self, joinables: Sequence[Joinable], even_batches: bool | None = None) -> Iterator[None]:
         """Train or evaluate on ranks with different numbers of batches: torch's ``Join`` over ``joinables`` (the
         prepared DDP models) lets ranks that ran out shadow the others' gradient all-reduces.
 

@@ -94,7 +94,8 @@ def plugins_in_effect(config: RunConfig, distributed_type: str, deepspeed_plugin
     return PluginsInEffect()
 
 
-def accelerate_plugins(deepspeed_plugin: Any, deepspeed_plugins: Any, torch_tp_plugin: Any, megatron_lm_plugin: Any,
+def accelerate_plugins(deepspeed_plugin: GivenDeepSpeed, deepspeed_plugins: GivenDeepSpeed,
+                       torch_tp_plugin: TorchTensorParallelPlugin | None, megatron_lm_plugin: object,
                        parallelism_config: ParallelismConfig | None
                        ) -> tuple[DeepSpeedPlugin | None, str | None, tuple[tuple[str, DeepSpeedPlugin], ...],
                                   ParallelismConfig | None]:
@@ -124,9 +125,10 @@ def accelerate_plugins(deepspeed_plugin: Any, deepspeed_plugins: Any, torch_tp_p
 
 
 NamedPlugins = tuple[tuple[str, DeepSpeedPlugin], ...]
+GivenDeepSpeed = DeepSpeedPlugin | dict[str, DeepSpeedPlugin] | None  # Accelerator(deepspeed_plugin[s]=...)
 
 
-def _deepspeed_plugins(given: Any) -> tuple[DeepSpeedPlugin | None, str | None, NamedPlugins]:
+def _deepspeed_plugins(given: GivenDeepSpeed) -> tuple[DeepSpeedPlugin | None, str | None, NamedPlugins]:
     """The first (active) DeepSpeed plugin, its name (None when given without one) and the other named plugins."""
     if not isinstance(given, dict):
         if given is not None and not isinstance(given, DeepSpeedPlugin):

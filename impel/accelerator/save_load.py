@@ -26,7 +26,7 @@ import os
 import platform
 import shutil
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,9 +36,9 @@ from torch.utils.hooks import RemovableHandle
 from impel.accelerator import load_accelerate as accelerate_format
 from impel.checkpoint.formats.full import suffix
 from impel.checkpoint.io import verified
-from impel.checkpoint.io.digests import share_digests
+from impel.checkpoint.io.digests import Entry, Sealer, share_digests
 from impel.checkpoint.io.files import crc32_off, read_torch, write_torch
-from impel.checkpoint.saving import collective, staging
+from impel.checkpoint.saving import collective, stager, staging
 from impel.checkpoint.saving.options import DEFAULT_LOAD, DEFAULT_SAVE, LoadOptions, SaveOptions
 from impel.checkpoint.saving.registered import write_registered
 from impel.checkpoint.saving.session import SaveSession
@@ -56,6 +56,8 @@ from impel.config.run_config import ConfigError
 from impel.runtime.step.memory import trim_host_heap
 
 if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
+
     from impel.accelerator.prepared import TrainingRun
 
 logger = logging.getLogger("impel")
@@ -86,7 +88,7 @@ class Checkpointer:
         self.run = run
         self.async_configured = async_save  # the run config's async_save key
         self.pending: staging.PendingSave | None = None
-        self._stager: Any = None  # stager.Stager, created by the first asynchronous save
+        self._stager: stager.Stager | None = None  # created by the first asynchronous save
         self._needed = target.NeededBytes()
         self.save_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
         self.load_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
@@ -95,7 +97,7 @@ class Checkpointer:
         self._downloaded: Path | None = None  # the leader's local copy of a loaded URL
 
     # --- registration -----------------------------------------------------------------------------------------
-    def register(self, *objects: Any) -> None:
+    def register(self, *objects: object) -> None:
         check_registrable(objects)
         self.run.prepared.registered.extend(objects)
 
@@ -113,7 +115,7 @@ class Checkpointer:
                               "Accelerator(project_dir=...) or ProjectConfiguration(project_dir=...)")
         return target.local_path(self.config.project_dir, "project_dir") / layout.CHECKPOINTS_DIR
 
-    def _save_target(self, output_dir: Any) -> Path:
+    def _save_target(self, output_dir: remote.Location) -> Path:
         """The local directory the save writes; for a URL, its local staging directory (uploaded at the commit)."""
         config = self.config
         if config.automatic_checkpoint_naming and output_dir is not None:
@@ -137,8 +139,8 @@ class Checkpointer:
         return run.is_main_process or (self.config.save_on_each_node and run.is_local_main_process)
 
     # --- save -------------------------------------------------------------------------------------------------
-    def save(self, output_dir: Any = None, safe_serialization: bool = True, options: SaveOptions = DEFAULT_SAVE,
-             async_save: bool | None = None) -> str:
+    def save(self, output_dir: remote.Location = None, safe_serialization: bool = True,
+             options: SaveOptions = DEFAULT_SAVE, async_save: bool | None = None) -> str:
         """One sequence for both kinds of save: the blocking part here (check-in, target, hooks, and the state
         written, or with ``async_save`` staged in CPU memory), then :meth:`_finish` (files, digests, the leader's
         commit) now, or on a background thread (``staging``). ``async_save=None``: the configured default."""
@@ -167,7 +169,7 @@ class Checkpointer:
         self.config.iteration += 1
         return shown
 
-    def _save_async(self, output_dir: Any, safe_serialization: bool, options: SaveOptions) -> str:
+    def _save_async(self, output_dir: remote.Location, safe_serialization: bool, options: SaveOptions) -> str:
         """The call of an asynchronous save does no collective (but the first's, which checks in and creates the
         background group): each rank checks the target itself (a bad target raises here, alike on every rank), names
         the temporary directory as every other rank does (``staging.temp_token``) and stages. The check-in and the
@@ -247,7 +249,7 @@ class Checkpointer:
         trim_host_heap()  # the write's buffers, freed in its threads' arenas, go back to the OS
 
     def _written(self, session: SaveSession, writes: _WriteNow | staging.Deferred,
-                 sealer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+                 sealer: Sealer) -> tuple[dict[str, Entry], dict[str, Metadata]]:
         """The files written (the recorded writes replayed, or written now); every file's digests, hashed as written
         (after their fsyncs), and the parts of the files the committer writes (each DCP directory's metadata)."""
         with storage.translated(session.final, session.checkpoint_dir, self._needed_bytes):
@@ -257,7 +259,7 @@ class Checkpointer:
                 session.metadata = self._metadata(self._write(session, writes.safe_serialization, writes.options))
             return sealer.entries(), sealer.parts
 
-    def _committed(self, session: SaveSession, merged: dict[str, Any], parts: list[dict[str, Any]]) -> None:
+    def _committed(self, session: SaveSession, merged: dict[str, Entry], parts: list[dict[str, Metadata]]) -> None:
         if session.leader:
             with storage.translated(session.final, session.checkpoint_dir, self._needed_bytes):
                 self._commit(session.checkpoint_dir, session.final, session.metadata, merged, parts)
@@ -318,7 +320,7 @@ class Checkpointer:
         return target.prepare(final, temp, clean, self.config.automatic_checkpoint_naming and url is None,
                               self.config.iteration, self._needed_bytes)
 
-    def _write(self, session: SaveSession, safe_serialization: bool, options: SaveOptions) -> dict[str, Any]:
+    def _write(self, session: SaveSession, safe_serialization: bool, options: SaveOptions) -> dict[str, object]:
         run, prepared, temp = self.run, self.run.prepared, session.checkpoint_dir
         # every rank creates it (the first one wins; never a symlink or another user's) and holds its lock: no
         # collective of its own; a failure is shared by the write's, so every rank raises and none waits
@@ -354,7 +356,7 @@ class Checkpointer:
         remaining = {id(w) for w in weights}
         return frozenset(i for i, w in enumerate(ids) if w not in remaining)
 
-    def _metadata(self, strategy_meta: dict[str, Any]) -> dict[str, Any]:
+    def _metadata(self, strategy_meta: Mapping[str, object]) -> dict[str, object]:
         """The checkpoint's metadata, taken when the save is called (an asynchronous save commits it later)."""
         from impel import __version__
 
@@ -363,16 +365,15 @@ class Checkpointer:
             "impel_version": __version__, "torch_version": torch.__version__,
             "python_version": platform.python_version(),
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "iteration": self.config.iteration, "step": run.step,
-            "optimizer_steps": run.prepared.optimizer_steps(),
+            "iteration": self.config.iteration, "step": run.step, "optimizer_steps": run.prepared.optimizer_steps(),
             "world_size": run.num_processes, "gradient_accumulation_steps": run.gradient_state.num_steps,
             "distributed_type": str(run.distributed_type),
             "mixed_precision": run.mixed_precision, "strategy": dict(strategy_meta, name=run.strategy.name),
             "counts": run.prepared.counts(),
         }
 
-    def _commit(self, temp: Path, final: Path, metadata: dict[str, Any], known: dict[str, Any],
-                parts: list[dict[str, Any]]) -> None:
+    def _commit(self, temp: Path, final: Path, metadata: dict[str, object], known: dict[str, Entry],
+                parts: list[dict[str, Metadata]]) -> None:
         for rel in sorted({rel for rank_parts in parts for rel in rank_parts}):  # after the digests were shared
             from impel.checkpoint.formats import dcp_raw
 
@@ -388,7 +389,7 @@ class Checkpointer:
             layout.rotate(final.parent, self.config.total_limit, ownership.remove_checkpoint)
 
     # --- load -------------------------------------------------------------------------------------------------
-    def load(self, input_dir: Any = None, options: LoadOptions = DEFAULT_LOAD) -> str:
+    def load(self, input_dir: remote.Location = None, options: LoadOptions = DEFAULT_LOAD) -> str:
         self.wait()
         collective.arrive("load_state", self.run.process.timeout)
         if input_dir is not None:
@@ -411,7 +412,7 @@ class Checkpointer:
         return remote.source_url(directory, input_dir, config.project_dir, config.automatic_checkpoint_naming) \
             or str(directory)
 
-    def _locate_remote(self, input_dir: Any) -> tuple[str, dict[str, Any], int] | None:
+    def _locate_remote(self, input_dir: remote.Location) -> tuple[str, dict[str, Any], int] | None:
         """``_locate`` for an object-storage URL: the newest committed checkpoint (or ``input_dir``) downloaded."""
         found = remote.locate(input_dir, self.config.project_dir, self.config.automatic_checkpoint_naming)
         if found is None:
@@ -420,7 +421,7 @@ class Checkpointer:
         self._downloaded = local
         return str(local), layout.verify(local, skip=verified.checked_on_read), next_free
 
-    def _locate(self, input_dir: Any) -> tuple[str, dict[str, Any], int]:
+    def _locate(self, input_dir: remote.Location) -> tuple[str, dict[str, Any], int]:
         found = self._locate_remote(input_dir)
         if found is not None:
             return found

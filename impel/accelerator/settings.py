@@ -11,7 +11,9 @@ from typing import TYPE_CHECKING, Any
 from impel.config.run_config import ConfigError, DistributedType
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
+    from torch.distributed.device_mesh import DeviceMesh
 
     from impel.config.parallelism import ParallelismConfig
     from impel.config.plugins import (
@@ -26,8 +28,10 @@ if TYPE_CHECKING:
     )
     from impel.config.profiling import ProfileKwargs
     from impel.config.run_config import RunConfig
+    from impel.runtime.ranks.process import ProcessState
     from impel.runtime.step.accumulation import GradientState
     from impel.runtime.step.run_record import RunRecord
+    from impel.strategies.base import Strategy
 
 
 class RunSettings:
@@ -41,12 +45,12 @@ class RunSettings:
     handlers: Handlers
     record: RunRecord
     distributed_type: DistributedType
-    state: Any  # impel.runtime.ranks.process.AcceleratorState
-    strategy: Any  # impel.strategies.base.Strategy
+    state: ProcessState
+    strategy: Strategy
 
     # --- this process (read from the state) -------------------------------------------------------------------
     @property
-    def device(self) -> Any:
+    def device(self) -> torch.device:
         return self.state.device
 
     @property
@@ -203,7 +207,7 @@ class RunSettings:
         return self.record.parallelism
 
     @property
-    def torch_device_mesh(self) -> Any:
+    def torch_device_mesh(self) -> DeviceMesh | None:
         """The ``DeviceMesh`` built from ``parallelism_config`` (dims ``dp_replicate``, ``dp_shard``, ``cp``, ``tp``
         and the flattened ``dp``, ``dp_shard_cp``, ``dp_cp``); None without one, or on one process."""
         return self.strategy.device_mesh

@@ -20,14 +20,15 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from impel.config.run_config import ConfigError
 
 METRICS_FILE = "metrics.jsonl"
+_T = TypeVar("_T")
 
 
-def register(subparsers: Any) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("compare", help="compare the loss curves of several runs (metrics.jsonl)",
                               description=__doc__.split("\n\n")[1].replace("\n", " "))
     p.add_argument("runs", nargs="+", metavar="RUN", help="a metrics.jsonl file or a directory holding one; the "
@@ -66,7 +67,7 @@ def metrics_file(run: str | Path) -> Path:
     return found[0]
 
 
-def read_rows(path: Path) -> list[dict[str, Any]]:
+def read_rows(path: Path) -> list[dict[str, object]]:
     """The JSON rows of a metrics.jsonl (the Trainer's reader), a ConfigError naming the file when it is not one."""
     from impel.trainer.plot import read_history
 
@@ -76,7 +77,7 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
         raise ConfigError(f"{path} holds a line that is not JSON ({exc.msg}); is it a metrics.jsonl?") from None
 
 
-def curve(rows: Sequence[Mapping[str, Any]], key: str) -> list[tuple[float, float]]:
+def curve(rows: Sequence[Mapping[str, object]], key: str) -> list[tuple[float, float]]:
     """(step, value) of one metric, in order; a later row for the same step replaces an earlier one (resumed runs
     rewrite their history)."""
     from impel.trainer.plot import series
@@ -89,9 +90,9 @@ def curve(rows: Sequence[Mapping[str, Any]], key: str) -> list[tuple[float, floa
 class Run:
     name: str
     path: Path
-    rows: list[dict[str, Any]]
+    rows: list[dict[str, object]]
     samples_per_step: float | None = None
-    summary: dict[str, Any] = field(default_factory=dict)
+    summary: dict[str, object] = field(default_factory=dict)
 
     @classmethod
     def load(cls, name: str, run: str | Path, samples_per_step: float | None) -> Run:
@@ -126,7 +127,7 @@ class Run:
                 "without stepping the optimizer logs every row at one step: pass log(..., step=N) a step that grows")
 
     def final_eval(self) -> dict[str, float]:
-        row: dict[str, Any] = next((r for r in reversed(self.rows) if any(k.startswith("eval_") for k in r)), {})
+        row: dict[str, object] = next((r for r in reversed(self.rows) if any(k.startswith("eval_") for k in r)), {})
         return {k: float(v) for k, v in row.items()
                 if k.startswith("eval_") and isinstance(v, (int, float)) and not k.endswith(("_runtime", "per_second"))}
 
@@ -154,14 +155,14 @@ def relative_differences(base: Sequence[tuple[float, float]], other: Sequence[tu
     return out
 
 
-def compare(runs: Sequence[Run], align: str, metric: str = "loss") -> list[dict[str, Any]]:
+def compare(runs: Sequence[Run], align: str, metric: str = "loss") -> list[dict[str, object]]:
     """One row per run against the first: points compared, mean / max relative difference of the train and eval
     curves, final eval metrics, throughput."""
     base = runs[0]
     exact = align == "step"
     table = []
     for run in runs:
-        row: dict[str, Any] = {"run": run.name, "file": str(run.path)}
+        row: dict[str, object] = {"run": run.name, "file": str(run.path)}
         for label, key in (("train", metric), ("eval", "eval_loss")):
             mine = [(run.x(s, align), v) for s, v in curve(run.rows, key)]
             theirs = [(base.x(s, align), v) for s, v in curve(base.rows, key)]
@@ -192,7 +193,7 @@ def exceeded(table: Sequence[Mapping[str, Any]], tolerance: float) -> list[str]:
     return out
 
 
-def _cell(value: Any, percent: bool = False) -> str:
+def _cell(value: object, percent: bool = False) -> str:
     if value is None:
         return "-"
     return f"{value:.2%}" if percent else (f"{value:.4g}" if isinstance(value, float) else str(value))
@@ -227,7 +228,7 @@ def plot(runs: Sequence[Run], align: str, path: str, metric: str) -> str:
     return plot_runs(histories, path, title=f"{len(runs)} runs, aligned on {label}", x_label=label)
 
 
-def _per_run(values: list[Any] | None, count: int, what: str) -> list[Any]:
+def _per_run(values: list[_T] | None, count: int, what: str) -> Sequence[_T | None]:
     if values is None:
         return [None] * count
     if len(values) != count:
@@ -240,8 +241,7 @@ def main(ns: argparse.Namespace) -> int:
         raise ConfigError("impel compare needs at least two runs (the first is the baseline)")
     if ns.tolerance is not None and ns.tolerance < 0:
         raise ConfigError(f"--tolerance {ns.tolerance} must be >= 0 (a fraction: 0.05 = 5%)")
-    names = _per_run(ns.name, len(ns.runs), "--name")
-    names = [n or Path(r).resolve().name for n, r in zip(names, ns.runs)]
+    names = [n or Path(r).resolve().name for n, r in zip(_per_run(ns.name, len(ns.runs), "--name"), ns.runs)]
     if len(set(names)) < len(names):
         names = [f"{i}:{n}" for i, n in enumerate(names)]
     sps = _per_run(ns.samples_per_step, len(ns.runs), "--samples_per_step")

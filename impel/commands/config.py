@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any
 
 from impel.commands.flags import add_field_flag
 from impel.config import environment as env
@@ -21,7 +20,7 @@ from impel.config.yaml_file import load_config_from_file as load_config_from_fil
 default_config_file = env.default_config_path()
 
 
-def register(subparsers: Any) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("config", help="write, show or check the default config file",
                               description="Without a subcommand: answer questions (from a terminal or piped "
                                           "on stdin) and write the config file.")
@@ -75,7 +74,7 @@ def write_default(ns: argparse.Namespace) -> int:
         raise ConfigError(f"{path} already exists; pass --overwrite to replace it, --config_file to write "
                           "elsewhere, or edit it with `impel config`")
     gpus = _gpu_count()
-    answers: dict[str, Any] = {"compute_environment": "LOCAL_MACHINE",
+    answers: dict[str, object] = {"compute_environment": "LOCAL_MACHINE",
                                "distributed_type": "MULTI_GPU" if gpus > 1 else "NO",
                                "num_processes": max(gpus, 1), "num_machines": 1, "machine_rank": 0,
                                "use_cpu": gpus == 0}

@@ -6,7 +6,6 @@ import os
 import platform
 import sys
 from importlib import metadata
-from typing import Any
 
 from impel.config import environment as env
 from impel.config.environment_settings import describe
@@ -14,7 +13,7 @@ from impel.config.run_config import ConfigError, RunConfig
 from impel.config.yaml_file import dump_yaml, read_config_file
 
 
-def register(subparsers: Any) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("env", help="print versions, devices and the default config for a bug report")
     p.add_argument("--config_file", default=None, metavar="FILE")
     p.set_defaults(handler=main)

@@ -17,7 +17,7 @@ _MESH_FLAGS = {
 }
 
 
-def register(subparsers: Any) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("estimate-memory", help="per-rank training memory of a model under every strategy",
                               description="Builds MODEL on the meta device (no weights read) and prints per-rank "
                                           "bytes for parameters, gradients, optimizer states and activations.")
@@ -47,7 +47,7 @@ def register(subparsers: Any) -> None:
 
 
 def plan(model: str, setup_kwargs: dict[str, Any], device_memory: str | None,
-         tp_plan: dict[str, Any] | None = None) -> dict[str, Any]:
+         tp_plan: dict[str, str] | None = None) -> dict[str, Any]:
     """Estimate every strategy for MODEL, or the one mesh ``setup_kwargs`` names (tp_size, ...); the result the
     command prints (and ``--strategy auto`` uses)."""
     from impel.commands.planning.estimate import Setup, estimate_all, human, parse_bytes, recommend
@@ -83,7 +83,7 @@ def plan(model: str, setup_kwargs: dict[str, Any], device_memory: str | None,
             "notes": estimates[0].notes if setup.mesh else []}
 
 
-def _table(rows: list[dict[str, Any]]) -> str:
+def _table(rows: list[dict[str, object]]) -> str:
     cols = list(rows[0])
     cells = [[("-" if v is None else ("yes" if v is True else "no") if isinstance(v, bool) else
                f"{v:.2f}" if isinstance(v, float) else str(v)) for v in (r[c] for c in cols)] for r in rows]
@@ -94,7 +94,7 @@ def _table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _tp_plan(text: str | None) -> dict[str, Any] | None:
+def _tp_plan(text: str | None) -> dict[str, str] | None:
     if text is None:
         return None
     try:

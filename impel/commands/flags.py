@@ -68,7 +68,7 @@ def add_field_flag(parser: argparse.ArgumentParser, name: str, **overrides: Any)
     """One top-level config field as a plain flag of another command (``impel config default --mixed_precision``),
     with the field's flag name, choices and help; ``overrides`` are argparse's (``default=...``)."""
     meta = next(f.metadata for f in fields(RunConfig) if f.name == name)
-    options: dict[str, Any] = {"choices": meta["choices"], "help": meta["help"], "dest": name}
+    options: dict[str, object] = {"choices": meta["choices"], "help": meta["help"], "dest": name}
     if meta["kind"] in ("int", "float"):
         options["type"] = int if meta["kind"] == "int" else float
     parser.add_argument(f"--{meta['flag'] or name}", **{**options, **overrides})
@@ -117,7 +117,7 @@ def underscored(token: str) -> str:
     return "--" + name[2:].replace("-", "_") + eq + value
 
 
-def explicit_from_flags(ns: argparse.Namespace) -> dict[str, Any]:
+def explicit_from_flags(ns: argparse.Namespace) -> dict[str, object]:
     """The config keys given as flags, converted from text and checked one by one."""
     metas = {(s, k): (flag, m) for s, k, flag, m in config_fields()}
     out: dict[str, Any] = {}
@@ -146,7 +146,8 @@ def explicit_from_flags(ns: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def merge_file_and_flags(from_file: dict[str, Any], from_flags: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+def merge_file_and_flags(from_file: dict[str, object],
+                         from_flags: dict[str, object]) -> tuple[dict[str, object], list[str]]:
     """Flags over file, key by key (sections too). Returns the merged keys and notes to show the user.
 
     When a flag switches the strategy away from the file's, the file's section for the old strategy no longer
@@ -169,7 +170,7 @@ def merge_file_and_flags(from_file: dict[str, Any], from_flags: dict[str, Any]) 
     return merged, notes
 
 
-def explicit_from_flags_list(argv: list[str]) -> dict[str, Any]:
+def explicit_from_flags_list(argv: list[str]) -> dict[str, object]:
     """The config keys a list of launch flags sets (``["--use_fsdp", "--fsdp_offload_params"]``)."""
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     add_config_flags(parser)

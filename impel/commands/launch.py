@@ -37,7 +37,7 @@ def add_script_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
 
 
-def register(subparsers: Any) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("launch", allow_abbrev=False,
                               help="run a training script on every rank of the configured job",
                               description="Run a script under the config file, with flags overriding it.")
@@ -74,7 +74,7 @@ class LaunchPlan:
     """Everything resolved before a process starts."""
 
     config: RunConfig
-    explicit: dict[str, Any]
+    explicit: dict[str, object]
     nproc_per_node: int
     command: list[str]
     torchrun_args: list[str] = field(default_factory=list)
@@ -92,7 +92,7 @@ class LaunchPlan:
                 and not self.agent_args)
 
 
-def resolve_config(ns: argparse.Namespace) -> tuple[RunConfig, dict[str, Any], list[str]]:
+def resolve_config(ns: argparse.Namespace) -> tuple[RunConfig, dict[str, object], list[str]]:
     """defaults < file < environment (``ACCELERATE_*`` variables) < flags, validated; the explicit keys are what
     the ranks receive."""
     path, accelerates = env.config_to_read(ns.config_file)
@@ -109,7 +109,7 @@ def resolve_config(ns: argparse.Namespace) -> tuple[RunConfig, dict[str, Any], l
     return config, config.to_dict(explicit_only=True), notes
 
 
-def with_nnodes(flags: dict[str, Any], ns: argparse.Namespace) -> dict[str, Any]:
+def with_nnodes(flags: dict[str, object], ns: argparse.Namespace) -> dict[str, object]:
     """torchrun's spellings: ``--nnodes N`` / ``--nnodes MIN:MAX`` as the keys ``num_machines`` / ``min_machines``,
     ``--node_rank R`` as ``machine_rank``; a contradiction with Accelerate's flags raises."""
     values: dict[str, int] = {}
@@ -260,14 +260,15 @@ def _check_no_agent(ns: argparse.Namespace, flag: str, starter: str) -> None:
 
 
 def _rank_variables(config: RunConfig, ns: argparse.Namespace) -> dict[str, str]:
-    """What ``accelerate launch`` tells its ranks through Accelerate's own variables, for code that reads them:
-    ``--debug`` turns on debug mode (``ACCELERATE_DEBUG_MODE``: collectives check shapes across ranks first; set
-    either way, so a variable left in the shell cannot contradict the resolved config);
-    ``--use_parallelism_config`` makes ``Accelerator()`` build a ``ParallelismConfig()`` without sizes
-    (``ACCELERATE_USE_PARALLELISM_CONFIG``: every rank data parallel, ``accelerator.parallelism_config`` set)."""
+    """Accelerate's variables as ``accelerate launch`` sets them, for code that reads them: ``--debug``
+    (``ACCELERATE_DEBUG_MODE``, set either way so a shell's value cannot contradict the config: collectives check
+    shapes first), ``--use_parallelism_config`` (``ACCELERATE_USE_PARALLELISM_CONFIG``: ``Accelerator()`` builds a
+    ``ParallelismConfig()``) and the ``parallelism_config`` section (``PARALLELISM_CONFIG_*``, which it reads)."""
     out = {"ACCELERATE_DEBUG_MODE": "true" if config.debug else "false"}
     if getattr(ns, "use_parallelism_config", False):
         out["ACCELERATE_USE_PARALLELISM_CONFIG"] = "true"
+    if config.parallelism_config is not None:
+        out.update(env.parallelism_exports(config.parallelism_config))
     return out
 
 
@@ -341,8 +342,8 @@ def _device_memory(config: RunConfig, per_machine: int) -> str:
     return str(available // max(per_machine, 1))
 
 
-def _choose_strategy(config: RunConfig, explicit: dict[str, Any],
-                     notes: list[str]) -> tuple[RunConfig, dict[str, Any]]:
+def _choose_strategy(config: RunConfig, explicit: dict[str, object],
+                     notes: list[str]) -> tuple[RunConfig, dict[str, object]]:
     """distributed_type AUTO: estimate every strategy for --auto_model and keep the cheapest that fits."""
     from impel.commands.estimate import plan
     from impel.commands.planning.estimate import LAUNCH_FLAGS

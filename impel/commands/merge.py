@@ -2,10 +2,9 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 
-def register(subparsers: Any) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("merge-weights", help="write full weights from a sharded (FSDP) or ZeRO checkpoint",
                               description="Reads a save_state checkpoint on this one process (no GPUs or ranks "
                                           "needed) and writes model.safetensors (or shards + index) into OUT.")

@@ -8,7 +8,7 @@ error when the answers are piped (re-asking would misalign every answer after it
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import fields
 from typing import Any, NoReturn, TextIO
 
@@ -19,7 +19,7 @@ from impel.config.schema import Section, coerce, option
 _LEAVE = object()  # "leave it to the script": the key is not written
 
 
-def _metas(cls: type) -> dict[str, Any]:
+def _metas(cls: type) -> dict[str, Mapping[str, object]]:
     return {f.name: f.metadata for f in fields(cls)}
 
 
@@ -30,7 +30,7 @@ class Prompter:
         self.interactive = self.stdin.isatty()
 
     def ask(self, name: str, meta: Any, default: Any, *, leave: bool = False,
-            check: Callable[[Any], None] | None = None) -> Any:
+            check: Callable[[Any], None] | None = None) -> object:
         """Ask for one field; returns the coerced value (``_LEAVE`` when ``leave`` and the answer is empty)."""
         shown = "leave it to the script" if leave else ("none" if default is None else _show(default))
         choices = f" ({'/'.join(_show(c) for c in meta['choices'])})" if meta["choices"] else ""
@@ -57,13 +57,13 @@ class Prompter:
                 self.stdout.write(f"  {exc}\n")
 
 
-def _show(value: Any) -> str:
+def _show(value: object) -> str:
     if isinstance(value, bool):
         return "yes" if value else "no"
     return str(value)
 
 
-def run_questionnaire(prompter: Prompter, default_processes: Callable[[str], int]) -> dict[str, Any]:
+def run_questionnaire(prompter: Prompter, default_processes: Callable[[str], int]) -> dict[str, object]:
     """Ask the questions; return the explicit keys of the config file."""
     top = _metas(RunConfig)
     answers: dict[str, Any] = {"compute_environment": "LOCAL_MACHINE"}
@@ -109,11 +109,11 @@ _USE_MESH = option(False, "bool", "N-D parallelism", question="Use N-D paralleli
                    "parallel, FSDP x TP, HSDP)").metadata
 
 
-def _parallelism_questions(prompter: Prompter, kind: str, processes: int) -> dict[str, Any]:
+def _parallelism_questions(prompter: Prompter, kind: str, processes: int) -> dict[str, object]:
     """Accelerate asks whether to use the parallelism config, then the sizes: every ParallelismSection field with a
     question, in field order; the sizes must multiply to the number of processes."""
     while prompter.ask("use_parallelism_config", _USE_MESH, False):
-        out: dict[str, Any] = {}
+        out: dict[str, object] = {}
         ask = _section_asker(prompter, ParallelismSection, out)
         sizes = {f.name: ask(f.name) for f in fields(ParallelismSection) if f.metadata["question"]}
         try:
@@ -132,7 +132,7 @@ def _fail(message: str) -> NoReturn:
     raise ConfigError(message)
 
 
-def _section_asker(prompter: Prompter, cls: type[Section], out: dict[str, Any]) -> Callable[..., Any]:
+def _section_asker(prompter: Prompter, cls: type[Section], out: dict[str, object]) -> Callable[..., Any]:
     metas = _metas(cls)
 
     def ask(name: str, **kw: Any) -> Any:
@@ -144,11 +144,11 @@ def _section_asker(prompter: Prompter, cls: type[Section], out: dict[str, Any]) 
     return ask
 
 
-def _fsdp_questions(prompter: Prompter) -> dict[str, Any]:
+def _fsdp_questions(prompter: Prompter) -> dict[str, object]:
     """Every FSDPConfig field with a question, in field order; ``ask_if`` fields only after that answer."""
-    out: dict[str, Any] = {}
+    out: dict[str, object] = {}
     ask = _section_asker(prompter, FSDPConfig, out)
-    answers: dict[str, Any] = {}
+    answers: dict[str, object] = {}
     for f in fields(FSDPConfig):
         condition = f.metadata["ask_if"]
         if f.metadata["question"] and (condition is None or answers.get(condition[0]) == condition[1]):
@@ -156,8 +156,8 @@ def _fsdp_questions(prompter: Prompter) -> dict[str, Any]:
     return out
 
 
-def _deepspeed_questions(prompter: Prompter) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+def _deepspeed_questions(prompter: Prompter) -> dict[str, object]:
+    out: dict[str, object] = {}
     ask = _section_asker(prompter, DeepSpeedConfig, out)
     if ask("deepspeed_config_file") is not None:
         ask("zero3_init_flag")

@@ -30,7 +30,7 @@ _PR_SET_PDEATHSIG = 1
 _POLL_S = 0.02
 
 
-def _prctl() -> Any:
+def _prctl() -> Callable[..., int] | None:
     if not hasattr(os, "waitid") or not os.path.exists("/proc/self"):  # Linux only
         return None
     try:
@@ -59,19 +59,19 @@ class RankWatch:
     """The ranks started while :meth:`installed` is active, and the order in which they exited."""
 
     def __init__(self) -> None:
-        self.procs: list[tuple[int, subprocess.Popen[Any]]] = []
+        self.procs: list[tuple[int, subprocess.Popen[bytes]]] = []
         self.exits: list[tuple[float, int, int]] = []  # (time.time(), rank, exit code or -signal), in order
         self.exit_dir = tempfile.mkdtemp(prefix="impel-launch-")  # where ranks note a normal exit (rank_health)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.notes: list[tuple[float, int]] = []
 
-    def popen(self, *args: Any, **kwargs: Any) -> subprocess.Popen[Any]:
+    def popen(self, *args: Any, **kwargs: Any) -> subprocess.Popen[bytes]:
         """``subprocess.Popen`` for a rank: parent-death signal set, the process recorded with its RANK."""
         preexec = die_with_this_process()
         if preexec is not None and kwargs.get("preexec_fn") is None:
             kwargs["preexec_fn"] = preexec
-        proc: subprocess.Popen[Any] = subprocess.Popen(*args, **kwargs)
+        proc: subprocess.Popen[bytes] = subprocess.Popen(*args, **kwargs)
         rank = int((kwargs.get("env") or {}).get("RANK", len(self.procs)))
         with self._lock:
             self.procs.append((rank, proc))
@@ -136,7 +136,7 @@ class RankWatch:
         return min(events)[1:] if events else None
 
 
-def _exit_code(proc: subprocess.Popen[Any]) -> int | None:
+def _exit_code(proc: subprocess.Popen[bytes]) -> int | None:
     """The exit code (-signal) of a rank that has exited, without reaping it; None while it runs."""
     try:
         info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)

@@ -2,13 +2,12 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 from impel.commands.flags import add_config_flags
 from impel.commands.launch import main as launch_main
 
 
-def register(subparsers: Any) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("test", allow_abbrev=False,
                               help="check collectives, data sharding and training on the configured ranks",
                               description="Runs impel's self-test under the same config and flags as impel launch; "

@@ -6,12 +6,11 @@ import argparse
 import os
 import sys
 import tempfile
-from typing import Any
 
 from impel.config.run_config import ConfigError
 
 
-def register(subparsers: Any) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("to-fsdp2", help="rewrite an FSDP1 config file (fsdp_version: 1) for FSDP2, as "
                               "accelerate to-fsdp2", description="Rewrite an Accelerate FSDP1 config file for FSDP2, "
                               "key for key as accelerate to-fsdp2 does, with a note per change.")

@@ -33,7 +33,7 @@ _PRECISION_NOTE = {
 }
 
 
-def convert(explicit: Mapping[str, Any], target: str) -> tuple[dict[str, Any], list[str]]:
+def convert(explicit: Mapping[str, object], target: str) -> tuple[dict[str, object], list[str]]:
     """Return the translated explicit config and the notes; ``target`` is 'deepspeed' or 'fsdp'."""
     target = target.lower()
     if target not in ("deepspeed", "fsdp"):
@@ -78,11 +78,11 @@ def _zero_stage(strategy: str) -> int:
     return 0 if strategy == "NO_SHARD" else 3 if reshards_after_forward(strategy) else 2
 
 
-def _fsdp_to_deepspeed(cfg: RunConfig, given: Mapping[str, Any], notes: list[str]) -> dict[str, Any]:
+def _fsdp_to_deepspeed(cfg: RunConfig, given: Mapping[str, object], notes: list[str]) -> dict[str, object]:
     fsdp = cfg.fsdp
     strategy = fsdp.resolved_sharding_strategy
     stage = _zero_stage(strategy)
-    out: dict[str, Any] = {"zero_stage": stage}
+    out: dict[str, object] = {"zero_stage": stage}
     notes.append(f"fsdp_sharding_strategy={strategy} -> zero_stage={stage}")
     if strategy.startswith("HYBRID"):
         notes.append(f"fsdp_sharding_strategy={strategy} (replicate across nodes, shard within) has no launch-config "
@@ -121,11 +121,11 @@ def _fsdp_to_deepspeed(cfg: RunConfig, given: Mapping[str, Any], notes: list[str
     return out
 
 
-def _deepspeed_to_fsdp(cfg: RunConfig, base: dict[str, Any], notes: list[str]) -> dict[str, Any]:
+def _deepspeed_to_fsdp(cfg: RunConfig, base: dict[str, object], notes: list[str]) -> dict[str, object]:
     ds = _effective_deepspeed(cfg, base, notes)
     _runner_to_fsdp(ds, base, notes)
     stage = ds.get("zero_stage", 2)
-    out: dict[str, Any] = {"fsdp_sharding_strategy": _TO_SHARDING[stage]}
+    out: dict[str, object] = {"fsdp_sharding_strategy": _TO_SHARDING[stage]}
     notes.append(f"zero_stage={stage} -> fsdp_sharding_strategy={_TO_SHARDING[stage]}")
     if stage == 1:
         notes.append("ZeRO-1 shards only optimizer states; FSDP has no such mode: SHARD_GRAD_OP also shards gradients")
@@ -173,7 +173,7 @@ def _runner_to_fsdp(ds: dict[str, Any], base: dict[str, Any], notes: list[str]) 
                      "rank 0")
 
 
-def _effective_deepspeed(cfg: RunConfig, base: dict[str, Any], notes: list[str]) -> dict[str, Any]:
+def _effective_deepspeed(cfg: RunConfig, base: dict[str, object], notes: list[str]) -> dict[str, Any]:
     """The DeepSpeed section, with what its JSON file says filled in where the section is silent."""
     ds = {k: v for k, v in vars(cfg.deepspeed).items() if v is not None}
     path = ds.pop("deepspeed_config_file", None)

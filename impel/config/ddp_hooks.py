@@ -60,7 +60,7 @@ _POWER_SGD = (DDPCommunicationHookType.POWER_SGD, DDPCommunicationHookType.BATCH
 _WRAPPERS = (DDPCommunicationHookType.NO, DDPCommunicationHookType.FP16, DDPCommunicationHookType.BF16)
 
 
-def _hook_type(name: str, value: Any) -> DDPCommunicationHookType:
+def _hook_type(name: str, value: object) -> DDPCommunicationHookType:
     try:
         return DDPCommunicationHookType(value)
     except ValueError:
@@ -69,8 +69,8 @@ def _hook_type(name: str, value: Any) -> DDPCommunicationHookType:
                           f"use one of {allowed}") from None
 
 
-def check_comm_hook(comm_hook: Any, comm_wrapper: Any,
-                    comm_state_option: Any) -> tuple[DDPCommunicationHookType, DDPCommunicationHookType]:
+def check_comm_hook(comm_hook: object, comm_wrapper: object,
+                    comm_state_option: object) -> tuple[DDPCommunicationHookType, DDPCommunicationHookType]:
     """Validate the three hook fields together; return (hook, wrapper) as enum members."""
     hook, wrapper = _hook_type("comm_hook", comm_hook), _hook_type("comm_wrapper", comm_wrapper)
     if wrapper not in _WRAPPERS:
@@ -166,7 +166,7 @@ def register_comm_hook(model: DistributedDataParallel, kwargs: HookSettings | No
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
     state = None
-    hook: Callable[..., Any]  # (state, bucket) -> Future; the state is a PowerSGDState or None
+    hook: Callable[..., object]  # (state, bucket) -> Future; the state is a PowerSGDState or None
     if hook_type in _POWER_SGD:
         hook = (powerSGD_hook.powerSGD_hook if hook_type is DDPCommunicationHookType.POWER_SGD
                 else powerSGD_hook.batched_powerSGD_hook)

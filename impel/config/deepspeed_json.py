@@ -53,7 +53,7 @@ class DummyOptim(torch.optim.Optimizer):
         copies = [dict(g) if isinstance(g, Mapping) else g for g in self.params]
         super().__init__(copies, {"lr": lr, "weight_decay": weight_decay})
 
-    def step(self, closure: Any = None) -> NoReturn:
+    def step(self, closure: object = None) -> NoReturn:
         raise RuntimeError("DummyOptim is a placeholder for the optimizer of a DeepSpeed JSON; pass it to "
                            "Accelerator.prepare() under DeepSpeed and step what prepare returns")
 
@@ -79,7 +79,7 @@ class DummyScheduler:
         self.lr_scheduler_callable = lr_scheduler_callable
         self.kwargs = kwargs
 
-    def step(self, *args: Any, **kwargs: Any) -> None:
+    def step(self, *args: object, **kwargs: object) -> None:
         raise RuntimeError("DummyScheduler is a placeholder for the scheduler of a DeepSpeed JSON; pass it to "
                            "Accelerator.prepare() together with its optimizer under DeepSpeed")
 
@@ -102,13 +102,13 @@ def put(ds: dict[str, Any], key: str, value: Any) -> None:
     node[last] = value
 
 
-def _same(a: Any, b: Any) -> bool:
+def _same(a: object, b: object) -> bool:
     if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
         return math.isclose(float(a), float(b), rel_tol=1e-9, abs_tol=0.0)
     return a == b
 
 
-def settle(ds: dict[str, Any], key: str, ours: Any, ours_name: str, source: str, default: Any = None) -> Any:
+def settle(ds: dict[str, object], key: str, ours: object, ours_name: str, source: str, default: object = None) -> Any:
     """One value impel and the JSON may both give: equal or one-sided is fine, a contradiction raises.
 
     ``ours`` is impel's explicit value (None: not given). Absent or ``"auto"`` in the JSON takes ``ours``, else
@@ -126,7 +126,7 @@ def settle(ds: dict[str, Any], key: str, ours: Any, ours_name: str, source: str,
     return theirs
 
 
-def find_auto(node: Any, prefix: str = "") -> list[str]:
+def find_auto(node: object, prefix: str = "") -> list[str]:
     """Dotted keys still holding "auto"."""
     if isinstance(node, Mapping):
         return [k for key, value in node.items() for k in find_auto(value, f"{prefix}{key}.")]
@@ -134,7 +134,7 @@ def find_auto(node: Any, prefix: str = "") -> list[str]:
 
 
 # --- loading -----------------------------------------------------------------------------------------------------
-def load_json(source: Any) -> tuple[dict[str, Any], str]:
+def load_json(source: Any) -> tuple[dict[str, object], str]:
     """(a deep copy of the JSON as a dict, a name for messages); ``source`` is a path, a dict or None."""
     if source is None:
         return {}, "the DeepSpeed config impel builds"
@@ -163,7 +163,7 @@ class Resolved:
         return "none" if device in (_ABSENT, None) else str(device)
 
 
-def settle_deepspeed(config: RunConfig, plugin: Any) -> tuple[Resolved, dict[str, Any]]:
+def settle_deepspeed(config: RunConfig, plugin: object) -> tuple[Resolved, dict[str, object]]:
     """The DeepSpeed JSON (the plugin's dict, else ``deepspeed_config_file``, else none) settled against the run
     config, and what it decides for the run config: ``gradient_accumulation_steps`` and ``mixed_precision``."""
     source = json_source(config, plugin)
@@ -171,7 +171,7 @@ def settle_deepspeed(config: RunConfig, plugin: Any) -> tuple[Resolved, dict[str
     return resolve_static(ds, name, config, json_given=source is not None)
 
 
-def json_source(config: RunConfig, plugin: Any) -> Any:
+def json_source(config: RunConfig, plugin: object) -> object:
     """Where the DeepSpeed JSON comes from: a dict given to ``DeepSpeedPlugin(hf_ds_config=...)``, else the config's
     ``deepspeed_config_file`` (a path given to the plugin is already there), else None."""
     path = config.deepspeed.deepspeed_config_file
@@ -184,8 +184,8 @@ def json_source(config: RunConfig, plugin: Any) -> Any:
     return path
 
 
-def resolve_static(ds: dict[str, Any], source: str, config: RunConfig,
-                   json_given: bool) -> tuple[Resolved, dict[str, Any]]:
+def resolve_static(ds: dict[str, object], source: str, config: RunConfig,
+                   json_given: bool) -> tuple[Resolved, dict[str, object]]:
     """Settle what is known before prepare; returns the settled JSON and the accumulation steps and precision the
     run takes from it (``config`` is not changed)."""
     check_json_values(ds, source)
@@ -230,14 +230,14 @@ def _settle_offload(ds: dict[str, Any], what: str, section: Any, source: str) ->
                           f"drive); set it in the config or as zero_optimization.offload_{what}.nvme_path in {source}")
 
 
-def _settle_save_16bit(ds: dict[str, Any], ours: bool | None, source: str) -> bool:
+def _settle_save_16bit(ds: dict[str, object], ours: bool | None, source: str) -> bool:
     present = [k for k in SAVE_16BIT_KEYS if get(ds, f"zero_optimization.{k}") is not _ABSENT]
     key = f"zero_optimization.{present[0] if present else SAVE_16BIT_KEYS[0]}"
     off = False if get(ds, key) == AUTO else None  # absent stays absent: DeepSpeed's default is off too
     return bool(settle(ds, key, ours, "zero3_save_16bit_model", source, default=off))
 
 
-def _settle_precision(ds: dict[str, Any], config: RunConfig, source: str) -> tuple[str, torch.dtype]:
+def _settle_precision(ds: dict[str, object], config: RunConfig, source: str) -> tuple[str, torch.dtype]:
     """bf16/fp16 ``enabled`` against mixed_precision: "auto" takes impel's, a JSON value may be adopted. Returns
     the run's mixed_precision mode and the engine's parameter dtype."""
     mode = config.mixed_precision if "mixed_precision" in config.explicit else None
@@ -279,7 +279,7 @@ def _check_combinations(r: Resolved) -> None:
                           "below stage 3 every rank holds the whole model and save_model needs no gathering")
 
 
-def init_config(r: Resolved) -> dict[str, Any]:
+def init_config(r: Resolved) -> dict[str, object]:
     """A copy DeepSpeed's ``zero.Init`` (and transformers) can parse before batch sizes are known."""
     ds = {k: copy.deepcopy(v) for k, v in r.ds.items() if k not in ("optimizer", "scheduler", "train_batch_size")}
     for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
@@ -289,8 +289,8 @@ def init_config(r: Resolved) -> dict[str, Any]:
 
 
 # --- at prepare --------------------------------------------------------------------------------------------------
-def fill_runtime(r: Resolved, *, micro_batch: int | None, world: int, optimizer: Any, scheduler: Any,
-                 has_optimizer: bool, model: Any = None) -> dict[str, Any]:
+def fill_runtime(r: Resolved, *, micro_batch: int | None, world: int, optimizer: object, scheduler: object,
+                 has_optimizer: bool, model: object = None) -> dict[str, object]:
     """The concrete JSON for one engine; raises for "auto" values nothing can fill."""
     ds = copy.deepcopy(r.ds)
     micro = settle(ds, "train_micro_batch_size_per_gpu", micro_batch, "the prepared DataLoader's batch size "
@@ -325,7 +325,7 @@ MODEL_SIZED = {"reduce_bucket_size": lambda h: h * h, "stage3_prefetch_bucket_si
                "stage3_param_persistence_threshold": lambda h: 10 * h}
 
 
-def hidden_size(model: Any) -> int | None:
+def hidden_size(model: object) -> int | None:
     """``config.hidden_size`` (or the largest of ``config.hidden_sizes``) of a transformers-style model."""
     config = getattr(getattr(model, "module", model), "config", None)
     size = getattr(config, "hidden_size", None)
@@ -335,7 +335,7 @@ def hidden_size(model: Any) -> int | None:
     return size if isinstance(size, int) and size > 0 else None
 
 
-def _fill_model_sizes(ds: dict[str, Any], model: Any, source: str, by_default: bool) -> None:
+def _fill_model_sizes(ds: dict[str, object], model: object, source: str, by_default: bool) -> None:
     """Fill the "auto" sizes of MODEL_SIZED from the model's width. ``by_default`` (ZeRO-3 without a JSON): absent
     ones too, when the model has a width: DeepSpeed's own defaults (5e8-element buckets) hold ~2 GB of buffers,
     more than a 100M-parameter model's sharded states."""
@@ -391,12 +391,12 @@ def _fill_scheduler(ds: dict[str, Any], optimizer: Any, scheduler: Any, source: 
     _fill_params(ds["scheduler"].setdefault("params", {}), given, "scheduler", "DummyScheduler")
 
 
-def _first_lr(optimizer: Any) -> float | None:
+def _first_lr(optimizer: object) -> float | None:
     groups = getattr(optimizer, "param_groups", None)
     return groups[0].get("lr") if groups else None
 
 
-def _fill_params(params: dict[str, Any], given: Mapping[str, Any], section: str, placeholder: str) -> None:
+def _fill_params(params: dict[str, object], given: Mapping[str, object], section: str, placeholder: str) -> None:
     for key, value in params.items():
         if value != AUTO:
             continue
@@ -417,7 +417,7 @@ def check_before_launch(config: RunConfig) -> None:
     check_batch_sizes(resolved.ds, name, world)
 
 
-def check_batch_sizes(ds: Mapping[str, Any], source: str, world: int | None) -> None:
+def check_batch_sizes(ds: Mapping[str, object], source: str, world: int | None) -> None:
     """train_batch_size = train_micro_batch_size_per_gpu * gradient_accumulation_steps * world size (DeepSpeed's
     rule), as far as the concrete values tell before prepare; ``world`` None: not known yet."""
     total, micro, gas = (get(ds, k) for k in ("train_batch_size", "train_micro_batch_size_per_gpu",

@@ -23,7 +23,7 @@ from __future__ import annotations
 import copy
 import types
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from impel.config.deepspeed_json import _ABSENT, AUTO, get, put, settle_deepspeed
 from impel.config.run_config import ConfigError, merge_code_arguments
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from impel.config.deepspeed_json import Resolved
 
 
-def _read_only(node: Any) -> Any:
+def _read_only(node: object) -> Any:
     if isinstance(node, Mapping):
         return types.MappingProxyType({k: _read_only(v) for k, v in node.items()})
     return node
@@ -55,7 +55,7 @@ class DeepSpeedPluginMembers:
         return _read_only(self._alone().ds)
 
     @deepspeed_config.setter
-    def deepspeed_config(self, value: Mapping[str, Any]) -> None:
+    def deepspeed_config(self, value: Mapping[str, object]) -> None:
         """Accelerate's plugin lets code replace its JSON (transformers' ``propagate_args_to_deepspeed`` does).
         Before an Accelerator settles the plugin, the dict becomes the plugin's JSON (``hf_ds_config``); after, it
         is read back at the next ``prepare`` as an edit of the settled JSON (open values taken, settled ones
@@ -73,7 +73,7 @@ class DeepSpeedPluginMembers:
         resolved, _ = settle_deepspeed(merge_code_arguments(None, code), self)
         return resolved
 
-    def get_value(self, ds_key_long: str, default: Any = None) -> Any:
+    def get_value(self, ds_key_long: str, default: object = None) -> Any:
         """The value at a dotted key (``"zero_optimization.stage"``), ``default`` when absent."""
         value = get(self.deepspeed_config, ds_key_long)
         return default if value is _ABSENT else value
@@ -81,7 +81,7 @@ class DeepSpeedPluginMembers:
     def is_auto(self, ds_key_long: str) -> bool:
         return bool(self.get_value(ds_key_long) == AUTO)
 
-    def _live(self, what: str) -> dict[str, Any]:
+    def _live(self, what: str) -> dict[str, object]:
         if self._settled is None:
             raise ConfigError(f"DeepSpeedPlugin.{what}: the DeepSpeed JSON is settled when the Accelerator is built; "
                               "create Accelerator(deepspeed_plugin=...) first, or give the value in the JSON "
@@ -89,7 +89,7 @@ class DeepSpeedPluginMembers:
         return self._settled
 
     def fill_match(self, ds_key_long: str, mismatches: list[str] | None = None, must_match: bool = True,
-                   **kwargs: Any) -> None:
+                   **kwargs: object) -> None:
         """Accelerate's: an ``"auto"`` value at ``ds_key_long`` takes ``kwargs[ds_key_long]`` (a missing one raises
         ValueError); with ``must_match``, a concrete value that differs is appended to ``mismatches``."""
         live = self._live("fill_match")
@@ -106,8 +106,8 @@ class DeepSpeedPluginMembers:
                 f"- ds {ds_key_long}={value} vs arg {ds_key_long}={kwargs[ds_key_long]}")
 
     def deepspeed_config_process(self, prefix: str = "", mismatches: list[str] | None = None,
-                                 config: Mapping[str, Any] | None = None, must_match: bool = True,
-                                 **kwargs: Any) -> None:
+                                 config: Mapping[str, object] | None = None, must_match: bool = True,
+                                 **kwargs: object) -> None:
         """Accelerate's: :meth:`fill_match` every key of the JSON; mismatches raise one ValueError naming them."""
         mismatches = [] if mismatches is None else mismatches
         for key, value in (self._live("deepspeed_config_process") if config is None else config).items():
@@ -139,7 +139,7 @@ class DeepSpeedPluginMembers:
         resolved = self._alone()
         return resolved.zero3_init and resolved.stage == 3
 
-    def zero3_init_context_manager(self, enable: bool = False) -> Any:
+    def zero3_init_context_manager(self, enable: bool = False) -> NoReturn:
         from impel.config.unsupported import NotProvidedError
 
         raise NotProvidedError(f"DeepSpeedPlugin.zero3_init_context_manager(enable={enable}): impel settles "
@@ -193,7 +193,7 @@ def mark_selected(plugin: DeepSpeedPluginMembers, selected: bool) -> None:
     plugin._selected = selected
 
 
-def publish(plugin: DeepSpeedPluginMembers, config: Mapping[str, Any]) -> None:
+def publish(plugin: DeepSpeedPluginMembers, config: Mapping[str, object]) -> None:
     """Replace the plugin's live JSON, in place (a reference taken earlier sees the new values)."""
     live = plugin._settled
     if live is None:

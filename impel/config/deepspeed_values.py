@@ -8,7 +8,6 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 from impel.config.schema import ConfigError
 
@@ -16,7 +15,7 @@ _WHOLE = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumu
 _DEVICES = ("none", "cpu", "nvme")
 
 
-def check_json_values(ds: Mapping[str, Any], source: str) -> None:
+def check_json_values(ds: Mapping[str, object], source: str) -> None:
     """Batch sizes are whole numbers >= 1, ``gradient_clipping`` a number >= 0, offload devices none/cpu/nvme (each
     may also be ``"auto"``)."""
     for key in _WHOLE:

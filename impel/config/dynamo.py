@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any
 
 from impel.config.schema import Freezable, option, validate_fields
 
@@ -21,7 +20,7 @@ from impel.config.schema import Freezable, option, validate_fields
 class _ValuesContained(enum.EnumMeta):
     """``"INDUCTOR" in DynamoBackend`` is True, as with Accelerate's enums (plain Python 3.11 enums raise)."""
 
-    def __contains__(cls, item: Any) -> bool:
+    def __contains__(cls, item: object) -> bool:
         try:
             cls(item)
         except ValueError:

@@ -12,11 +12,14 @@ import contextlib
 import json
 import os
 from collections.abc import Iterable, Iterator, Mapping, MutableMapping
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
 from impel.config import cluster
 from impel.config.schema import ConfigError
+
+if TYPE_CHECKING:
+    from impel.config.mesh_sizes import ParallelismSection
 
 CONFIG_VAR = "IMPEL_CONFIG"
 _ENCODED = "base64:"
@@ -75,7 +78,7 @@ def export_topology(topology: Topology, environ: MutableMapping[str, str] | None
             env[name] = str(value)
 
 
-def read_launch_config(environ: Mapping[str, str] | None = None) -> dict[str, Any] | None:
+def read_launch_config(environ: Mapping[str, str] | None = None) -> dict[str, object] | None:
     """The run config ``impel launch`` validated and exported, or None when not launched by impel."""
     env = os.environ if environ is None else environ
     raw = env.get(CONFIG_VAR)
@@ -102,7 +105,7 @@ def deepspeed_env_file_name() -> str:
     return os.environ.get("DS_ENV_FILE", ".deepspeed_env")
 
 
-def write_launch_config(config: Mapping[str, Any], environ: MutableMapping[str, str] | None = None) -> None:
+def write_launch_config(config: Mapping[str, object], environ: MutableMapping[str, str] | None = None) -> None:
     env = os.environ if environ is None else environ
     env[CONFIG_VAR] = json.dumps(dict(config), sort_keys=True)
 
@@ -189,7 +192,15 @@ def parallelism_variables(names: list[str]) -> dict[str, str]:
     return {name: value for name, value in found.items() if value.strip()}
 
 
-def launch_environment(config: Mapping[str, Any], threads: int | None, gpu_ids: str | None,
+def parallelism_exports(section: ParallelismSection) -> dict[str, str]:
+    """What ``accelerate launch`` tells its ranks of the ``parallelism_config`` section, by field name
+    (``tp_size`` -> ``PARALLELISM_CONFIG_TP_SIZE``): ``ParallelismConfig()`` reads these, under impel as under
+    Accelerate, so the launched sizes reach the code without it reading the launch config."""
+    values = {f.name: getattr(section, f.name) for f in fields(section)}
+    return {"PARALLELISM_CONFIG_" + name.upper(): str(value) for name, value in values.items() if value is not None}
+
+
+def launch_environment(config: Mapping[str, object], threads: int | None, gpu_ids: str | None,
                        ranks_per_machine: int = 1) -> dict[str, str]:
     """The variables ``impel launch`` sets for its ranks (merged into a copy of this process's environment).
 
@@ -391,7 +402,7 @@ def get_int_from_env(env_keys: Iterable[str], default: int) -> int:
 
 
 @contextlib.contextmanager
-def patch_environment(**kwargs: Any) -> Iterator[None]:
+def patch_environment(**kwargs: object) -> Iterator[None]:
     """Set each keyword (upper-cased, its value as a string) in ``os.environ`` for the block, then put back what was
     there (or remove it)."""
     with scoped_environ({key.upper(): str(value) for key, value in kwargs.items()}):

@@ -98,14 +98,14 @@ def set_variables() -> dict[str, tuple[str, str]]:
     return out
 
 
-def environment_settings() -> dict[str, Any]:
+def environment_settings() -> dict[str, object]:
     """The run config keys the environment sets (sections as nested mappings); ``{}`` when it sets none."""
     found = set_variables()
     _refuse_unsupported(found)
     chosen = [(kind, table) for var, (kind, table) in STRATEGIES.items() if _switch(found, var)]
     if len(chosen) > 1:
         raise ConfigError("both ACCELERATE_USE_FSDP and ACCELERATE_USE_DEEPSPEED are true; set only one of them")
-    out: dict[str, Any] = {}
+    out: dict[str, object] = {}
     tables = [PLAIN, *(table for _, table in chosen)]
     if chosen:
         out["distributed_type"] = chosen[0][0]
@@ -158,7 +158,7 @@ def _refuse_unsupported(found: Mapping[str, tuple[str, str]]) -> None:
             raise ConfigError(f"environment variable {shown}={value!r} {reason}; unset it to run on impel")
 
 
-def _value(found: tuple[str, str], key: str) -> Any:
+def _value(found: tuple[str, str], key: str) -> object:
     shown, raw = found
     section, _, name = key.rpartition(".")
     owner = SECTIONS[section] if section else RunConfig

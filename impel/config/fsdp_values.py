@@ -8,7 +8,7 @@ from typing import Any
 from impel.config.run_config import ConfigError
 
 
-def enum_name(value: Any) -> Any:
+def enum_name(value: object) -> object:
     return value.name if isinstance(value, enum.Enum) else value
 
 
@@ -18,7 +18,7 @@ def class_names(value: Any) -> str:
     return ",".join(n for n in names if n)
 
 
-def offload_flag(cpu_offload: Any, offload_params: bool | None) -> bool | None:
+def offload_flag(cpu_offload: object, offload_params: bool | None) -> bool | None:
     flag = cpu_offload
     if flag is not None and not isinstance(flag, bool):
         if hasattr(flag, "offload_params"):  # FSDP1's CPUOffload
@@ -38,13 +38,13 @@ _MODE_OF_DTYPE = {"bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "fp16":
                   "float32": "no", "fp32": "no", "float": "no", "no": "no"}
 
 
-def _dtype_name(value: Any) -> str | None:
+def _dtype_name(value: object) -> str | None:
     if value is None:
         return None
     return str(value).replace("torch.", "").lower()
 
 
-def mixed_precision_mode(policy: Any) -> str | None:
+def mixed_precision_mode(policy: object) -> str | None:
     """The mixed_precision mode a plugin's ``mixed_precision_policy`` asks for; None when not given."""
     if policy is None:
         return None

@@ -13,7 +13,6 @@ The rules every spelling is checked against (:meth:`ParallelismSection.validate`
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any
 
 from impel.config.schema import ConfigError, Freezable, option, validate_fields
 
@@ -94,7 +93,7 @@ def check_world_size(sizes: dict[str, int], world_size: int, where: str = "WORLD
                           "number of processes")
 
 
-def check_strategy(sizes: dict[str, int], distributed_type: Any) -> None:
+def check_strategy(sizes: dict[str, int], distributed_type: object) -> None:
     """Which distributed types can run these sizes: FSDP shards over dp_shard x cp; DDP replicates (MULTI_CPU /
     MULTI_GPU run tensor parallelism alone, or plain replication); DeepSpeed runs none of them."""
     kind = None if distributed_type is None else str(distributed_type)

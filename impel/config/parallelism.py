@@ -6,10 +6,10 @@ The sizes describe one ``DeviceMesh`` with the dims ``dp_replicate``, ``dp_shard
 innermost; a dim of size 1 is left out), plus the flattened sub-meshes ``dp`` (replicate x shard: the ranks that
 see different batches), ``dp_shard_cp`` (what FSDP shards over) and ``dp_cp`` (what a loss is averaged over).
 
-A size left at None takes ``$PARALLELISM_CONFIG_<NAME>`` (Accelerate's launcher variables), else the launched
-``parallelism_config`` section (``--parallelism_config_tp_size``), else 1. The Accelerator settles the sizes against
-the world size before anything is built (:func:`settle`): their product must equal it; a config whose sizes are
-all 1 becomes plain data parallelism over every rank.
+A size left at None takes ``$PARALLELISM_CONFIG_<NAME>`` (Accelerate's launcher variables: ``impel launch``
+exports its ``parallelism_config`` section, ``--parallelism_config_tp_size``, as them, like ``accelerate launch``),
+else 1. The Accelerator settles the sizes against the world size before anything is built (:func:`settle`): their
+product must equal it; a config whose sizes are all 1 becomes plain data parallelism over every rank.
 
 Example::
 
@@ -30,10 +30,12 @@ from impel.config.mesh_sizes import (
     ParallelismSection,
     check_strategy,
     check_world_size,
-    section_keys,
     total_size,
 )
 from impel.config.plugins import by_hand, config_backed
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 from impel.config.schema import ConfigError, coerce
 
 logger = logging.getLogger("impel")
@@ -59,7 +61,7 @@ class TorchTensorParallelConfig:
     """
 
     enable_async_tp: bool = False
-    tp_plan: dict[str, Any] | None = None
+    tp_plan: dict[str, object] | None = None
 
     def __post_init__(self) -> None:
         if self.enable_async_tp:
@@ -69,7 +71,7 @@ class TorchTensorParallelConfig:
             check_plan(self.tp_plan)
 
 
-def check_plan(plan: Any) -> None:
+def check_plan(plan: object) -> None:
     """A plan maps module paths to style names or ParallelStyle objects; a misspelled name fails here."""
     if not isinstance(plan, dict) or not plan:
         raise ConfigError(f"tp_plan={plan!r} must be a non-empty dict of module path -> style, e.g. "
@@ -85,14 +87,14 @@ def check_plan(plan: Any) -> None:
 @dataclass
 class TorchContextParallelConfig:
     """Context parallelism settings (``ParallelismConfig(cp_handler=...)``): ``cp_comm_strategy`` ('allgather' or
-    'alltoall'; None takes ``$PARALLELISM_CONFIG_CP_COMM_STRATEGY``, else the launched section, else 'allgather')."""
+    'alltoall'; None takes ``$PARALLELISM_CONFIG_CP_COMM_STRATEGY``, else 'allgather')."""
 
     cp_comm_strategy: str | None = None
 
     def __post_init__(self) -> None:
         given = self.cp_comm_strategy is not None
         if not given:
-            self.cp_comm_strategy = _environment().get("cp_comm_strategy") or _launched().get("cp_comm_strategy")
+            self.cp_comm_strategy = _environment().get("cp_comm_strategy")
         self.cp_comm_strategy = _field_value("cp_comm_strategy", self.cp_comm_strategy or "allgather", from_text=True)
         self.__dict__["_given"] = given
 
@@ -103,13 +105,13 @@ class ParallelismConfig:
 
     ``dp_replicate_size`` / ``dp_shard_size`` / ``tp_size`` / ``cp_size`` / ``cp_backend`` / ``sp_size`` /
     ``sp_backend`` are generated from :class:`impel.config.mesh_sizes.ParallelismSection` (the YAML section):
-    None takes Accelerate's environment variable, else the launched value, else the default. ``sp_size > 1``
-    (DeepSpeed sequence parallelism) raises.
+    None takes Accelerate's environment variable (which ``impel launch`` sets from its section), else the default.
+    ``sp_size > 1`` (DeepSpeed sequence parallelism) raises.
     """
 
-    tp_handler: Any = by_hand()
-    cp_handler: Any = None
-    sp_handler: Any = None
+    tp_handler: TorchTensorParallelConfig | None = by_hand()
+    cp_handler: TorchContextParallelConfig | None = None
+    sp_handler: object = None
 
     device_mesh = None  # built by get_device_mesh (not a field, as in Accelerate)
 
@@ -126,8 +128,7 @@ class ParallelismConfig:
 
     def __post_init__(self) -> None:
         given = self._given_section()
-        merged = {**_launched(), **given}
-        section = ParallelismSection(**merged).validate()
+        section = ParallelismSection(**given).validate()
         for f in fields(ParallelismSection):
             if f.name != "cp_comm_strategy":
                 setattr(self, f.name, getattr(section, f.name))
@@ -147,7 +148,7 @@ class ParallelismConfig:
 
     def _given_section(self) -> dict[str, Any]:
         """The section values set here: the keywords given, then Accelerate's variables for the others."""
-        out: dict[str, Any] = {}
+        out: dict[str, object] = {}
         variables = _environment()
         for f in fields(ParallelismSection):
             if f.name == "cp_comm_strategy":
@@ -164,12 +165,12 @@ class ParallelismConfig:
             out["cp_comm_strategy"] = _field_value("cp_comm_strategy", variables["cp_comm_strategy"], from_text=True)
         return out
 
-    def code_arguments(self) -> dict[str, Any]:
+    def code_arguments(self) -> dict[str, object]:
         """What this config adds to the Accelerator's code arguments (merged over the launched config)."""
         given = {ParallelismSection.PREFIX + k: v for k, v in self.__dict__.get("_given", {}).items()}
         return {"parallelism_config": given} if given else {}
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         """The sizes and backends (Accelerate's method returns nothing; this returns the dict)."""
         return {name: getattr(self, name) for name in (*SIZES, "cp_backend", "sp_backend")}
 
@@ -249,7 +250,7 @@ class ParallelismConfig:
         dims = [d for d in MESH_ORDER if d in self.active_mesh_dims]
         return (tuple(dims), tuple(self._sizes[d] for d in dims)) if dims else ()
 
-    def build_device_mesh(self, device_type: str) -> Any:
+    def build_device_mesh(self, device_type: str) -> DeviceMesh | None:
         """The ``DeviceMesh`` with the enabled dims and the flattened ``dp``, ``dp_shard_cp`` and ``dp_cp``; None when
         no dim is enabled (one process)."""
         from torch.distributed.device_mesh import init_device_mesh
@@ -302,7 +303,7 @@ class ParallelismConfig:
         setattr(self, f"{parallelism}_size", size)
 
 
-def _field_value(name: str, value: Any, from_text: bool = False) -> Any:
+def _field_value(name: str, value: object, from_text: bool = False) -> Any:
     meta = next(f.metadata for f in fields(ParallelismSection) if f.name == name)
     return coerce(name, value, meta, from_text=from_text)
 
@@ -310,13 +311,6 @@ def _field_value(name: str, value: Any, from_text: bool = False) -> Any:
 def _environment() -> dict[str, str]:
     """Accelerate's launcher variables for the section's fields (``PARALLELISM_CONFIG_TP_SIZE`` -> tp_size)."""
     return env.parallelism_variables([f.name for f in fields(ParallelismSection)])
-
-
-def _launched() -> dict[str, Any]:
-    """The launched ``parallelism_config`` section (``impel launch``), by field name."""
-    section = (env.read_launch_config() or {}).get("parallelism_config") or {}
-    keys = section_keys()
-    return {keys[k]: v for k, v in section.items() if k in keys}
 
 
 def requested(given: ParallelismConfig | None) -> ParallelismConfig | None:

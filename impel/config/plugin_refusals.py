@@ -3,12 +3,10 @@ what to use instead (so a setting never passes silently). The plugins in :mod:`i
 :func:`refuse_set` from ``__post_init__``."""
 from __future__ import annotations
 
-from typing import Any
-
 from impel.config.run_config import ConfigError
 
 _FSDP1 = "an FSDP1 setting; impel runs FSDP2 (fully_shard), which has no such option"
-FSDP_REFUSED: dict[str, tuple[Any, str]] = {  # argument -> (the value that means "not set", why and what instead)
+FSDP_REFUSED: dict[str, tuple[object, str]] = {  # argument -> (the value that means "not set", why and what instead)
     "ignored_modules": (None, "not supported yet: every module is sharded; freeze the parameters "
                               "(requires_grad=False) or keep the module out of the model you prepare"),
     "state_dict_config": (None, _FSDP1 + "; choose full or sharded checkpoints with state_dict_type"),
@@ -19,7 +17,7 @@ FSDP_REFUSED: dict[str, tuple[Any, str]] = {  # argument -> (the value that mean
     "activation_checkpointing_offload": (None, "not supported: use activation_checkpointing=True (recomputed, "
                                                "not offloaded)"),
 }
-DEEPSPEED_REFUSED: dict[str, tuple[Any, str]] = {
+DEEPSPEED_REFUSED: dict[str, tuple[object, str]] = {
     "transformer_moe_cls_names": (None, "not wired: call deepspeed.utils.set_z3_leaf_modules(model, [...]) on the "
                                         "model before accelerator.prepare"),
     "enable_msamp": (None, "impel has no fp8 / MS-AMP mode; use mixed_precision='bf16'"),
@@ -27,7 +25,7 @@ DEEPSPEED_REFUSED: dict[str, tuple[Any, str]] = {
 }
 
 
-def refuse_set(plugin: Any, refused: dict[str, tuple[Any, str]]) -> None:
+def refuse_set(plugin: object, refused: dict[str, tuple[object, str]]) -> None:
     """A ConfigError naming the first of ``refused`` that ``plugin`` sets, with its reason."""
     for name, (unset, reason) in refused.items():
         value = getattr(plugin, name)

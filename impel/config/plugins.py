@@ -26,7 +26,7 @@ from impel.config.run_config import (
 )
 
 
-def _check_bool(owner: str, name: str, value: Any) -> None:
+def _check_bool(owner: str, name: str, value: object) -> None:
     if not isinstance(value, bool):
         raise ConfigError(f"{owner}({name}={value!r}) must be True or False")
 
@@ -259,7 +259,7 @@ class Handlers:
         return out
 
 
-def by_hand(default: Any = None, *, before: str | None = None) -> Any:
+def by_hand(default: object = None, *, before: str | None = None) -> Any:
     """A plugin field written by hand (not a config field), placed before the generated keyword ``before``
     (after all of them without one)."""
     return field(default=default, metadata={"before": before})
@@ -281,7 +281,7 @@ def config_backed(section: type, *, enums: bool = False) -> Callable[[type], typ
     """
     def build(cls: type) -> type:
         own = inspect.get_annotations(cls)
-        generated: dict[str, tuple[str, Any]] = {}
+        generated: dict[str, tuple[str, object]] = {}
         for f in fields(section):
             keyword = plugin_keyword(f)
             if keyword is None:
@@ -334,12 +334,12 @@ class FullyShardedDataParallelPlugin:
     cpu_offload: Any = by_hand(before="offload_params")
     mixed_precision_policy: Any = None
     # Accelerate's arguments impel refuses when set (impel.config.plugin_refusals says why and what to use instead)
-    ignored_modules: Any = None
-    state_dict_config: Any = None
-    optim_state_dict_config: Any = None
+    ignored_modules: object = None
+    state_dict_config: object = None
+    optim_state_dict_config: object = None
     limit_all_gathers: bool = True
-    param_init_fn: Any = None
-    activation_checkpointing_offload: Any = None
+    param_init_fn: object = None
+    activation_checkpointing_offload: object = None
 
     if TYPE_CHECKING:  # the dataclass __init__ config_backed builds, with keywords type checkers cannot see
         def __init__(self, *args: Any, **kwargs: Any) -> None: ...
@@ -349,7 +349,7 @@ class FullyShardedDataParallelPlugin:
         self.mixed_precision = mixed_precision_mode(self.mixed_precision_policy)
         self.to_config_section()  # validate now, with the YAML key names in the messages
 
-    def to_config_section(self) -> dict[str, Any]:
+    def to_config_section(self) -> dict[str, object]:
         """The explicitly given fields as an ``fsdp_config`` section (``fsdp_*`` keys), validated and normalised."""
         raw = self._raw_section()
         checked = FSDPConfig(**raw).validate()
@@ -357,7 +357,7 @@ class FullyShardedDataParallelPlugin:
 
     def _raw_section(self) -> dict[str, Any]:
         """Config field -> the value given here (torch's enums and classes as names)."""
-        out: dict[str, Any] = {}
+        out: dict[str, object] = {}
         for attr, name in _FSDP_KEYS.items():
             value = getattr(self, attr)
             if attr == "offload_params":  # cpu_offload is the same switch
@@ -405,9 +405,9 @@ class DeepSpeedPlugin(DeepSpeedPluginMembers):
     hf_ds_config: Any = by_hand(before="gradient_clipping")  # deepspeed_config_file, or a dict
     gradient_accumulation_steps: int | None = by_hand(before="gradient_clipping")  # the top-level key
     is_train_batch_min: bool = by_hand(True, before="offload_optimizer_device")
-    transformer_moe_cls_names: Any = None  # these three: refused when set (impel.config.plugin_refusals)
-    enable_msamp: Any = None
-    msamp_opt_level: Any = None
+    transformer_moe_cls_names: object = None  # these three: refused when set (impel.config.plugin_refusals)
+    enable_msamp: object = None
+    msamp_opt_level: object = None
 
     if TYPE_CHECKING:  # the dataclass __init__ config_backed builds, with keywords type checkers cannot see
         def __init__(self, *args: Any, **kwargs: Any) -> None: ...
@@ -423,7 +423,7 @@ class DeepSpeedPlugin(DeepSpeedPluginMembers):
         _check_bool("DeepSpeedPlugin", "is_train_batch_min", self.is_train_batch_min)
         self.to_config_section()  # validate now, with the YAML key names in the messages
 
-    def to_config_section(self) -> dict[str, Any]:
+    def to_config_section(self) -> dict[str, object]:
         """The explicitly given fields as a ``deepspeed_config`` section, validated (a dict JSON is not in it)."""
         raw = {name: getattr(self, attr) for attr, name in _DEEPSPEED_KEYS.items() if getattr(self, attr) is not None}
         if isinstance(self.hf_ds_config, (str, os.PathLike)):
@@ -431,7 +431,7 @@ class DeepSpeedPlugin(DeepSpeedPluginMembers):
         checked = DeepSpeedConfig(**raw).validate()
         return {key: getattr(checked, key) for key in raw}
 
-    def code_arguments(self, gradient_accumulation_steps: int | None) -> dict[str, Any]:
+    def code_arguments(self, gradient_accumulation_steps: int | None) -> dict[str, object]:
         """What this plugin adds to the Accelerator's code arguments (merged over the launched config)."""
         steps = self.gradient_accumulation_steps
         if steps is not None and gradient_accumulation_steps is not None and steps != gradient_accumulation_steps:

@@ -13,10 +13,13 @@ import contextlib
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from impel.config.kwargs_handler import KwargsHandler
 from impel.config.run_config import ConfigError
+
+if TYPE_CHECKING:
+    import torch.profiler
 
 ACTIVITIES = ("cpu", "cuda", "xpu", "mtia", "hpu")
 SCHEDULE_KEYS = ("wait", "warmup", "active", "repeat", "skip_first", "skip_first_wait")
@@ -30,7 +33,7 @@ class ProfileKwargs(KwargsHandler):
 
     activities: list[str] | None = None
     schedule_option: dict[str, int] | None = None
-    on_trace_ready: Callable[..., Any] | None = None
+    on_trace_ready: Callable[[torch.profiler.profile], object] | None = None
     record_shapes: bool = False
     profile_memory: bool = False
     with_stack: bool = False
@@ -48,7 +51,7 @@ class ProfileKwargs(KwargsHandler):
             raise ConfigError(f"ProfileKwargs(schedule_option=...) has unknown keys {unknown}; use "
                               f"{', '.join(SCHEDULE_KEYS)}")
 
-    def build(self) -> Any:
+    def build(self) -> torch.profiler.profile:
         """The ``torch.profiler.profile`` object these settings describe."""
         import torch.profiler as profiler
 
@@ -68,7 +71,8 @@ class ProfileKwargs(KwargsHandler):
 
 
 @contextlib.contextmanager
-def profile_block(handler: ProfileKwargs, rank: int, wait_for_everyone: Callable[[], None]) -> Iterator[Any]:
+def profile_block(handler: ProfileKwargs, rank: int,
+                  wait_for_everyone: Callable[[], None]) -> Iterator[torch.profiler.profile]:
     """Run the block under ``handler``'s profiler; then write this rank's Chrome trace and wait for every rank."""
     with handler.build() as prof:
         yield prof

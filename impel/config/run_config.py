@@ -70,7 +70,7 @@ _NOT_DRIVEN = {"MULTI_NPU": "Ascend NPUs", "MULTI_MLU": "Cambricon MLUs", "MULTI
                "MEGATRON_LM": "Megatron-LM", "MULTI_HPU": "Habana HPUs", "MULTI_NEURON": "AWS Neuron cores"}
 
 
-def check_distributed_type(value: Any) -> None:
+def check_distributed_type(value: object) -> None:
     """Raise for an Accelerate distributed type naming hardware or an engine impel does not drive."""
     name = str(value).upper() if isinstance(value, str) else value
     if name in _NOT_DRIVEN:
@@ -111,7 +111,7 @@ def reshards_after_forward(strategy: str) -> bool:
     return RESHARD_AFTER_FORWARD.get(strategy, False)
 
 
-def check_zero_stage(value: Any, what: str) -> None:
+def check_zero_stage(value: object, what: str) -> None:
     """Raise unless ``value`` is a ZeRO stage; ``what`` names where it came from (``zero_stage=4``)."""
     if value not in ZERO_STAGES:
         stages = ", ".join(str(s) for s in ZERO_STAGES[:-1]) + f" or {ZERO_STAGES[-1]}"
@@ -120,7 +120,7 @@ def check_zero_stage(value: Any, what: str) -> None:
 
 # --- sections ------------------------------------------------------------------------------------------------
 # FSDP1's ShardingStrategy numbers, as Accelerate accepts them (YAML 1 or "1", flag --fsdp_sharding_strategy 1)
-_FSDP1_STRATEGY_NUMBERS: dict[Any, str] = {k: v for n, v in enumerate(SHARDING_STRATEGIES, 1) for k in (n, str(n))}
+_FSDP1_STRATEGY_NUMBERS: dict[object, str] = {k: v for n, v in enumerate(SHARDING_STRATEGIES, 1) for k in (n, str(n))}
 _WRAPPING_NOTE = "wrapping is transparent in DeepSpeed (it partitions every parameter)"
 _PREFETCH_NOTE = "prefetching is automatic in DeepSpeed (tune stage3_prefetch_bucket_size in a DeepSpeed JSON)"
 
@@ -274,7 +274,7 @@ def section_keys(cls: type[Section]) -> dict[str, str]:
     return {cls.PREFIX + f.name: f.name for f in fields(cls)}
 
 
-def _section_from_dict(name: str, cls: type[Section], data: Any) -> Any:
+def _section_from_dict(name: str, cls: type[Section], data: object) -> object:
     if data is None:
         return None
     if not isinstance(data, Mapping):
@@ -345,7 +345,7 @@ class RunConfig(Freezable):
     parallelism_config: ParallelismSection | None = field(default=None, metadata={"section": ParallelismSection})
 
     def __post_init__(self) -> None:
-        self.explicit: dict[str, Any] = {}
+        self.explicit: dict[str, object] = {}
 
     def validate(self) -> RunConfig:
         check_distributed_type(self.distributed_type)
@@ -412,7 +412,7 @@ class RunConfig(Freezable):
         """The config with Accelerate's YAML keys; ``explicit_only`` keeps only keys set by a file or a flag."""
         if explicit_only:
             return to_plain(self.explicit)
-        out: dict[str, Any] = {}
+        out: dict[str, object] = {}
         for f in fields(self):
             value = getattr(self, f.name)
             if f.name in SECTIONS:
@@ -441,7 +441,7 @@ class RunConfig(Freezable):
         return cfg
 
 
-def _normalised_explicit(cfg: RunConfig, explicit: Mapping[str, Any]) -> dict[str, Any]:
+def _normalised_explicit(cfg: RunConfig, explicit: Mapping[str, Any]) -> dict[str, object]:
     """The explicitly given keys, with the validated (coerced) values."""
     full = cfg.to_dict()
     out: dict[str, Any] = {}
@@ -453,11 +453,11 @@ def _normalised_explicit(cfg: RunConfig, explicit: Mapping[str, Any]) -> dict[st
     return out
 
 
-def to_plain(data: Mapping[str, Any]) -> dict[str, Any]:
+def to_plain(data: Mapping[str, object]) -> dict[str, object]:
     return {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in data.items()}
 
 
-def defaults() -> dict[str, Any]:
+def defaults() -> dict[str, object]:
     return {f.name: f.default for f in fields(RunConfig) if f.default is not MISSING}
 
 

@@ -67,7 +67,7 @@ class Freezable:
                 value.freeze()
         object.__setattr__(self, "_frozen", True)
 
-    def __setattr__(self, name: str, value: Any) -> None:
+    def __setattr__(self, name: str, value: object) -> None:
         if self._frozen:
             raise AttributeError(f"{type(self).__name__}.{name} is read-only: the run config is settled when the "
                                  f"Accelerator is built; pass {name} to Accelerator(...) or set it in the launch "
@@ -97,7 +97,7 @@ def bool_word(text: str) -> bool | None:
     return True if word in TRUE_WORDS else False if word in FALSE_WORDS else None
 
 
-def coerce(name: str, value: Any, meta: Mapping[str, Any], from_text: bool = False) -> Any:
+def coerce(name: str, value: Any, meta: Mapping[str, Any], from_text: bool = False) -> object:
     """Check (and, for text from flags or prompts, convert) one value against its field schema."""
     if value is None:
         return None
@@ -135,7 +135,7 @@ def coerce(name: str, value: Any, meta: Mapping[str, Any], from_text: bool = Fal
     return value
 
 
-def _hashable(value: Any) -> bool:
+def _hashable(value: object) -> bool:
     try:
         hash(value)
     except TypeError:
@@ -143,13 +143,13 @@ def _hashable(value: Any) -> bool:
     return True
 
 
-def _min_text(meta: Mapping[str, Any]) -> str:
+def _min_text(meta: Mapping[str, object]) -> str:
     if meta.get("max") is not None:
         return f" from {meta['min']:g} to {meta['max']:g}"
     return f" >= {meta['min']:g}" if meta["min"] is not None else ""
 
 
-def _parse_text(name: str, raw: str, kind: str, choices: tuple | None) -> Any:
+def _parse_text(name: str, raw: str, kind: str, choices: tuple | None) -> object:
     text = raw.strip()
     if choices is not None and any(isinstance(c, int) and not isinstance(c, bool) for c in choices):
         kind = "int"

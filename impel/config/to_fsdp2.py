@@ -25,7 +25,7 @@ _DROPPED = {
 _STRATEGY_KEYS = ("fsdp_sharding_strategy", "fsdp_reshard_after_forward")
 
 
-def to_fsdp2(config: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+def to_fsdp2(config: Mapping[str, Any]) -> tuple[dict[str, object], list[str]]:
     """The FSDP2 file and a note per change; a file without an FSDP section or already FSDP2 comes back as it is."""
     section = config.get("fsdp_config") or {}
     if not section:
@@ -48,7 +48,7 @@ def to_fsdp2(config: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
     return converted, notes
 
 
-def _reshards(key: str, value: Any, notes: list[str]) -> Any:
+def _reshards(key: str, value: Any, notes: list[str]) -> object:
     """FSDP1's sharding strategy (a name, or its number in torch's ShardingStrategy) as FSDP2's bool."""
     if isinstance(value, bool):
         return value
@@ -64,7 +64,7 @@ def _reshards(key: str, value: Any, notes: list[str]) -> Any:
     return RESHARD_AFTER_FORWARD[name]
 
 
-def _check_impel_reads(converted: Mapping[str, Any]) -> None:
+def _check_impel_reads(converted: Mapping[str, object]) -> None:
     from impel.config.yaml_file import normalise_accelerate_keys
 
     try:

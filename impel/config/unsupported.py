@@ -136,7 +136,7 @@ class _NotProvided(type):
     """The type of a placeholder: building or calling it raises :class:`NotProvidedError`; reading an attribute it
     does not have raises :class:`NotProvidedAttributeError` (an AttributeError); introspection works."""
 
-    def __call__(cls, *args: Any, **kwargs: Any) -> NoReturn:
+    def __call__(cls, *args: object, **kwargs: object) -> NoReturn:
         _refuse(cls.__name__)
 
     def __getattr__(cls, attr: str) -> NoReturn:
@@ -154,7 +154,7 @@ def placeholder(name: str) -> type:
                                     "__module__": __name__})
 
 
-_made: dict[str, Any] = {}
+_made: dict[str, object] = {}
 
 
 def __getattr__(name: str) -> Any:
@@ -166,7 +166,7 @@ def __getattr__(name: str) -> Any:
     return _made[name]
 
 
-def _accelerates(name: str) -> Any:
+def _accelerates(name: str) -> object:
     """Accelerate's own ``name`` (one of :data:`ACCELERATES_OWN`), or None when Accelerate is not installed."""
     for module in _ACCELERATE_MODULES:
         try:

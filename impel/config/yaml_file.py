@@ -19,7 +19,7 @@ from impel.config.run_config import SECTIONS, ConfigError, RunConfig
 
 # Accelerate keys that load only with their "off" value: key -> (values meaning off, what the key is for).
 _OFF_NONE = (None, False, "", "no", "NO", "none", "None")
-INERT_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
+INERT_KEYS: dict[str, tuple[tuple[object, ...], str]] = {
     "downcast_bf16": (_OFF_NONE, "a TPU setting"),
     "tpu_env": (_OFF_NONE + ((),), "a TPU setting"),
     "tpu_use_cluster": (_OFF_NONE, "a TPU setting"),
@@ -39,7 +39,7 @@ INERT_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
 _FSDP_RENAMED = {"fsdp_backward_prefetch_policy": "fsdp_backward_prefetch"}
 
 
-def _is_off(value: Any, off: tuple[Any, ...]) -> bool:
+def _is_off(value: object, off: tuple[object, ...]) -> bool:
     if isinstance(value, (dict, list)) and not value:
         return True
     if isinstance(value, dict):  # e.g. fp8_config: {fp8_backend: null}
@@ -47,7 +47,7 @@ def _is_off(value: Any, off: tuple[Any, ...]) -> bool:
     return any(value is o or (type(value) is type(o) and value == o) for o in off)
 
 
-def normalise_accelerate_keys(data: Mapping[str, Any], source: str) -> dict[str, Any]:
+def normalise_accelerate_keys(data: Mapping[str, Any], source: str) -> dict[str, object]:
     """Drop Accelerate's inert keys (raising when one is on) and fold its aliases into impel's keys."""
     out: dict[str, Any] = {}
     for key, value in data.items():
@@ -76,7 +76,7 @@ def normalise_accelerate_keys(data: Mapping[str, Any], source: str) -> dict[str,
     return out
 
 
-def _fold_mpirun(out: dict[str, Any], source: str) -> None:
+def _fold_mpirun(out: dict[str, object], source: str) -> None:
     section = out.pop("mpirun_config")
     if section is None:
         return
@@ -91,7 +91,7 @@ def _fold_mpirun(out: dict[str, Any], source: str) -> None:
         out["mpirun_hostfile"] = os.path.expanduser(str(hostfile))
 
 
-def _normalise_deepspeed(ds: dict[str, Any], top: dict[str, Any], source: str) -> dict[str, Any]:
+def _normalise_deepspeed(ds: dict[str, object], top: dict[str, object], source: str) -> dict[str, object]:
     # Accelerate keeps the accumulation steps inside the section; impel has one top-level value.
     if "gradient_accumulation_steps" in ds:
         steps = ds.pop("gradient_accumulation_steps")
@@ -115,9 +115,9 @@ def unique_key_loader() -> Any:
     import yaml
 
     class UniqueKeyLoader(yaml.SafeLoader):
-        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        def construct_mapping(self, node: object, deep: bool = False) -> Any:
             if isinstance(node, yaml.MappingNode):
-                seen: dict[Any, int] = {}
+                seen: dict[object, int] = {}
                 for key_node, _ in node.value:
                     if key_node.tag == "tag:yaml.org,2002:merge":
                         continue  # `<<: *anchor` merges: the keys beside it override them, as YAML means
@@ -131,7 +131,7 @@ def unique_key_loader() -> Any:
     return UniqueKeyLoader
 
 
-def read_config_file(path: str) -> dict[str, Any]:
+def read_config_file(path: str) -> dict[str, object]:
     """The explicitly set keys of a YAML (or JSON) config file, validated; raises ConfigError naming the file."""
     data = load_config_mapping(path)
     try:
@@ -140,7 +140,7 @@ def read_config_file(path: str) -> dict[str, Any]:
         raise ConfigError(f"{path}: {exc}") from None
 
 
-def load_config_mapping(path: str) -> dict[str, Any]:
+def load_config_mapping(path: str) -> dict[str, object]:
     """A config file's keys in impel's names (Accelerate's older names mapped), not yet validated."""
     import yaml
 
@@ -172,7 +172,7 @@ def load_config_mapping(path: str) -> dict[str, Any]:
     return dict(normalise_accelerate_keys(data, path))
 
 
-def file_document(explicit: Mapping[str, Any]) -> dict[str, Any]:
+def file_document(explicit: Mapping[str, Any]) -> dict[str, object]:
     """What a config file holds: the explicit keys in a stable order, sections without unset (None) values."""
     order = [k for k in RunConfig.__dataclass_fields__ if k in explicit]
     doc: dict[str, Any] = {}
@@ -184,7 +184,7 @@ def file_document(explicit: Mapping[str, Any]) -> dict[str, Any]:
     return doc
 
 
-def write_config_file(explicit: Mapping[str, Any], path: str) -> str:
+def write_config_file(explicit: Mapping[str, object], path: str) -> str:
     """Validate, then write atomically (a crash never leaves half a config)."""
     import yaml
 
@@ -203,13 +203,13 @@ def write_config_file(explicit: Mapping[str, Any], path: str) -> str:
     return path
 
 
-def dump_yaml(data: Mapping[str, Any]) -> str:
+def dump_yaml(data: Mapping[str, object]) -> str:
     import yaml
 
     return yaml.safe_dump(dict(data), sort_keys=False, default_flow_style=False)
 
 
-def read_json_object(path: str | os.PathLike[str], name: str) -> dict[str, Any]:
+def read_json_object(path: str | os.PathLike[str], name: str) -> dict[str, object]:
     """The JSON object in the file ``path``; a ConfigError naming ``name=path`` when the file is missing, is not
     JSON or holds something other than an object (the DeepSpeed JSON, the Trainer's dict knobs)."""
     path = os.fspath(path)
@@ -228,9 +228,9 @@ def read_json_object(path: str | os.PathLike[str], name: str) -> dict[str, Any]:
     return data
 
 
-def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+def _unique_pairs(pairs: list[tuple[str, object]]) -> dict[str, object]:
     """``json.load``'s object hook: a key given twice in one object raises :class:`DuplicateKey` (no lines known)."""
-    out: dict[str, Any] = {}
+    out: dict[str, object] = {}
     for key, value in pairs:
         if key in out:
             raise DuplicateKey(key, 0, 0)

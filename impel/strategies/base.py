@@ -26,6 +26,9 @@ from impel.strategies.fsdp_loading import ParamReplacements
 from impel.strategies.tensor_parallel import check_user_plan, clip_by_total_norm, has_dtensor, is_dtensor, parallelize
 
 if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from impel.runtime.loaders.prepared_loader import PreparedLoader
     from impel.runtime.ranks.process import ProcessState
     from impel.runtime.step.accumulation import GradientState
     from impel.runtime.step.precision_report import PrecisionReport
@@ -62,7 +65,8 @@ class Strategy:
         self.precision: Precision = self.build_precision()
         # N-D parallelism: the mesh of the settled ParallelismConfig (None without one, or on one process)
         self.parallelism = record.parallelism
-        self.device_mesh: Any = self.parallelism.get_device_mesh(self.device.type) if self.parallelism else None
+        self.device_mesh: DeviceMesh | None = (self.parallelism.get_device_mesh(self.device.type) if self.parallelism
+                                               else None)
         self.replacements = ParamReplacements()  # parameters TP / FSDP replaced, to re-point optimizers
 
     def build_precision(self) -> Precision:
@@ -71,16 +75,16 @@ class Strategy:
         return make_precision(self.config.mixed_precision, self.device, self.handlers.autocast, self.handlers.scaler)
 
     # --- wrapping -------------------------------------------------------------------------------------------
-    def init_context(self) -> contextlib.AbstractContextManager[Any]:
+    def init_context(self) -> contextlib.AbstractContextManager[object]:
         """Build models inside this context to have them created the strategy's way (ZeRO-3 partitions them)."""
         return contextlib.nullcontext()
 
-    def before_setup(self, dataloaders: Sequence[Any], schedulers: Sequence[Any]) -> None:
+    def before_setup(self, dataloaders: Sequence[PreparedLoader], schedulers: Sequence[object]) -> None:
         """Called by ``prepare`` before ``setup`` with every dataloader prepared so far and this call's raw
         schedulers (DeepSpeed sizes its batch and fills its JSON's "auto" values from them)."""
         return
 
-    def resolve_scheduler(self, scheduler: Any) -> Any:
+    def resolve_scheduler(self, scheduler: object) -> object:
         """The scheduler ``prepare`` wraps (DeepSpeed swaps a DummyScheduler for the one its engine built)."""
         return scheduler
 
@@ -121,23 +125,23 @@ class Strategy:
 
     # --- mixed precision, as the facade and the checkpoints see it ------------------------------------------
     @property
-    def scaler(self) -> Any:
+    def scaler(self) -> torch.amp.GradScaler | None:
         """fp16's GradScaler, else None."""
         return self.precision.scaler
 
-    def forward_autocast(self) -> Callable[[], contextlib.AbstractContextManager[Any]] | None:
+    def forward_autocast(self) -> Callable[[], contextlib.AbstractContextManager[object]] | None:
         """What the prepared forward enters (autocast to the mixed-precision dtype); None without mixed precision."""
         return self.precision.autocast if self.precision.dtype is not None else None
 
-    def autocast(self, enabled: bool | None = None) -> contextlib.AbstractContextManager[Any]:
+    def autocast(self, enabled: bool | None = None) -> contextlib.AbstractContextManager[object]:
         """``accelerator.autocast()``: the mixed-precision autocast, or nothing without mixed precision."""
         return self.precision.autocast(enabled) if self.precision.dtype is not None else contextlib.nullcontext()
 
-    def precision_state_dict(self) -> dict[str, Any]:
+    def precision_state_dict(self) -> dict[str, object]:
         """The loss scaler's state (empty without fp16), saved in the checkpoint's training state."""
         return self.precision.state_dict()
 
-    def load_precision_state_dict(self, state: dict[str, Any]) -> None:
+    def load_precision_state_dict(self, state: dict[str, object]) -> None:
         self.precision.load_state_dict(state)
 
     # --- the training step ----------------------------------------------------------------------------------
@@ -173,7 +177,7 @@ class Strategy:
             self.unscale_gradients(opt)
         torch.nn.utils.clip_grad_value_(list(parameters), clip_value)
 
-    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any = None) -> bool:
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], object] | None = None) -> bool:
         """Step; return False when the step was skipped (fp16 overflow)."""
         return self.precision.step(optimizer, closure)
 
@@ -209,7 +213,7 @@ class Strategy:
     def save_checkpoint(self, session: SaveSession, models: Sequence[nn.Module],
                         optimizers: Sequence[torch.optim.Optimizer], *, safe_serialization: bool,
                         skip_models: Set[int] = frozenset(),
-                        options: SaveOptions = DEFAULT_SAVE) -> dict[str, Any]:
+                        options: SaveOptions = DEFAULT_SAVE) -> Mapping[str, object]:
         """Write model and optimizer state into ``session.directory`` through ``session``'s writers (called on
         every rank, inside ``save_state``; an asynchronous save's session stages the writes).
 

@@ -19,7 +19,7 @@ import importlib.util
 import logging
 import math
 import warnings
-from collections.abc import Iterable, Iterator, Mapping, Sequence, Set
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Set
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -49,9 +49,10 @@ from impel.strategies.deepspeed_plugins import PluginConfigs
 
 if TYPE_CHECKING:
     from impel.config.deepspeed_json import Resolved
+    from impel.runtime.loaders.prepared_loader import PreparedLoader
     from impel.runtime.ranks.process import ProcessState
     from impel.runtime.step.accumulation import GradientState
-    from impel.runtime.step.precision_report import PrecisionReport
+    from impel.runtime.step.precision_report import DtypeField, PrecisionReport
     from impel.runtime.step.run_record import RunRecord
 
 logger = logging.getLogger("impel")
@@ -118,9 +119,9 @@ class DeepSpeedStrategy(Strategy):
         self.train_engine: Any = None
         self._by_optimizer: dict[int, Any] = {}  # id(given or returned optimizer) -> engine
         self._engine_configs: dict[int, Resolved] = {}  # id(engine) -> the plugin's JSON it was built with
-        self._dataloaders: list[Any] = []
-        self._call_schedulers: list[Any] = []
-        self._load_dtypes: dict[int, Any] = {}
+        self._dataloaders: list[PreparedLoader] = []
+        self._call_schedulers: list[object] = []
+        self._load_dtypes: dict[int, DtypeField] = {}
         self._upcast = False
         self._last_boundary = True
         self._pending_clip: float | None = None
@@ -133,7 +134,7 @@ class DeepSpeedStrategy(Strategy):
         """The active plugin's settled JSON: what the next engine is built with."""
         return self.configs.resolved
 
-    def resolved_for(self, engine: Any) -> Resolved:
+    def resolved_for(self, engine: object) -> Resolved:
         """The settled JSON ``engine`` was built with (the active plugin's for anything else)."""
         return self._engine_configs.get(id(engine), self.resolved)
 
@@ -178,7 +179,7 @@ class DeepSpeedStrategy(Strategy):
         return handle
 
     # --- wrapping -------------------------------------------------------------------------------------------
-    def init_context(self) -> contextlib.AbstractContextManager[Any]:
+    def init_context(self) -> contextlib.AbstractContextManager[object]:
         if not (self.resolved.stage == 3 and self.resolved.zero3_init):
             return contextlib.nullcontext()
         # mem_efficient_linear=False: DeepSpeed's default replaces torch.nn.functional.linear for the whole process,
@@ -189,7 +190,7 @@ class DeepSpeedStrategy(Strategy):
         return self.deepspeed.zero.Init(config_dict_or_path=init_config(self.resolved), dtype=None,
                                         mem_efficient_linear=False)
 
-    def before_setup(self, dataloaders: Sequence[Any], schedulers: Sequence[Any]) -> None:
+    def before_setup(self, dataloaders: Sequence[PreparedLoader], schedulers: Sequence[object]) -> None:
         self._dataloaders = list(dataloaders)
         self._call_schedulers = list(schedulers)
 
@@ -264,7 +265,7 @@ class DeepSpeedStrategy(Strategy):
             self._upcast = True
 
     def _micro_batch(self) -> int | None:
-        sizes = [dl.batch_size for dl in self._dataloaders if getattr(dl, "batch_size", None)]
+        sizes = [size for dl in self._dataloaders if (size := dl.batch_size)]
         if not sizes:
             return None
         plugin = self.configs.plugin
@@ -282,7 +283,7 @@ class DeepSpeedStrategy(Strategy):
                               f"stage {self.resolved.stage}; use ZeRO-2/3 (which reduce gradients on every micro-step "
                               "anyway) or drop sync_each_batch")
 
-    def resolve_scheduler(self, scheduler: Any) -> Any:
+    def resolve_scheduler(self, scheduler: object) -> object:
         if not isinstance(scheduler, DummyScheduler):
             if isinstance(getattr(scheduler, "optimizer", None), DummyOptim):
                 raise ConfigError(f"{type(scheduler).__name__} was built on a DummyOptim, which never steps; build "
@@ -366,7 +367,7 @@ class DeepSpeedStrategy(Strategy):
                               "gradients live in the engine's partitions); use clip_grad_norm_ or gradient_clipping")
         torch.nn.utils.clip_grad_value_([p for p in engine.module.parameters() if p.grad is not None], clip_value)
 
-    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any = None) -> bool:
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], object] | None = None) -> bool:
         engine = self._engine_for(optimizer)
         if closure is not None:
             raise ConfigError("optimizer.step(closure) is not available under DeepSpeed (engine.step() takes no "
@@ -416,7 +417,8 @@ class DeepSpeedStrategy(Strategy):
 
     def save_checkpoint(self, session: SaveSession, models: Sequence[nn.Module],
                         optimizers: Sequence[torch.optim.Optimizer], *, safe_serialization: bool,
-                        skip_models: Set[int] = frozenset(), options: SaveOptions = DEFAULT_SAVE) -> dict[str, Any]:
+                        skip_models: Set[int] = frozenset(),
+                        options: SaveOptions = DEFAULT_SAVE) -> Mapping[str, object]:
         """Each engine's own checkpoint (its ZeRO partitions, written by every rank): checkpoint/deepspeed_engines."""
         trained = {i for i, m in enumerate(models) if any(m is e for e in self._by_optimizer.values())}
         return save_engines(models, session.checkpoint_dir, stages=[self.resolved_for(m).stage for m in models],
@@ -451,7 +453,7 @@ class _Zero3Announcement:
     """What transformers' ``is_deepspeed_zero3_enabled()`` / ``deepspeed_config()`` read (the part of its
     HfDeepSpeedConfig they use), without needing accelerate installed."""
 
-    def __init__(self, config: dict[str, Any]) -> None:
+    def __init__(self, config: dict[str, object]) -> None:
         self.config = config
 
     def is_zero3(self) -> bool:

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from impel.runtime.step.precision_report import (
+    DtypeField,
     PrecisionReport,
     dtype_of,
     optimizer_state_dtype,
@@ -33,14 +34,14 @@ class ReportedStrategy(Protocol):
     deepspeed: Any  # the deepspeed package
     train_engine: Any
 
-    def resolved_for(self, engine: Any) -> Resolved: ...
+    def resolved_for(self, engine: object) -> Resolved: ...
     state: ProcessState
     precision: Precision
-    _load_dtypes: dict[int, Any]
+    _load_dtypes: dict[int, DtypeField]
     _upcast: bool
 
 
-def _show(value: Any) -> str:
+def _show(value: object) -> str:
     if isinstance(value, tuple):
         return "/".join(_show(v) for v in value)
     return str(value).replace("torch.", "")
@@ -68,7 +69,7 @@ def engine_report(strategy: ReportedStrategy, models: Sequence[nn.Module],
                            gradients=gradients, reduction=reduction, optimizer_states=states, note=note)
 
 
-def _as_tuple(value: Any) -> tuple[torch.dtype, ...]:
+def _as_tuple(value: DtypeField) -> tuple[torch.dtype, ...]:
     if value is None:
         return ()
     return value if isinstance(value, tuple) else (value,)
@@ -78,7 +79,7 @@ def _as_tuple(value: Any) -> tuple[torch.dtype, ...]:
 _MASTER_ATTRIBUTES = ("fp32_partitioned_groups_flat", "single_partition_of_fp32_groups", "fp32_groups_flat_partition")
 
 
-def _master_tensors(engine: Any, optimizers: Sequence[torch.optim.Optimizer]) -> list[torch.Tensor]:
+def _master_tensors(engine: object, optimizers: Sequence[torch.optim.Optimizer]) -> list[torch.Tensor]:
     """The tensors the optimizer step updates. ZeRO-3 empties the torch optimizer's groups between steps, so the
     wrapper's partitions are read first; without a wrapper they are the torch optimizer's parameters."""
     wrapper = getattr(engine, "optimizer", None)

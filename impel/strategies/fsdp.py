@@ -138,7 +138,7 @@ class FSDPStrategy(Strategy):
         return self._mesh
 
     # --- wrapping ---------------------------------------------------------------------------------------------
-    def init_context(self) -> contextlib.AbstractContextManager[Any]:
+    def init_context(self) -> contextlib.AbstractContextManager[object]:
         """With cpu_ram_efficient_loading, models built inside are on the meta device on every rank but 0 (rank 0
         builds real weights, which prepare broadcasts); otherwise a no-op."""
         if self.fsdp.cpu_ram_efficient_loading and dist.get_rank() != 0:
@@ -233,7 +233,8 @@ class FSDPStrategy(Strategy):
 
     def save_checkpoint(self, session: SaveSession, models: Sequence[nn.Module],
                         optimizers: Sequence[torch.optim.Optimizer], *, safe_serialization: bool,
-                        skip_models: Set[int] = frozenset(), options: SaveOptions = DEFAULT_SAVE) -> dict[str, Any]:
+                        skip_models: Set[int] = frozenset(),
+                        options: SaveOptions = DEFAULT_SAVE) -> Mapping[str, object]:
         """SHARDED_STATE_DICT: every rank writes its shards (DCP). FULL_STATE_DICT: full files, each rank writing
         its shards' bytes into them (``checkpoint/formats/cooperative.py``), or gathered on rank 0 with
         save_on_each_node."""

@@ -23,9 +23,13 @@ import enum
 import functools
 import logging
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Concatenate, ParamSpec, TypeGuard, TypeVar, overload
 
 logger = logging.getLogger("impel.trackers.registry")
+
+_Self = TypeVar("_Self")
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 
 class _ValueContains(enum.EnumMeta):
@@ -70,12 +74,12 @@ def _is_main_process() -> bool:
     return current_topology().rank == 0
 
 
-def on_main_process(function: Callable[..., Any]) -> Callable[..., Any]:
+def on_main_process(function: Callable[Concatenate[_Self, _P], _R]) -> Callable[Concatenate[_Self, _P], _R | None]:
     """Decorate a tracker method: it runs on the main process only when the tracker's ``main_process_only`` is True
     (elsewhere it returns None); with ``main_process_only = False`` it runs on every process."""
 
     @functools.wraps(function)
-    def run_where_allowed(self: Any, *args: Any, **kwargs: Any) -> Any:
+    def run_where_allowed(self: _Self, *args: _P.args, **kwargs: _P.kwargs) -> _R | None:
         if getattr(self, "main_process_only", False) and not _is_main_process():
             return None
         return function(self, *args, **kwargs)
@@ -100,7 +104,7 @@ class GeneralTracker:
     requires_logging_directory: bool
     if TYPE_CHECKING:
         @property
-        def tracker(self) -> Any: ...
+        def tracker(self) -> object: ...
 
     def __init__(self, _blank: bool = False) -> None:
         if _blank:  # what get_tracker returns on a process where the tracker does not run: every call is a no-op
@@ -115,32 +119,37 @@ class GeneralTracker:
     def start(self) -> None:
         """Open the run (called by ``init_trackers``, after the process group exists)."""
 
-    def store_init_configuration(self, values: dict[str, Any]) -> None:
+    def store_init_configuration(self, values: dict[str, object]) -> None:
         """Store ``values`` as the run's hyper-parameters."""
 
-    def log(self, values: dict[str, Any], step: int | None = None, **kwargs: Any) -> None:
+    def log(self, values: dict[str, object], step: int | None = None, **kwargs: object) -> None:
         """Log ``values`` at ``step``; ``kwargs`` are ``log_kwargs[self.name]`` from ``accelerator.log``."""
 
     def finish(self) -> None:
         """Flush and close the run."""
 
 
-def plain(value: Any, lists: bool = False) -> Any:
+@overload
+def plain(value: Mapping[str, object], lists: bool = False) -> dict[str, object]: ...
+@overload
+def plain(value: object, lists: bool = False) -> object: ...
+def plain(value: object, lists: bool = False) -> object:
     """0-d tensors and numpy scalars as Python numbers, inside dicts, lists and tuples too; with ``lists`` larger
     tensors and arrays as (nested) lists (what Accelerate's TensorBoard tracker does), else left as they are."""
     if isinstance(value, Mapping):
         return {k: plain(v, lists) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [plain(v, lists) for v in value]
-    if hasattr(value, "tolist") and getattr(value, "ndim", None) is not None and (value.ndim == 0 or lists):
+    ndim = getattr(value, "ndim", None)
+    if hasattr(value, "tolist") and ndim is not None and (ndim == 0 or lists):
         if hasattr(value, "detach"):
-            value = value.detach().cpu()
-            value = value.float() if str(value.dtype) == "torch.bfloat16" else value  # no bfloat16 in Python
+            tensor = value.detach().cpu()
+            value = tensor.float() if str(tensor.dtype) == "torch.bfloat16" else tensor  # no bfloat16 in Python
         return value.tolist()
     return value
 
 
-def is_number(value: Any) -> bool:
+def is_number(value: object) -> TypeGuard[int | float]:
     return isinstance(value, (int, float))  # bool included, as Accelerate's trackers treat it
 
 
@@ -151,7 +160,7 @@ class DropWarnings:
         self.tracker, self.accepts = tracker, accepts
         self.seen: set[str] = set()
 
-    def __call__(self, key: str, value: Any) -> None:
+    def __call__(self, key: str, value: object) -> None:
         if key in self.seen:
             return
         self.seen.add(key)

@@ -18,13 +18,18 @@ import importlib.util
 import json
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from impel.config import environment as env
 from impel.config.run_config import ConfigError
 from impel.trackers.base import DropWarnings, GeneralTracker, is_number, logger, on_main_process, plain
+from impel.types import JSON
+
+if TYPE_CHECKING:
+    from mlflow import ActiveRun
+    from torch.utils.tensorboard import SummaryWriter
 
 
 class JSONLTracker(GeneralTracker):
@@ -36,7 +41,7 @@ class JSONLTracker(GeneralTracker):
     requires_logging_directory = True
 
     def __init__(self, run_name: str, logging_dir: str | os.PathLike[str] = ".",
-                 path: str | os.PathLike[str] | None = None, history: Sequence[Mapping[str, Any]] = ()) -> None:
+                 path: str | os.PathLike[str] | None = None, history: Sequence[Mapping[str, object]] = ()) -> None:
         super().__init__()
         self.path = Path(path) if path is not None else Path(logging_dir, run_name, "metrics.jsonl")
         self.history = list(history)
@@ -53,13 +58,13 @@ class JSONLTracker(GeneralTracker):
         for row in self.history:
             self._write(dict(row))
 
-    def _write(self, row: dict[str, Any]) -> None:
+    def _write(self, row: dict[str, object]) -> None:
         # NaN/inf are written as JSON's non-standard tokens, which json.loads reads back
         self._file.write(json.dumps(plain(row, lists=True), allow_nan=True, default=str) + "\n")
         self._file.flush()
 
     @on_main_process
-    def log(self, values: Mapping[str, Any], step: int | None = None, **kwargs: Any) -> None:
+    def log(self, values: Mapping[str, object], step: int | None = None, **kwargs: object) -> None:
         self._write({"step": step, **{k: v for k, v in values.items() if k != "step"}})
 
     @on_main_process
@@ -68,12 +73,12 @@ class JSONLTracker(GeneralTracker):
             self._file.close()
 
 
-def _hparam(value: Any) -> Any:
+def _hparam(value: object) -> int | float | str | bool:
     """What TensorBoard's hparams take (numbers, strings, bools); anything else as its text."""
     return value if isinstance(value, (int, float, str, bool)) else str(value)
 
 
-def _yaml_safe(value: Any) -> Any:
+def _yaml_safe(value: object) -> JSON:
     if isinstance(value, Mapping):
         return {str(k): _yaml_safe(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -88,7 +93,7 @@ class TensorBoardTracker(GeneralTracker):
     name = "tensorboard"
     requires_logging_directory = True
 
-    def __init__(self, run_name: str, logging_dir: str | os.PathLike[str], **kwargs: Any) -> None:
+    def __init__(self, run_name: str, logging_dir: str | os.PathLike[str], **kwargs: object) -> None:
         super().__init__()
         self.run_name, self.logging_dir = run_name, os.path.join(logging_dir, run_name)
         self.init_kwargs = kwargs
@@ -102,11 +107,11 @@ class TensorBoardTracker(GeneralTracker):
         self.writer = SummaryWriter(self.logging_dir, **self.init_kwargs)
 
     @property
-    def tracker(self) -> Any:
+    def tracker(self) -> SummaryWriter:
         return self.writer
 
     @on_main_process
-    def store_init_configuration(self, values: dict[str, Any]) -> None:
+    def store_init_configuration(self, values: dict[str, object]) -> None:
         """The config as TensorBoard hparams and as ``hparams.yml``, both in ``logging_dir/run_name/<time>/``."""
         import yaml
 
@@ -118,7 +123,7 @@ class TensorBoardTracker(GeneralTracker):
             yaml.safe_dump(_yaml_safe(values), f)
 
     @on_main_process
-    def log(self, values: Mapping[str, Any], step: int | None = None, **kwargs: Any) -> None:
+    def log(self, values: Mapping[str, object], step: int | None = None, **kwargs: object) -> None:
         for key, value in plain(values, lists=True).items():
             if is_number(value):
                 self.writer.add_scalar(key, value, global_step=step, **kwargs)
@@ -131,7 +136,7 @@ class TensorBoardTracker(GeneralTracker):
         self.writer.flush()
 
     @on_main_process
-    def log_images(self, values: Mapping[str, Any], step: int | None = None, **kwargs: Any) -> None:
+    def log_images(self, values: Mapping[str, object], step: int | None = None, **kwargs: object) -> None:
         """Accelerate's: each value a batch of images (``NCHW`` by default; ``dataformats=`` as SummaryWriter's)
         written with ``add_images``."""
         for key, images in values.items():
@@ -148,15 +153,15 @@ class _ProjectRunTracker(GeneralTracker):
 
     requires_logging_directory = False
 
-    def __init__(self, run_name: str, **kwargs: Any) -> None:
+    def __init__(self, run_name: str, **kwargs: object) -> None:
         super().__init__()
         self.run_name, self.init_kwargs = run_name, kwargs
         self.run: Any = None
 
-    def _init(self, **kwargs: Any) -> Any:
+    def _init(self, **kwargs: object) -> Any:
         raise NotImplementedError
 
-    def _prepare(self, values: Mapping[str, Any]) -> Any:
+    def _prepare(self, values: Mapping[str, object]) -> Mapping[str, object]:
         return values
 
     @on_main_process
@@ -168,7 +173,7 @@ class _ProjectRunTracker(GeneralTracker):
         return self.run
 
     @on_main_process
-    def log(self, values: Mapping[str, Any], step: int | None = None, **kwargs: Any) -> None:
+    def log(self, values: Mapping[str, object], step: int | None = None, **kwargs: object) -> None:
         self.run.log(self._prepare(values), step=step, **kwargs)
 
     @on_main_process
@@ -183,17 +188,18 @@ class WandBTracker(_ProjectRunTracker):
 
     name = "wandb"
 
-    def _init(self, **kwargs: Any) -> Any:
+    def _init(self, **kwargs: Any) -> Any:  # wandb.init's own keyword types
         import wandb
 
         return wandb.init(**kwargs)
 
     @on_main_process
-    def store_init_configuration(self, values: dict[str, Any]) -> None:
+    def store_init_configuration(self, values: dict[str, object]) -> None:
         self.run.config.update(values, allow_val_change=True)
 
     @on_main_process
-    def log_images(self, values: Mapping[str, Any], step: int | None = None, **kwargs: Any) -> None:
+    def log_images(self, values: Mapping[str, Iterable[object]], step: int | None = None,
+                   **kwargs: object) -> None:
         """Accelerate's: each value a list of images (arrays, tensors or PIL images), logged as ``wandb.Image``."""
         import wandb
 
@@ -201,8 +207,8 @@ class WandBTracker(_ProjectRunTracker):
             self.log({key: [wandb.Image(image) for image in images]}, step=step, **kwargs)
 
     @on_main_process
-    def log_table(self, table_name: str, columns: list[str] | None = None, data: list[list[Any]] | None = None,
-                  dataframe: Any = None, step: int | None = None, **kwargs: Any) -> None:
+    def log_table(self, table_name: str, columns: list[str] | None = None, data: list[list[object]] | None = None,
+                  dataframe: object = None, step: int | None = None, **kwargs: object) -> None:
         """Accelerate's: a ``wandb.Table`` from ``columns`` + ``data`` rows, or from a pandas ``dataframe``."""
         import wandb
 
@@ -219,7 +225,7 @@ class MLflowTracker(GeneralTracker):
     requires_logging_directory = False
 
     def __init__(self, experiment_name: str | None = None, logging_dir: str | os.PathLike[str] | None = None,
-                 run_id: str | None = None, tags: dict[str, Any] | str | None = None, nested_run: bool = False,
+                 run_id: str | None = None, tags: dict[str, object] | str | None = None, nested_run: bool = False,
                  run_name: str | None = None, description: str | None = None) -> None:
         super().__init__()
         overrides = env.mlflow_overrides()
@@ -253,11 +259,11 @@ class MLflowTracker(GeneralTracker):
                                            nested=self.nested_run, tags=self.tags, description=self.description)
 
     @property
-    def tracker(self) -> Any:
+    def tracker(self) -> ActiveRun:
         return self.active_run
 
     @on_main_process
-    def store_init_configuration(self, values: dict[str, Any]) -> None:
+    def store_init_configuration(self, values: dict[str, object]) -> None:
         import mlflow
         from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH, MAX_PARAMS_TAGS_PER_BATCH
 
@@ -272,7 +278,7 @@ class MLflowTracker(GeneralTracker):
             mlflow.log_params(dict(kept[i:i + MAX_PARAMS_TAGS_PER_BATCH]))
 
     @on_main_process
-    def log(self, values: Mapping[str, Any], step: int | None = None, **kwargs: Any) -> None:
+    def log(self, values: Mapping[str, object], step: int | None = None, **kwargs: object) -> None:
         import mlflow
 
         metrics = {}
@@ -284,7 +290,7 @@ class MLflowTracker(GeneralTracker):
         mlflow.log_metrics(metrics, step=step, **kwargs)
 
     @on_main_process
-    def log_figure(self, figure: Any, artifact_file: str, **save_kwargs: Any) -> None:
+    def log_figure(self, figure: object, artifact_file: str, **save_kwargs: object) -> None:
         """Accelerate's: a matplotlib or plotly figure stored as the run's artifact ``artifact_file`` (e.g.
         ``"plots/loss.png"``)."""
         import mlflow
@@ -317,14 +323,14 @@ class TrackioTracker(_ProjectRunTracker):
 
     name = "trackio"
 
-    def _init(self, **kwargs: Any) -> Any:
+    def _init(self, **kwargs: object) -> Any:
         import trackio
 
         return trackio.init(**kwargs)
 
-    def _prepare(self, values: Mapping[str, Any]) -> Any:
+    def _prepare(self, values: Mapping[str, object]) -> Mapping[str, object]:
         return plain(values)
 
     @on_main_process
-    def store_init_configuration(self, values: dict[str, Any]) -> None:
+    def store_init_configuration(self, values: dict[str, object]) -> None:
         self.run.config.update(plain(values))

@@ -86,7 +86,7 @@ class AcceleratorTrackers:
     ``end_training`` use. Names are checked (and packages looked for) when the Accelerator is built, on every rank.
     """
 
-    def __init__(self, log_with: Any) -> None:
+    def __init__(self, log_with: object) -> None:  # a name, LoggerType or tracker, a list of them, or None
         given = list(log_with) if isinstance(log_with, (list, tuple)) else ([] if log_with is None else [log_with])
         entries: list[str | GeneralTracker] = [
             e if isinstance(e, GeneralTracker) else str(e.value if isinstance(e, LoggerType) else e) for e in given]
@@ -106,7 +106,7 @@ class AcceleratorTrackers:
     def log_with(self) -> list[str | GeneralTracker]:
         return list(self.entries)
 
-    def check_logging_dir(self, logging_dir: Any) -> None:
+    def check_logging_dir(self, logging_dir: object) -> None:
         """As Accelerate: a tracker named in ``log_with`` that writes files (``requires_logging_directory``, as
         TensorBoard) needs a logging directory; a ValueError when there is none."""
         for name in self.names:
@@ -116,7 +116,7 @@ class AcceleratorTrackers:
                                  "Accelerator(project_dir=...) or project_config=ProjectConfiguration("
                                  "logging_dir=...)")
 
-    def start(self, project_name: str, logging_dir: str, config: Mapping[str, Any] | None,
+    def start(self, project_name: str, logging_dir: str, config: Mapping[str, object] | None,
               init_kwargs: Mapping[str, Mapping[str, Any]] | None, main_process: bool) -> None:
         if self.started:
             raise ConfigError("init_trackers() was already called; call it once per run (end_training() closes "
@@ -139,7 +139,7 @@ class AcceleratorTrackers:
             for tracker in trackers:
                 tracker.store_init_configuration(dict(config))
 
-    def log(self, values: Mapping[str, Any], step: int | None, log_kwargs: Mapping[str, Mapping[str, Any]] | None,
+    def log(self, values: Mapping[str, object], step: int | None, log_kwargs: Mapping[str, Mapping[str, object]] | None,
             jsonl_step: int) -> None:
         """``step`` as given (None lets each tracker count), except that JSONL rows always carry one."""
         for tracker in self.trackers:

@@ -26,7 +26,7 @@ import inspect
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 try:
     import transformers
@@ -63,6 +63,9 @@ from impel.runtime.loaders.prepared_loader import PreparedLoader
 from impel.runtime.step.compile import TorchDynamoPlugin
 from impel.trainer import hf_callbacks, hf_deepspeed, hf_fsdp, hf_ref_model, hf_remote, hf_resume
 
+if TYPE_CHECKING:
+    import torch
+
 # transformers' own classes, re-exported so that `from impel import TrainerCallback, ...` names them
 __all__ = ["EarlyStoppingCallback", "EvalPrediction", "PredictionOutput", "ProgressCallback", "TrainOutput", "Trainer",
            "TrainerCallback", "TrainerControl", "TrainerState", "TrainingArguments", "accelerator_arguments",
@@ -71,7 +74,7 @@ __all__ = ["EarlyStoppingCallback", "EvalPrediction", "PredictionOutput", "Progr
 _ACCELERATE_SKIP_FIRST_BATCHES = transformers.trainer.skip_first_batches
 
 
-def skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:
+def skip_first_batches(dataloader: object, num_batches: int = 0) -> Any:
     """transformers' module-level ``skip_first_batches`` (a mid-epoch resume), resolved to impel's for impel's
     prepared loaders and left to Accelerate's for the others (transformers' Trainer on Accelerate is unchanged)."""
     if isinstance(dataloader, PreparedLoader):
@@ -86,7 +89,7 @@ hf_deepspeed.install()
 _LOADER_KEYS = ("split_batches", "dispatch_batches", "even_batches", "use_seedable_sampler")
 
 
-def _accumulation_plugin(args: Any) -> GradientAccumulationPlugin:
+def _accumulation_plugin(args: TrainingArguments) -> GradientAccumulationPlugin:
     """transformers accumulates itself: impel's Accelerator gets ``num_steps=1`` (no second division)."""
     kwargs = dict(args.accelerator_config.gradient_accumulation_kwargs or {})
     if "num_steps" in kwargs:
@@ -98,7 +101,7 @@ def _accumulation_plugin(args: Any) -> GradientAccumulationPlugin:
     return GradientAccumulationPlugin(**kwargs)
 
 
-def _loader_config(args: Any) -> DataLoaderConfiguration:
+def _loader_config(args: TrainingArguments) -> DataLoaderConfiguration:
     """``data_seed`` seeds the seedable sampler only (Accelerate ignores it otherwise; transformers' own sampler
     reads it either way), so it is passed only with ``use_seedable_sampler``."""
     config = args.accelerator_config.to_dict()
@@ -107,7 +110,7 @@ def _loader_config(args: Any) -> DataLoaderConfiguration:
                                    non_blocking=config["non_blocking"])
 
 
-def _ddp_kwargs(args: Any, model: Any) -> DistributedDataParallelKwargs:
+def _ddp_kwargs(args: TrainingArguments, model: torch.nn.Module) -> DistributedDataParallelKwargs:
     """transformers' rule: ``ddp_find_unused_parameters`` if set, else False for a checkpointing PreTrainedModel."""
     find_unused = args.ddp_find_unused_parameters
     if find_unused is None:
@@ -126,7 +129,7 @@ def _ddp_kwargs(args: Any, model: Any) -> DistributedDataParallelKwargs:
 _MESH_SIZES = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size")
 
 
-def _parallelism(args: Any, model: Any) -> ParallelismConfig | None:
+def _parallelism(args: TrainingArguments, model: torch.nn.Module) -> ParallelismConfig | None:
     """``parallelism_config`` (Accelerate's or impel's ParallelismConfig) as impel's: the data-parallel sizes
     (``dp_replicate_size``, ``dp_shard_size``: DDP, FSDP2, HSDP on impel's device mesh). Tensor and context
     parallelism raise: transformers' Trainer shards such a model at load time and rescales its losses by the mesh,
@@ -150,7 +153,7 @@ def _parallelism(args: Any, model: Any) -> ParallelismConfig | None:
     return ParallelismConfig(**sizes)
 
 
-def accelerator_arguments(args: Any, model: Any) -> dict[str, Any]:
+def accelerator_arguments(args: TrainingArguments, model: torch.nn.Module) -> dict[str, Any]:
     """impel ``Accelerator(...)`` keywords for transformers' ``TrainingArguments`` (what transformers hands
     Accelerate's, built from impel's classes)."""
     dynamo = None
@@ -173,7 +176,7 @@ _FSDP2_CONFIG_KEYS = frozenset({
     "xla", "xla_fsdp_v2", "xla_fsdp_grad_ckpt", "xla_fsdp_settings"})
 
 
-def _check_fsdp_config(args: Any) -> None:
+def _check_fsdp_config(args: TrainingArguments) -> None:
     """Every ``fsdp_config`` key takes effect or raises: transformers passes only some of them to the plugin."""
     ignored = sorted(set(args.fsdp_config or {}) - _FSDP2_CONFIG_KEYS)
     if args.fsdp_plugin_args is not None and ignored:
@@ -182,7 +185,7 @@ def _check_fsdp_config(args: Any) -> None:
                           "plugin, and impel runs FSDP2 only); remove them")
 
 
-def _check_fsdp(args: Any, plugin: Any) -> None:
+def _check_fsdp(args: TrainingArguments, plugin: Any) -> None:
     """transformers' checks after building the Accelerator, for impel's FSDP plugin."""
     if getattr(plugin, "activation_checkpointing", False) and args.activation_checkpointing:
         raise ConfigError("fsdp_config activation_checkpointing=True and activation_checkpointing=True (or "
@@ -195,7 +198,7 @@ def _check_fsdp(args: Any, plugin: Any) -> None:
                           "FULL_STATE_DICT or save_only_model=False")
 
 
-def _check_world(args: Any, accelerator: Any) -> None:
+def _check_world(args: TrainingArguments, accelerator: Accelerator) -> None:
     """transformers sizes batches, logs and saves by Accelerate's process state (``args.world_size``,
     ``args.process_index``); it must see the processes impel runs."""
     if args.world_size != accelerator.num_processes:
@@ -221,7 +224,7 @@ class Trainer(transformers.Trainer):
     (``plot_loss``: None draws when matplotlib is installed, True requires it, False skips), checkpoints marked
     complete, and ``train(resume_from_checkpoint="auto")``."""
 
-    def __init__(self, *args: Any, plot_loss: bool | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: object, plot_loss: bool | None = None, **kwargs: object) -> None:
         self.remote_output: hf_remote.RemoteOutput | None = None  # an output_dir URL (impel.trainer.hf_remote)
         super().__init__(*args, **kwargs)
         self.add_callback(hf_callbacks.MetricsLog(plot_loss))
@@ -234,7 +237,8 @@ class Trainer(transformers.Trainer):
         """The object-storage URL given as ``output_dir`` (``args.output_dir`` is then its local mirror), or None."""
         return None if self.remote_output is None else self.remote_output.url
 
-    def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
+    def train(self, resume_from_checkpoint: str | os.PathLike[str] | bool | None = None, *args: object,
+              **kwargs: object) -> TrainOutput:
         """transformers' ``train``; ``resume_from_checkpoint="auto"`` / True take the newest *complete*
         checkpoint (``"auto"`` starts from scratch when there is none)."""
         if self.remote_output is not None:
@@ -242,7 +246,7 @@ class Trainer(transformers.Trainer):
         resume = hf_resume.resolve_resume(resume_from_checkpoint, self.args.output_dir, self.is_world_process_zero())
         return super().train(resume, *args, **kwargs)
 
-    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+    def _save_checkpoint(self, model: torch.nn.Module, trial: object) -> None:
         """transformers' save, begun by impel's ``impel_saving.json`` (an older complete marker dropped first), so
         a save cut short is provably impel's own (:mod:`impel.trainer.hf_resume`)."""
         folder = Path(self._get_output_dir(trial=trial)) / f"checkpoint-{self.state.global_step}"
@@ -255,7 +259,7 @@ class Trainer(transformers.Trainer):
         hf_ref_model.save(self, str(folder))  # TRL's sync_ref_model: the synced reference model too
         super()._save_checkpoint(model, trial)
 
-    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
         """transformers' load, and the reference model :mod:`impel.trainer.hf_ref_model` saved."""
         super()._load_from_checkpoint(resume_from_checkpoint, model)
         hf_ref_model.load(self, resume_from_checkpoint)
@@ -285,7 +289,8 @@ class Trainer(transformers.Trainer):
             raise ConfigError("save_only_model=True with load_best_model_at_end=True under deepspeed: the best "
                               "checkpoint needs the full state; set one of them to False")
 
-    def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> Any:
+    def _get_grad_norm(self, model: torch.nn.Module, grad_norm: torch.Tensor | float | None = None
+                       ) -> torch.Tensor | float | None:
         """Under DeepSpeed the engine computes the norm inside ``optimizer.step()``: impel's ``clip_grad_norm_``
         returns a tensor it fills then, so it is logged as a tensor (transformers calls ``.item()`` at logging),
         not read before the step."""

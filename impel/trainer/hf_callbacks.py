@@ -22,10 +22,16 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from transformers import TrainerCallback
+
+if TYPE_CHECKING:
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
+    from impel.accelerator.facade import Accelerator
 
 from impel.trainer.hf_resume import MARKER, SAVING, sizes
 from impel.trainer.plot import series, write_loss_plot
@@ -51,13 +57,15 @@ class MetricsLog(TrainerCallback):
     def __init__(self, plot_loss: bool | None = None) -> None:
         self.plot_loss = plot_loss
 
-    def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
+    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+               logs: Mapping[str, object] | None = None, **kwargs: object) -> None:
         if state.is_world_process_zero:
             rows = "".join(json.dumps(row) + "\n" for row in state.log_history)
             os.makedirs(args.output_dir, exist_ok=True)
             _write_atomically(Path(args.output_dir) / METRICS, rows)
 
-    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                     **kwargs: object) -> None:
         if not state.is_world_process_zero:
             return
         if self.plot_loss is None and not any(series(state.log_history, key)[0] for key in ("loss", "eval_loss")):
@@ -69,10 +77,10 @@ class MetricsLog(TrainerCallback):
 class CompleteCheckpoints(TrainerCallback):
     """Marks a checkpoint complete once every rank has written it (``accelerator.wait_for_everyone()``)."""
 
-    def __init__(self, accelerator: Any) -> None:
+    def __init__(self, accelerator: Accelerator) -> None:
         self.accelerator = accelerator
 
-    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: object) -> None:
         self.accelerator.wait_for_everyone()  # DeepSpeed / sharded FSDP checkpoints: every rank writes files
         directory = Path(args.output_dir) / f"checkpoint-{state.global_step}"
         if state.is_world_process_zero and directory.is_dir():

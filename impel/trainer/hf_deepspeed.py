@@ -24,7 +24,7 @@ Example::
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import transformers.trainer
 
@@ -32,10 +32,15 @@ from impel.config.deepspeed_json import DummyOptim, DummyScheduler
 from impel.config.plugins import DeepSpeedPlugin
 from impel.config.run_config import ConfigError
 
+if TYPE_CHECKING:
+    import torch
+    from transformers import Trainer, TrainingArguments
+    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
+
 _TRANSFORMERS_DEEPSPEED_INIT = transformers.trainer.deepspeed_init
 
 
-def plugin_for(args: Any) -> DeepSpeedPlugin | None:
+def plugin_for(args: TrainingArguments) -> DeepSpeedPlugin | None:
     """impel's DeepSpeedPlugin for ``TrainingArguments(deepspeed=...)`` (None without it)."""
     if not args.deepspeed:
         if getattr(args, "deepspeed_plugin", None) is not None:
@@ -50,7 +55,7 @@ def plugin_for(args: Any) -> DeepSpeedPlugin | None:
     return DeepSpeedPlugin(hf_ds_config=ds)
 
 
-def adopt(args: Any, accelerator: Any) -> bool:
+def adopt(args: TrainingArguments, accelerator: Any) -> bool:  # its state's deepspeed_plugin: set at run time
     """After impel's Accelerator is built: expose transformers' config object on the plugin (as Accelerate's
     plugin does) and check what transformers' arguments assumed. Returns whether DeepSpeed is on."""
     plugin = accelerator.state.deepspeed_plugin
@@ -67,13 +72,13 @@ def adopt(args: Any, accelerator: Any) -> bool:
     return True
 
 
-def _optimizer(theirs: Any) -> Any:
+def _optimizer(theirs: Any) -> torch.optim.Optimizer | None:  # Accelerate's DummyOptim: read by its fields
     if type(theirs).__name__ != "DummyOptim":
         return theirs
     return DummyOptim(theirs.params, lr=theirs.lr, weight_decay=theirs.weight_decay, **theirs.kwargs)
 
 
-def _scheduler(theirs: Any, optimizer: Any, hf_config: Any) -> Any:
+def _scheduler(theirs: Any, optimizer: Any, hf_config: HfTrainerDeepSpeedConfig) -> object:
     if type(theirs).__name__ != "DummyScheduler":
         return theirs
     total = hf_config.get_value("scheduler.params.total_num_steps")
@@ -82,7 +87,8 @@ def _scheduler(theirs: Any, optimizer: Any, hf_config: Any) -> Any:
                           lr_scheduler_callable=theirs.lr_scheduler_callable, **theirs.kwargs)
 
 
-def deepspeed_init(trainer: Any, num_training_steps: int, inference: bool = False) -> tuple[Any, Any]:
+def deepspeed_init(trainer: Trainer, num_training_steps: int,
+                   inference: bool = False) -> tuple[torch.optim.Optimizer | None, object]:
     """transformers' ``deepspeed_init`` (it finalizes the JSON and picks the JSON's or the Trainer's optimizer and
     scheduler); on impel's Accelerator, Accelerate's placeholders become impel's."""
     optimizer, scheduler = _TRANSFORMERS_DEEPSPEED_INIT(trainer, num_training_steps, inference=inference)

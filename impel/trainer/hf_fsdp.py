@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Protocol, TypeVar
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -32,12 +33,23 @@ from impel.config.plugins import FullyShardedDataParallelPlugin
 from impel.config.run_config import ConfigError
 
 MODEL_NAME = "pytorch_model_fsdp"
+_State = TypeVar("_State")
+
+
+class _Ranks(Protocol):
+    """What is read of the Accelerator (impel's or Accelerate's)."""
+
+    @property
+    def num_processes(self) -> int: ...
+    @property
+    def process_index(self) -> int: ...
+
 OPTIMIZER_NAME = "optimizer"
 _ACCELERATE = {name: getattr(transformers.trainer, name)
                for name in ("save_fsdp_model", "save_fsdp_optimizer", "load_fsdp_model", "load_fsdp_optimizer")}
 
 
-def _full(plugin: Any) -> bool:
+def _full(plugin: Any) -> bool:  # state_dict_type is a generated field, unseen by mypy
     kind = str(plugin.state_dict_type)
     if "FULL_STATE_DICT" in kind:
         return True
@@ -47,7 +59,7 @@ def _full(plugin: Any) -> bool:
                       "or SHARDED_STATE_DICT")
 
 
-def _options(plugin: Any, accelerator: Any) -> StateDictOptions:
+def _options(plugin: FullyShardedDataParallelPlugin, accelerator: _Ranks) -> StateDictOptions:
     full = _full(plugin)
     return StateDictOptions(full_state_dict=full, cpu_offload=full and accelerator.num_processes > 1)
 
@@ -58,23 +70,23 @@ def _path(directory: str, name: str, index: int, full: bool) -> str:
     return os.path.join(directory, f"{name}_{index}")
 
 
-def _inner(optimizer: Any) -> Any:
+def _inner(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return getattr(optimizer, "optimizer", optimizer)  # impel's AcceleratedOptimizer wraps torch's
 
 
-def _adapters(model: Any, adapter_only: bool) -> bool:
+def _adapters(model: torch.nn.Module, adapter_only: bool) -> bool:
     """transformers passes ``adapter_only=True`` always; it means "the adapters alone" for a PEFT model only."""
     return adapter_only and getattr(model, "peft_config", None) is not None
 
 
-def _model_options(plugin: Any, accelerator: Any, adapters: bool) -> StateDictOptions:
+def _model_options(plugin: FullyShardedDataParallelPlugin, accelerator: _Ranks, adapters: bool) -> StateDictOptions:
     """A PEFT model's adapter-only checkpoint holds its trainable parameters only, as Accelerate's FSDP2 one (the
     frozen base is left out on save and left as it is on load)."""
     options = _options(plugin, accelerator)
     return dataclasses.replace(options, ignore_frozen_params=True, strict=False) if adapters else options
 
 
-def _save(accelerator: Any, state: dict[str, Any], path: str, key: str, full: bool) -> None:
+def _save(accelerator: _Ranks, state: Mapping[str, object], path: str, key: str, full: bool) -> None:
     if full:
         if accelerator.process_index == 0:
             torch.save(state, path)
@@ -82,17 +94,17 @@ def _save(accelerator: Any, state: dict[str, Any], path: str, key: str, full: bo
         dcp.save({key: state}, checkpoint_id=path)
 
 
-def _load(state: dict[str, Any], path: str, key: str, full: bool) -> dict[str, Any]:
+def _load(state: _State, path: str, key: str, full: bool) -> _State:
     if full:
-        loaded: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=False)
+        loaded: _State = torch.load(path, map_location="cpu", weights_only=False)
         return loaded
     wrapped = {key: state}
     dcp.load(wrapped, checkpoint_id=path)
     return wrapped[key]
 
 
-def save_fsdp_model(plugin: Any, accelerator: Any, model: Any, output_dir: str, model_index: int = 0,
-                    adapter_only: bool = False, **kwargs: Any) -> None:
+def save_fsdp_model(plugin: object, accelerator: _Ranks, model: torch.nn.Module, output_dir: str, model_index: int = 0,
+                    adapter_only: bool = False, **kwargs: object) -> None:
     if not isinstance(plugin, FullyShardedDataParallelPlugin):
         return _ACCELERATE["save_fsdp_model"](plugin, accelerator, model, output_dir, model_index, adapter_only,
                                               **kwargs)
@@ -102,8 +114,8 @@ def save_fsdp_model(plugin: Any, accelerator: Any, model: Any, output_dir: str, 
     _save(accelerator, state, _path(output_dir, MODEL_NAME, model_index, full), "model", full)
 
 
-def load_fsdp_model(plugin: Any, accelerator: Any, model: Any, input_dir: str, model_index: int = 0,
-                    adapter_only: bool = False, **kwargs: Any) -> Any:
+def load_fsdp_model(plugin: object, accelerator: _Ranks, model: torch.nn.Module, input_dir: str, model_index: int = 0,
+                    adapter_only: bool = False, **kwargs: object) -> object:
     if not isinstance(plugin, FullyShardedDataParallelPlugin):
         return _ACCELERATE["load_fsdp_model"](plugin, accelerator, model, input_dir, model_index, adapter_only,
                                               **kwargs)
@@ -114,8 +126,8 @@ def load_fsdp_model(plugin: Any, accelerator: Any, model: Any, input_dir: str, m
     return set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=full, strict=options.strict))
 
 
-def save_fsdp_optimizer(plugin: Any, accelerator: Any, optimizer: Any, model: Any, output_dir: str,
-                        optimizer_index: int = 0, **kwargs: Any) -> None:
+def save_fsdp_optimizer(plugin: object, accelerator: _Ranks, optimizer: torch.optim.Optimizer, model: torch.nn.Module,
+                        output_dir: str, optimizer_index: int = 0, **kwargs: object) -> None:
     if not isinstance(plugin, FullyShardedDataParallelPlugin):
         return _ACCELERATE["save_fsdp_optimizer"](plugin, accelerator, optimizer, model, output_dir,
                                                   optimizer_index, **kwargs)
@@ -126,8 +138,9 @@ def save_fsdp_optimizer(plugin: Any, accelerator: Any, optimizer: Any, model: An
     return None
 
 
-def load_fsdp_optimizer(plugin: Any, accelerator: Any, optimizer: Any, model: Any, input_dir: str,
-                        optimizer_index: int = 0, adapter_only: bool = False, **kwargs: Any) -> None:
+def load_fsdp_optimizer(plugin: object, accelerator: _Ranks, optimizer: torch.optim.Optimizer, model: torch.nn.Module,
+                        input_dir: str, optimizer_index: int = 0, adapter_only: bool = False,
+                        **kwargs: object) -> None:
     if not isinstance(plugin, FullyShardedDataParallelPlugin):
         return _ACCELERATE["load_fsdp_optimizer"](plugin, accelerator, optimizer, model, input_dir,
                                                   optimizer_index, adapter_only, **kwargs)

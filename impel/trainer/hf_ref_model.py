@@ -17,13 +17,16 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from impel.checkpoint.io.files import read_torch, write_torch
 from impel.checkpoint.saving.session import SaveSession
+
+if TYPE_CHECKING:
+    from transformers import Trainer
 
 __all__ = ["FILE", "load", "save"]
 
@@ -32,7 +35,7 @@ logger = logging.getLogger("impel")
 FILE = "impel_ref_model.pt"
 
 
-def _synced_reference(trainer: Any) -> torch.nn.Module | None:
+def _synced_reference(trainer: Trainer) -> torch.nn.Module | None:
     """The trainer's reference model when training changes it (``args.sync_ref_model``), else None."""
     reference = getattr(trainer, "ref_model", None)
     if isinstance(reference, torch.nn.Module) and getattr(trainer.args, "sync_ref_model", False):
@@ -40,7 +43,7 @@ def _synced_reference(trainer: Any) -> torch.nn.Module | None:
     return None
 
 
-def save(trainer: Any, folder: str) -> None:
+def save(trainer: Trainer, folder: str) -> None:
     """Write the synced reference model into ``folder`` (a collective under FSDP2: every rank calls it)."""
     reference = _synced_reference(trainer)
     if reference is None:
@@ -51,7 +54,7 @@ def save(trainer: Any, folder: str) -> None:
         write_torch(SaveSession.plain(), state, Path(folder) / FILE)
 
 
-def load(trainer: Any, folder: str) -> None:
+def load(trainer: Trainer, folder: str) -> None:
     """Load the reference model ``save`` wrote into ``folder`` on every rank (warn when the checkpoint has none)."""
     reference = _synced_reference(trainer)
     if reference is None:

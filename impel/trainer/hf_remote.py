@@ -24,9 +24,15 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from transformers import TrainerCallback
+
+if TYPE_CHECKING:
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
+    from impel.accelerator.facade import Accelerator
+    from impel.checkpoint.store.remote import Remote
 
 from impel.config.run_config import ConfigError
 from impel.trainer import hf_resume
@@ -115,7 +121,8 @@ class RemoteOutput:
                     pass
 
     # --- resume ----------------------------------------------------------------------------------------------
-    def fetch(self, resume: Any, accelerator: Any) -> Any:
+    def fetch(self, resume: str | os.PathLike[str] | bool | None,
+              accelerator: Accelerator) -> str | os.PathLike[str] | bool | None:
         """``resume_from_checkpoint`` made local: "auto" / True the newest marked remote checkpoint (None for "auto"
         without one; True raises), a ``checkpoint-N`` URL that one; downloaded by one rank per machine."""
         from impel.checkpoint.store import remote
@@ -149,7 +156,7 @@ class RemoteOutput:
         return str(local)
 
 
-def _same_marker(source: Any, local: Path) -> bool:
+def _same_marker(source: Remote, local: Path) -> bool:
     """The local copy is already this remote checkpoint, whole (a resume on the machine that saved it)."""
     try:
         with source.fs.open(f"{source.url}/{hf_resume.MARKER}", "rb") as handle:
@@ -167,18 +174,19 @@ class UploadOutput(TrainerCallback):
     def __init__(self, out: RemoteOutput) -> None:
         self.out = out
 
-    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: object) -> None:
         if state.is_world_process_zero:
             self.out.upload_checkpoint(f"checkpoint-{state.global_step}")
             self.out.rotate(args.save_total_limit, state.best_model_checkpoint)
             self.out.upload_outputs()
 
-    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                     **kwargs: object) -> None:
         if state.is_world_process_zero:
             self.out.upload_outputs()
 
 
-def mirror(args: Any) -> RemoteOutput | None:
+def mirror(args: TrainingArguments) -> RemoteOutput | None:
     """For an ``output_dir`` URL: its mirror, with ``args.output_dir`` set to the local staging directory."""
     from impel.checkpoint.store import remote
 

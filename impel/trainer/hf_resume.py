@@ -28,7 +28,6 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any
 
 from impel.config.run_config import ConfigError
 
@@ -104,7 +103,8 @@ def _refuse_changed(path: Path) -> None:
                       f"resume_from_checkpoint={str(path)!r} after deleting {path / MARKER} to resume from it as it is")
 
 
-def resolve_resume(resume_from_checkpoint: Any, output_dir: str, main_process: bool) -> Any:
+def resolve_resume(resume_from_checkpoint: str | os.PathLike[str] | bool | None, output_dir: str,
+                   main_process: bool) -> str | os.PathLike[str] | bool | None:
     """What transformers' ``train()`` gets for ``"auto"`` / True / a path (see the module docstring)."""
     if resume_from_checkpoint is not True and resume_from_checkpoint != AUTO:
         if isinstance(resume_from_checkpoint, (str, os.PathLike)):

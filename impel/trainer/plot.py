@@ -38,7 +38,7 @@ def _pyplot() -> Any:
     return plt
 
 
-def read_history(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+def read_history(path: str | os.PathLike[str]) -> list[dict[str, object]]:
     """The rows of a ``metrics.jsonl`` file."""
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
@@ -54,7 +54,7 @@ def series(history: Sequence[Mapping[str, Any]], key: str) -> tuple[list[int], l
     return steps, values
 
 
-def write_loss_plot(history: Sequence[Mapping[str, Any]], path: str | os.PathLike[str],
+def write_loss_plot(history: Sequence[Mapping[str, object]], path: str | os.PathLike[str],
                     want: bool | None) -> str | None:
     """The Trainer's end-of-run plot: ``want`` None writes it when matplotlib is installed (else prints how to get
     it), True requires matplotlib, False skips. Returns the path written, or None."""
@@ -68,12 +68,12 @@ def write_loss_plot(history: Sequence[Mapping[str, Any]], path: str | os.PathLik
     return plot_loss(history, path)
 
 
-def plot_loss(history: Sequence[Mapping[str, Any]], path: str | os.PathLike[str], title: str | None = None) -> str:
+def plot_loss(history: Sequence[Mapping[str, object]], path: str | os.PathLike[str], title: str | None = None) -> str:
     """Train loss (line) and eval loss (line with markers) against the optimizer step; returns the PNG's path."""
     return plot_runs({"": history}, path, title=title or "training and evaluation loss")
 
 
-def plot_runs(runs: Mapping[str, Sequence[Mapping[str, Any]]], path: str | os.PathLike[str],
+def plot_runs(runs: Mapping[str, Sequence[Mapping[str, object]]], path: str | os.PathLike[str],
               title: str | None = None, x_label: str = "optimizer step") -> str:
     """Every run's train and eval loss on one chart; each run keeps one colour (train solid, eval dashed)."""
     plt = _pyplot()

@@ -18,7 +18,6 @@ Example::
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import transformers
 
@@ -28,7 +27,7 @@ __all__ = ["on_impel"]
 
 
 @functools.cache
-def on_impel(trainer_class: Any) -> Any:
+def on_impel(trainer_class: type[transformers.Trainer]) -> type[transformers.Trainer]:
     """``trainer_class`` (a ``transformers.Trainer`` subclass) running on impel's Accelerator: a subclass with
     :class:`impel.trainer.hf.Trainer` mixed in first (the same class for the same argument). impel's own Trainer, or a
     class already on impel, comes back unchanged."""

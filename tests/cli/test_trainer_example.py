@@ -7,6 +7,7 @@ script on transformers' own Trainer (Accelerate under torchrun) logs the same nu
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import subprocess
@@ -27,13 +28,45 @@ TINY = ["--max_steps", "2", "--train_per_class", "16", "--test_per_class", "6", 
         "24", "--eval_steps", "2", "--logging_steps", "1", "--disable_tqdm", "--save_strategy", "steps"]
 
 
+def load_example():
+    spec = importlib.util.spec_from_file_location("train_genre_classifier", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_test_passages_are_read_in_chunks_and_their_logits_averaged():
+    """A 16-line test passage is 4 consecutive 4-line chunks of one test play, in order; its prediction is the
+    mean of its chunks' logits (not a vote): one confident right chunk outweighs three barely wrong ones."""
+    example = load_example()
+    np = pytest.importorskip("numpy")
+    train, test, _ = example.build_split(4, 16, 8, 3, seed=0)
+    assert len(train["text"]) == 16 and len(test["text"]) == 2 * 3 * 4 and test["label"] == [0] * 12 + [1] * 12
+    plays = example.find_plays()
+    play_text = {n: example.text(example.spoken_lines(path)) for genre in plays for n, path in plays[genre].items()
+                 if n in example.TEST_PLAYS[genre]}
+    for first in range(0, len(test["text"]), 4):
+        chunks = test["text"][first:first + 4]
+        assert all(chunk.count(" / ") == 3 for chunk in chunks)
+        assert any(" / ".join(chunks) in whole for whole in play_text.values())  # 16 consecutive lines
+    logits = np.array([[2.0, -2.0], [0.0, 0.1], [0.0, 0.1], [0.0, 0.1],  # passage of label 0
+                       [0.0, 0.5], [0.1, 0.0], [0.1, 0.0], [0.1, 0.0]])  # label 1
+    assert example.passage_accuracy(logits, np.array([0] * 4 + [1] * 4), 4) == {"accuracy": 1.0,
+                                                                                "chunk_accuracy": 0.25}
+    with pytest.raises(RuntimeError, match="reordered the test chunks"):
+        example.passage_accuracy(logits, np.array([0, 1] * 4), 4)
+    with pytest.raises(SystemExit, match="not a multiple of --lines_per_passage 4; use 12"):
+        example.build_split(4, 14, 8, 3, seed=0)
+
+
 def test_genre_example_runs_on_two_ranks_and_reports(tmp_path):
     out = tmp_path / "run"
     res = impel(["launch", "--config_file", str(ROOT / "examples" / "configs" / "ddp_cpu.yaml"), str(EXAMPLE), *TINY,
                  "--output_dir", str(out)], tmp_path, timeout=150)
     assert res.returncode == 0, res.output[-4000:]
     assert "Traceback" not in res.output
-    accuracy = re.findall(r"^eval accuracy: ([0-9.]+) on 12 passages", res.stdout, flags=re.MULTILINE)
+    accuracy = re.findall(r"^eval accuracy: ([0-9.]+) on 12 passages of unseen plays \(chance 0.5; [0-9.]+ on "
+                          r"their 48 chunks\)", res.stdout, flags=re.MULTILINE)
     assert len(accuracy) == 1 and 0.0 <= float(accuracy[0]) <= 1.0  # printed once, by the main process
     assert "impel Trainer on 2 process(es) (MULTI_CPU), global batch 8" in res.stdout
     assert "split (by play)" in res.stdout and "test tragedy: macbeth, othello" in res.stdout

@@ -227,6 +227,27 @@ def test_only_env_reads_the_environment():
                        "function there (named after what it reads):\n  " + "\n  ".join(found))
 
 
+# Modules that read the launch config (``IMPEL_CONFIG``) themselves, each with the reason. Everything else gets
+# its launched values from resolve() (the run record), once: a value read again elsewhere could disagree with it.
+LAUNCH_CONFIG_READERS = {
+    "impel.config.environment_settings": "launched_settings(): the one source resolve() reads (and impel env)",
+    "impel.runtime.ranks.rank_health": "the stall watchdog starts with the process group, before any Accelerator "
+                                       "resolves: it asks only whether the job is elastic (min_machines)",
+}
+
+
+def test_only_resolve_reads_the_launch_config():
+    callers = {m for m, path in modules().items() if m != ENV_MODULE
+               for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+               if isinstance(node, ast.Attribute | ast.Name)
+               and (node.attr if isinstance(node, ast.Attribute) else node.id) == "read_launch_config"}
+    assert "impel.config.environment_settings" in callers  # the probe sees what it looks for
+    assert callers <= set(LAUNCH_CONFIG_READERS), (
+        f"{sorted(callers - set(LAUNCH_CONFIG_READERS))} read IMPEL_CONFIG themselves; take the value from the run "
+        "record (resolve) or, for what user code builds before the Accelerator (ParallelismConfig), from the "
+        "Accelerate variable impel launch exports")
+
+
 def test_no_module_is_longer_than_500_lines():
     long = {m: n for m, p in modules().items() if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
     assert not long, (f"modules over {MAX_LINES} lines: "
@@ -288,13 +309,23 @@ def _names_a_strategy(node: ast.AST) -> bool:
     return False
 
 
+# Where a distributed type may be compared, each with the reason: everywhere else behaviour follows the strategy's
+# capabilities.
+NAMES_A_STRATEGY = {
+    "impel.accelerator.resolve": "where a run is resolved: the type picks the strategy",
+    "impel.strategies": "the strategies themselves (the registry maps each type to its class)",
+    "impel.config": "the run config before any strategy exists: its checks and conversions are about the type",
+    "impel.commands": "the launcher plans a config (DeepSpeed's runner, the CPU ranks) before any rank starts",
+}
+
+
 def test_the_faces_ask_strategies_what_they_can_do_never_their_name():
-    """No comparison with a distributed type in ``accelerator/`` and ``runtime/``, except where a run is resolved
-    (``accelerator/resolve.py``): behaviour follows the strategy's capabilities (``whole_model``, ``uses_ddp``,
+    """No comparison with a distributed type outside :data:`NAMES_A_STRATEGY` (the runtime, checkpoints, trackers,
+    the facade, the Trainer): behaviour follows the strategy's capabilities (``whole_model``, ``uses_ddp``,
     ``engine_managed``, ``fsdp2`` on :class:`impel.strategies.base.Strategy`), so a new strategy is found by no grep."""
     found = []
     for module, path in modules().items():
-        if not module.startswith(("impel.accelerator", "impel.runtime")) or module == "impel.accelerator.resolve":
+        if any(module == allowed or module.startswith(allowed + ".") for allowed in NAMES_A_STRATEGY):
             continue
         for node in ast.walk(tree(module)):
             if isinstance(node, ast.Compare) and any(map(_names_a_strategy, [node.left, *node.comparators])):

@@ -121,12 +121,41 @@ def test_accelerates_environment_variables_fill_unset_sizes(monkeypatch):
         ParallelismConfig()
 
 
-def test_the_launched_section_fills_unset_sizes(monkeypatch):
-    monkeypatch.setenv("IMPEL_CONFIG", json.dumps({"parallelism_config": {"parallelism_config_dp_shard_size": 2,
-                                                                          "parallelism_config_tp_size": 2}}))
-    pc = ParallelismConfig(tp_size=4)
+def test_the_launched_section_reaches_the_code_as_accelerates_variables(tmp_path, monkeypatch):
+    """``impel launch --parallelism_config_*`` exports Accelerate's ``PARALLELISM_CONFIG_*`` variables (as
+    ``accelerate launch`` does); a ``ParallelismConfig()`` built in the script reads them, not the launch config."""
+    from impel.commands.flags import bool_values_joined
+    from impel.commands.launch import plan_launch
+    from impel.commands.main import build_parser
+
+    (tmp_path / "train.py").write_text("")
+    argv = ["launch", "--cpu", "--use_fsdp", "--num_processes", "4", "--parallelism_config_dp_shard_size", "2",
+            "--parallelism_config_tp_size", "2", "--parallelism_config_cp_comm_strategy", "alltoall",
+            str(tmp_path / "train.py")]
+    plan = plan_launch(build_parser().parse_args(bool_values_joined(argv)))
+    exported = {k: v for k, v in plan.rank_variables.items() if k.startswith("PARALLELISM_CONFIG_")}
+    assert exported == {"PARALLELISM_CONFIG_DP_REPLICATE_SIZE": "1", "PARALLELISM_CONFIG_DP_SHARD_SIZE": "2",
+                        "PARALLELISM_CONFIG_TP_SIZE": "2", "PARALLELISM_CONFIG_CP_SIZE": "1",
+                        "PARALLELISM_CONFIG_CP_BACKEND": "torch", "PARALLELISM_CONFIG_CP_COMM_STRATEGY": "alltoall",
+                        "PARALLELISM_CONFIG_SP_SIZE": "1", "PARALLELISM_CONFIG_SP_BACKEND": "deepspeed"}
+    assert not any(k.startswith("PARALLELISM_CONFIG_") for k in _plain_plan(tmp_path).rank_variables)
+    for name, value in exported.items():
+        monkeypatch.setenv(name, value)
+    pc = ParallelismConfig(tp_size=4)  # a keyword still beats the launched value
     assert (pc.dp_shard_size, pc.tp_size) == (2, 4)
-    assert pc.code_arguments() == {"parallelism_config": {"parallelism_config_tp_size": 4}}  # only the code's
+    # the launch config alone (no variables) no longer reaches ParallelismConfig: resolve reads it, once
+    for name in exported:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("IMPEL_CONFIG", json.dumps({"parallelism_config": {"parallelism_config_dp_shard_size": 2}}))
+    assert ParallelismConfig().dp_shard_size == 1
+
+
+def _plain_plan(tmp_path):
+    from impel.commands.flags import bool_values_joined
+    from impel.commands.launch import plan_launch
+    from impel.commands.main import build_parser
+
+    return plan_launch(build_parser().parse_args(bool_values_joined(["launch", "--cpu", str(tmp_path / "train.py")])))
 
 
 # --- YAML, flags, impel config, the converter --------------------------------------------------------------------

@@ -29,6 +29,18 @@ from torch.futures import Future
 from impel.runtime.ranks.collectives import is_distributed
 
 if TYPE_CHECKING:
+    import os
+
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import (
+        STORAGE_TYPES,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorStorageMetadata,
+    )
+    from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner, WriteItem
+
     from impel.checkpoint.saving.session import SaveSession
 
 RAW_SUFFIX = ".raw.distcp"
@@ -50,21 +62,21 @@ class RawWriter(FileSystemWriter):
     back, gathers the write results and broadcasts the metadata: four object collectives per directory, each
     waiting for the slowest rank, which cost a sharded save as much as a third of its time)."""
 
-    def __init__(self, session: SaveSession, path: Any, rank: int = 0) -> None:
+    def __init__(self, session: SaveSession, path: str | os.PathLike[str], rank: int = 0) -> None:
         super().__init__(path, sync_files=False)
         self.session = session  # the save it writes for: its files sealed, its metadata merged at the commit
         self.global_rank = rank
 
-    def prepare_local_plan(self, plan: Any) -> Any:
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         from torch.distributed.checkpoint.filesystem import _StoragePrefix
 
         self.fs.mkdir(self.path)
         return dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{self.global_rank}_"))
 
-    def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         return plans  # one rank's own plan, already named after the rank
 
-    def finish(self, metadata: Any, results: list[list[WriteResult]]) -> None:
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """This rank's items' metadata, with where each one is stored, handed to the save (merged and written by
         the committing rank); on one process outside ``save_state`` written as the directory's ``.metadata``."""
         from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
@@ -79,7 +91,7 @@ class RawWriter(FileSystemWriter):
                                "merged when it commits)")
         write_merged(Path(self.path) / METADATA_NAME, [metadata], sync=True)
 
-    def write_data(self, plan: Any, planner: Any) -> Future[list[WriteResult]]:
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """This rank's DTensor shards into ``__<rank>_0.raw.distcp``, and what is the same on every rank (plain
         tensors, objects: rank 0's) into a small ``__<rank>_1.raw.distcp`` of their own, so that a rank that needs
         them reads (and verifies) that file instead of the other rank's whole shard file."""
@@ -95,16 +107,15 @@ class RawWriter(FileSystemWriter):
         done.set_result(results)
         return done
 
-    def _write_file(self, name: str, items: list[Any], planner: Any) -> list[WriteResult]:
+    def _write_file(self, name: str, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
         from torch.distributed.checkpoint.filesystem import _StorageInfo
-        from torch.distributed.checkpoint.planner import WriteItemType
 
         results = []
         with self.session.open(Path(self.path) / name) as stream:
             for item in items:
                 data = planner.resolve_data(item)
                 offset = stream.tell()
-                if item.type == WriteItemType.BYTE_IO:
+                if isinstance(data, io.BytesIO):  # a BYTE_IO item (WriteItemType.BYTE_IO)
                     stream.write(data.getbuffer())
                 else:
                     stream.write(_raw_bytes(data))
@@ -123,13 +134,13 @@ class LocalPlanner(DefaultSavePlanner):
         super().__init__()
         self.global_rank = rank
 
-    def create_local_plan(self) -> Any:
+    def create_local_plan(self) -> SavePlan:
         plan = super().create_local_plan()
         items = [item for item in plan.items if self._writes(item)]
         self.plan = dataclasses.replace(plan, items=items)
         return self.plan
 
-    def _writes(self, item: Any) -> bool:
+    def _writes(self, item: WriteItem) -> bool:
         from torch.distributed.tensor import DTensor, Replicate
 
         value = self.state_dict.get(item.index.fqn)
@@ -140,20 +151,20 @@ class LocalPlanner(DefaultSavePlanner):
         return self.global_rank == 0
 
 
-def merge(parts: list[Any]) -> Any:
+def merge(parts: list[Metadata]) -> Metadata:
     """The global DCP metadata of a directory from every rank's metadata of its own items (in rank order)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    merged: dict[str, Any] = {}
-    storage: dict[Any, Any] = {}
-    planner_data: dict[str, Any] = {}
+    merged: dict[str, STORAGE_TYPES] = {}
+    storage: dict[MetadataIndex, object] = {}  # DCP types a directory's storage data as Any: passed on here
+    planner_data: dict[str, object] = {}
     for part in parts:
         for fqn, entry in part.state_dict_metadata.items():
             have = merged.get(fqn)
             if have is None:
                 merged[fqn] = dataclasses.replace(entry, chunks=list(entry.chunks)) if isinstance(
                     entry, TensorStorageMetadata) else entry
-            elif isinstance(entry, TensorStorageMetadata):
+            elif isinstance(entry, TensorStorageMetadata) and isinstance(have, TensorStorageMetadata):
                 known = {tuple(chunk.offsets) for chunk in have.chunks}
                 have.chunks.extend(c for c in entry.chunks if tuple(c.offsets) not in known)
         for index, info in part.storage_data.items():
@@ -166,7 +177,7 @@ def merge(parts: list[Any]) -> Any:
                               planner_data=planner_data)
 
 
-def write_merged(path: Path, parts: list[Any], sync: bool = False) -> None:
+def write_merged(path: Path, parts: list[Metadata], sync: bool = False) -> None:
     """Merge the ranks' metadata (:func:`merge`) and write it as ``path`` (a DCP directory's ``.metadata``);
     ``sync``: fsync it (``save_state``'s commit fsyncs it with the manifest instead)."""
     with open(path, "wb") as f:
@@ -184,11 +195,11 @@ def _raw_bytes(tensor: torch.Tensor) -> memoryview:
     return view
 
 
-def read_raw(reader: Any, metadata: Any, items: list[Any], planner: Any) -> None:
+def read_raw(reader: FileSystemReader, metadata: Metadata, items: list[ReadItem], planner: LoadPlanner) -> None:
     """Load the read items stored in raw shard files into the planner's tensors (one pass per file, in order)."""
     from torch.distributed.checkpoint.planner import LoadItemType
 
-    per_file: dict[str, list[Any]] = {}
+    per_file: dict[str, list[ReadItem]] = {}
     for item in items:
         per_file.setdefault(reader.storage_data[item.storage_index].relative_path, []).append(item)
     for relative_path, requests in per_file.items():
@@ -201,7 +212,7 @@ def read_raw(reader: Any, metadata: Any, items: list[Any], planner: Any) -> None
                     planner.load_bytes(request, io.BytesIO(_exactly(stream, info.length)))
                     continue
                 chunk = _chunk(metadata, request.storage_index)
-                dtype = metadata.state_dict_metadata[request.storage_index.fqn].properties.dtype
+                dtype = _tensor_entry(metadata, request.storage_index.fqn).properties.dtype
                 needed = math.prod(chunk.sizes) * dtype.itemsize
                 if info.length != needed:
                     raise ValueError(f"{relative_path}: {request.storage_index.fqn} holds {info.length} bytes, "
@@ -221,33 +232,44 @@ def read_raw(reader: Any, metadata: Any, items: list[Any], planner: Any) -> None
                 planner.commit_tensor(request, target)
 
 
-def _whole(request: Any, chunk: Any) -> bool:
+def _whole(request: ReadItem, chunk: ChunkStorageMetadata) -> bool:
     """The request reads the whole stored chunk (not a slice of it, as a resharding load may)."""
     return all(start == 0 for start in request.storage_offsets) and list(request.lengths) == list(chunk.sizes)
 
 
-def _fits(target: torch.Tensor, sizes: Any, dtype: torch.dtype) -> bool:
+def _fits(target: torch.Tensor, sizes: torch.Size, dtype: torch.dtype) -> bool:
     """The destination can take the stored bytes as they are: a contiguous CPU tensor of that shape and dtype."""
     return (type(target) is torch.Tensor and target.device.type == "cpu" and target.dtype == dtype
             and tuple(target.shape) == tuple(sizes) and target.is_contiguous())
 
 
-def split_plan(reader: Any, plan: Any) -> tuple[Any, list[Any]]:
+def split_plan(reader: FileSystemReader, plan: LoadPlan) -> tuple[LoadPlan, list[ReadItem]]:
     """``plan`` without its raw items (for DCP's own reader), and the raw items."""
     raw = [item for item in plan.items if is_raw(reader.storage_data[item.storage_index].relative_path)]
     rest = [item for item in plan.items if not is_raw(reader.storage_data[item.storage_index].relative_path)]
     return dataclasses.replace(plan, items=rest), raw
 
 
-def _chunk(metadata: Any, index: Any) -> Any:
-    chunks = metadata.state_dict_metadata[index.fqn].chunks
+def _chunk(metadata: Metadata, index: MetadataIndex) -> ChunkStorageMetadata:
+    chunks = _tensor_entry(metadata, index.fqn).chunks
+    offset = index.offset
+    assert offset is not None, index  # a tensor's index names the offset of its chunk
     if index.index is not None and index.index < len(chunks) and list(chunks[index.index].offsets) == list(
-            index.offset):
+            offset):
         return chunks[index.index]
     for chunk in chunks:
-        if list(chunk.offsets) == list(index.offset):
+        if list(chunk.offsets) == list(offset):
             return chunk
-    raise ValueError(f"no chunk of {index.fqn} starts at {list(index.offset)} in the DCP metadata")
+    raise ValueError(f"no chunk of {index.fqn} starts at {list(offset)} in the DCP metadata")
+
+
+def _tensor_entry(metadata: Metadata, fqn: str) -> TensorStorageMetadata:
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    entry = metadata.state_dict_metadata[fqn]
+    if not isinstance(entry, TensorStorageMetadata):
+        raise ValueError(f"{fqn} is stored as bytes in the DCP metadata, not as a tensor chunk")
+    return entry
 
 
 def _exactly(stream: Any, n: int) -> bytes:
@@ -256,7 +278,8 @@ def _exactly(stream: Any, n: int) -> bytes:
     return bytes(data)
 
 
-def _fill(stream: Any, view: memoryview) -> None:
+def _fill(stream: Any,  # DCP's file system opens an io.IOBase, which declares no readinto
+          view: memoryview) -> None:
     view = view.cast("B")
     while view.nbytes:
         got = stream.readinto(view)

@@ -31,6 +31,9 @@ from impel.checkpoint.io.files import (
 from impel.checkpoint.store.layout import CheckpointError
 
 if TYPE_CHECKING:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    from torch.nn.modules.module import _IncompatibleKeys
+
     from impel.checkpoint.io.verified import Manifest
     from impel.checkpoint.saving.session import SaveSession
 
@@ -65,7 +68,8 @@ def pair_optimizers(models: Sequence[nn.Module], optimizers: Sequence[torch.opti
     return owners
 
 
-def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, options: Any = None) -> dict[str, Any]:
+def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
+                    options: StateDictOptions | None = None) -> dict[str, Any]:
     """The optimizer's state keyed by parameter name; an optimizer that never stepped stays untouched."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
@@ -83,7 +87,8 @@ def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, options:
 
 def save_full(session: SaveSession, models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer], *,
               safe_serialization: bool, skip_models: AbstractSet[int] = frozenset(),
-              options: Any = None, all_ranks: bool = False, cooperative_rank: int | None = None) -> dict[str, Any]:
+              options: StateDictOptions | None = None, all_ranks: bool = False,
+              cooperative_rank: int | None = None) -> Mapping[str, object]:
     """Write full model and optimizer files into ``session.directory``; returns the strategy section of the
     checkpoint metadata.
 
@@ -159,7 +164,7 @@ def read_weights(manifest: Manifest | None, path: Path) -> dict[str, torch.Tenso
 def load_full(manifest: Manifest | None, models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
               directory: Path,
               metadata: Mapping[str, Any], *, skip_models: AbstractSet[int] = frozenset(),
-              options: Any = None, slices: bool = False) -> None:
+              options: StateDictOptions | None = None, slices: bool = False) -> None:
     """Load what :func:`save_full` wrote into the prepared models and optimizers (on every rank).
 
     ``slices`` (sharded models): each rank reads only its own shards' bytes of the safetensors files
@@ -217,7 +222,7 @@ def _fits(model: nn.Module, index: int, path: Path, strict: bool) -> Callable[[M
     return check
 
 
-def _warn_not_strict(result: Any, path: Path, index: int) -> None:
+def _warn_not_strict(result: _IncompatibleKeys | None, path: Path, index: int) -> None:
     if result is not None and (result.missing_keys or result.unexpected_keys):  # load_state(strict=False)
         logger.warning("%s loaded into model %d with strict=False: missing %s, unexpected %s", path, index,
                        list(result.missing_keys), list(result.unexpected_keys))

@@ -13,11 +13,11 @@ from __future__ import annotations
 import io
 import pickle
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import nn
@@ -32,7 +32,18 @@ from impel.checkpoint.store.layout import CheckpointError
 from impel.runtime.ranks.collectives import is_distributed
 
 if TYPE_CHECKING:
+    import os
+    from collections.abc import Generator
+
+    from torch.distributed.checkpoint.filesystem import FileSystem
+    from torch.distributed.checkpoint.metadata import Metadata
+    from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    from torch.futures import Future
+
     from impel.checkpoint.saving.session import SaveSession
+
+R = TypeVar("R")
 
 FORMAT = formats.SHARDED.name
 
@@ -50,7 +61,7 @@ _ALLOWED: dict[str, set[str]] = {
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
+    def find_class(self, module: str, name: str) -> object:
         if name in _ALLOWED.get(module, ()) or (module == "torch" and isinstance(getattr(torch, name, None),
                                                                                   torch.dtype)):
             return super().find_class(module, name)
@@ -63,23 +74,24 @@ class SafeFileSystemReader(FileSystemReader):
 
     refused: CheckpointError | None = None
 
-    def __init__(self, manifest: Manifest | None, path: Any) -> None:
+    def __init__(self, manifest: Manifest | None, path: str | os.PathLike[str]) -> None:
         super().__init__(path)
         self.manifest = manifest
         self.fs = _checking_file_system(manifest)
-        self.metadata: Any = None
+        self.metadata: Metadata | None = None
 
-    def set_up_storage_reader(self, metadata: Any, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: object, **kwargs: object) -> None:
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
         self.metadata = metadata
 
-    def read_data(self, plan: Any, planner: Any) -> Any:
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Chunks in raw shard files (``dcp_raw``) read here, the rest (earlier releases' files) by DCP."""
+        assert self.metadata is not None, "DCP sets the reader up before it reads"
         rest, raw = dcp_raw.split_plan(self, plan)
         dcp_raw.read_raw(self, self.metadata, raw, planner)
         return super().read_data(rest, planner)
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+    def read_metadata(self, *args: object, **kwargs: object) -> Metadata:
         from torch.distributed.checkpoint.metadata import StorageMeta
 
         rank = kwargs.get("rank")
@@ -102,12 +114,12 @@ class SafeFileSystemReader(FileSystemReader):
         return metadata
 
 
-def _checking_file_system(manifest: Manifest | None) -> Any:
+def _checking_file_system(manifest: Manifest | None) -> FileSystem:
     from torch.distributed.checkpoint.filesystem import FileSystem
 
     class _CheckingFileSystem(FileSystem):
         @contextmanager
-        def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+        def create_stream(self, path: str | os.PathLike[str], mode: str) -> Generator[io.IOBase, None, None]:
             if mode == "rb":
                 with open_checked(manifest, Path(path)) as stream:
                     yield stream
@@ -118,7 +130,7 @@ def _checking_file_system(manifest: Manifest | None) -> Any:
     return _CheckingFileSystem()
 
 
-def _dcp(call: Callable[..., Any], *args: Any, reader: SafeFileSystemReader | None = None, **kwargs: Any) -> Any:
+def _dcp(call: Callable[..., R], *args: object, reader: SafeFileSystemReader | None = None, **kwargs: object) -> R:
     """Run a DCP save/load quietly (no single-process warning); a refused metadata file, or a damaged file found
     by the checking reader on any rank, surfaces as impel's CheckpointError naming the file."""
     try:
@@ -136,7 +148,7 @@ def _dcp(call: Callable[..., Any], *args: Any, reader: SafeFileSystemReader | No
         raise
 
 
-def _save_dcp(session: SaveSession, state: dict[str, Any], path: Path) -> None:
+def _save_dcp(session: SaveSession, state: dict[str, object], path: Path) -> None:
     """``dcp.save`` of ``state`` into ``path`` with DCP's file writer writing raw chunk bytes (``dcp_raw``: no
     per-tensor ``torch.save``) through ``session.open``: hashed as written and fsynced in the background (during
     save_state), so DCP's own fsync is off. no_dist: every rank plans its own items (``dcp_raw.LocalPlanner``),
@@ -164,7 +176,8 @@ def optimizer_dir(index: int) -> str:
 
 
 def save_sharded(session: SaveSession, models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer], *,
-                 skip_models: AbstractSet[int] = frozenset(), options: Any = None) -> dict[str, Any]:
+                 skip_models: AbstractSet[int] = frozenset(),
+                 options: StateDictOptions | None = None) -> Mapping[str, object]:
     """Every rank writes its shards of each model and optimizer into ``session.directory`` (in an asynchronous
     save: staged now, saved in the background); returns the strategy metadata section."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
@@ -187,7 +200,7 @@ def save_sharded(session: SaveSession, models: Sequence[nn.Module], optimizers: 
 def load_sharded(manifest: Manifest | None, models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
                  directory: Path,
                  metadata: Mapping[str, Any], *, skip_models: AbstractSet[int] = frozenset(),
-                 options: Any = None) -> None:
+                 options: StateDictOptions | None = None) -> None:
     """Every rank reads the shards it needs (any world size) into the prepared models and optimizers."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
@@ -228,7 +241,7 @@ def load_full_state(manifest: Manifest | None, dcp_dir: Path) -> dict[str, Any]:
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    state: dict[str, Any] = {}
+    state: dict[str, Any] = {}  # torch's STATE_DICT_TYPE: nested as saved
     # The same private pair dcp_to_torch_save uses to rebuild a state dict from metadata alone; the public
     # dcp.load only fills keys the caller already has. Our reader replaces its unrestricted metadata unpickling.
     reader = SafeFileSystemReader(manifest, dcp_dir)

@@ -14,11 +14,11 @@ The committing rank receives every digest and only hashes what is still unknown 
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
@@ -32,6 +32,10 @@ from impel.checkpoint.store.layout import (
     manifest_entry,
 )
 from impel.runtime.ranks.collectives import is_distributed
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.distributed.checkpoint.metadata import Metadata
 
 Entry = dict[str, Any]  # layout.manifest_entry: {"size": int, "xxh3_128_blocks": [str, ...]}
 RANGES_KEY = "ranges"  # a rank's part of an entry (finish_ranges): [[start, end, digest], ...]
@@ -47,8 +51,8 @@ class Sealer:
         self._sync_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="impel-fsync")
         # file -> (its entry: a manifest entry, or this rank's byte ranges of a file several ranks wrote, see
         # ``finish_ranges``; its write finishing and fsync)
-        self._pending: dict[str, tuple[Entry, Future[Any]]] = {}
-        self.parts: dict[str, Any] = {}  # files the committer writes from every rank's part (``contribute``)
+        self._pending: dict[str, tuple[Entry, Future[None]]] = {}
+        self.parts: dict[str, Metadata] = {}  # files the committer writes from every rank's part (``contribute``)
 
     def relative(self, path: Path) -> str | None:
         try:
@@ -56,7 +60,7 @@ class Sealer:
         except ValueError:
             return None
 
-    def add(self, rel: str, entry: Entry, synced: Future[Any]) -> None:
+    def add(self, rel: str, entry: Entry, synced: Future[None]) -> None:
         self._pending[rel] = (entry, synced)
 
     def wait(self, rel: str) -> None:
@@ -64,7 +68,7 @@ class Sealer:
         if rel in self._pending:
             self._pending[rel][1].result()
 
-    def sync(self, fn: Any, *args: Any) -> Future[Any]:
+    def sync(self, fn: Callable[..., None], *args: object) -> Future[None]:
         return self._sync_pool.submit(fn, *args)
 
     def entries(self) -> dict[str, Entry]:
@@ -128,7 +132,7 @@ def settle(path: Path, sealer: Sealer | None) -> None:
         sealer.wait(rel)
 
 
-def contribute(path: Path, part: Any, sealer: Sealer | None) -> bool:
+def contribute(path: Path, part: Metadata, sealer: Sealer | None) -> bool:
     """With ``sealer`` (the save's): this rank's ``part`` of the file ``path`` (a DCP directory's metadata),
     which the committing rank writes from every rank's part; True. Else False (the caller writes it)."""
     sealer, rel = _sealing(path, sealer)
@@ -160,7 +164,7 @@ class _AppendingWriter:
         self.hasher = hashing.BlockHasher()
         self.closed = False
 
-    def write(self, data: Any) -> int:
+    def write(self, data: bytes | bytearray | memoryview) -> int:
         view = memoryview(data).cast("B")
         self.hasher.update(view)
         return self.file.write(view)
@@ -213,7 +217,8 @@ def appending(path: Path, sealer: Sealer | None) -> Iterator[Any]:
     writer.close()
 
 
-def share_digests(root: Path, known: list[dict[str, Entry]], shared_dir: bool, group: Any = None) -> dict[str, Entry]:
+def share_digests(root: Path, known: list[dict[str, Entry]], shared_dir: bool,
+                  group: ProcessGroup | None = None) -> dict[str, Entry]:
     """Collective: every rank's known digests (``known``, in rank order, gathered by the caller with the write's
     outcome), plus those of the files nobody hashed yet, whose 64 MiB blocks are dealt round-robin to the ranks
     (each rank also fsyncs the files it read). Every returned file is fsynced.
@@ -236,7 +241,8 @@ def share_digests(root: Path, known: list[dict[str, Entry]], shared_dir: bool, g
         digests = hashing.digest_blocks(mine)
         for path in {path for path, _ in mine}:
             fsync_file(path)
-        payload: Any = [(path.relative_to(root).as_posix(), i, d) for (path, i), d in zip(mine, digests)]
+        payload: list[tuple[str, int, str]] | str = [(path.relative_to(root).as_posix(), i, d)
+                                                     for (path, i), d in zip(mine, digests)]
         error: BaseException | None = None
     except OSError as exc:
         payload, error = f"{type(exc).__name__}: {exc}", exc

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 ALIASES_KEY = "impel_aliases"
 
 
-def _storage_key(tensor: torch.Tensor) -> tuple[Any, ...]:
+def _storage_key(tensor: torch.Tensor) -> tuple[object, ...]:
     return (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
             tuple(tensor.stride()), tensor.dtype)
 
@@ -40,8 +40,8 @@ def dedupe_aliases(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch
     """
     kept: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}
-    seen: dict[tuple[Any, ...], str] = {}
-    storages: dict[Any, int] = {}
+    seen: dict[tuple[object, ...], str] = {}
+    storages: dict[tuple[torch.device, int], int] = {}
     for name, tensor in tensors.items():
         tensor = tensor.detach()
         key = _storage_key(tensor)
@@ -97,7 +97,7 @@ def read_safetensors_file(manifest: Manifest | None, path: Path,
                               "truncated or corrupted: load an earlier checkpoint") from None
 
 
-def write_torch(session: SaveSession, obj: Any, path: Path) -> None:
+def write_torch(session: SaveSession, obj: object, path: Path) -> None:
     """``torch.save`` then fsync; only save tensors, numbers, strings and containers (they load back safely). In
     an asynchronous save, staged now and written later (``session``).
 
@@ -106,7 +106,7 @@ def write_torch(session: SaveSession, obj: Any, path: Path) -> None:
     session.write(_write_torch, obj, path)
 
 
-def _write_torch(session: SaveSession, obj: Any, path: Path) -> None:
+def _write_torch(session: SaveSession, obj: object, path: Path) -> None:
     with crc32_off(), session.open(path) as f:
         torch.save(obj, f)
 

@@ -59,7 +59,7 @@ def _allowed(module: str, name: str) -> bool:
 class RestrictedUnpickler(pickle.Unpickler):
     """An Unpickler that imports only the globals in :data:`ALLOWED` and raises :class:`RefusedGlobal` otherwise."""
 
-    def find_class(self, module: str, name: str) -> Any:
+    def find_class(self, module: str, name: str) -> object:
         if _allowed(module, name):
             return super().find_class(module, name)
         raise RefusedGlobal(module, name)
@@ -73,21 +73,21 @@ class Inert:
     """
 
     global_name = "?"
-    args: tuple[Any, ...]
-    state: Any
+    args: tuple[object, ...]
+    state: object
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> Inert:
+    def __new__(cls, *args: object, **kwargs: object) -> Inert:
         obj = object.__new__(cls)
         obj.args, obj.state = args, None
         return obj
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: object, **kwargs: object) -> None:
         pass
 
-    def __setstate__(self, state: Any) -> None:
+    def __setstate__(self, state: object) -> None:
         self.state = state
 
-    def field(self, key: str, default: Any = None) -> Any:
+    def field(self, key: str, default: object = None) -> object:
         """``key`` of the recorded ``__dict__`` state (the second item when the state is ``(dict, slots)``)."""
         state = self.state
         if isinstance(state, tuple) and len(state) == 2:
@@ -105,7 +105,7 @@ class InertUnpickler(RestrictedUnpickler):
 
     _stand_ins: dict[str, type[Inert]] = {}
 
-    def find_class(self, module: str, name: str) -> Any:
+    def find_class(self, module: str, name: str) -> object:
         if _allowed(module, name):
             return pickle.Unpickler.find_class(self, module, name)
         key = f"{module}.{name}"

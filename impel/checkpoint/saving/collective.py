@@ -11,12 +11,15 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch.distributed as dist
 
 from impel.checkpoint.store.layout import CheckpointError
 from impel.runtime.ranks.collectives import is_distributed
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 T = TypeVar("T")
 
@@ -57,7 +60,7 @@ def agree(value: str, what: str) -> None:
     """Raise on every rank when ranks passed different values (for example different output directories)."""
     if not is_distributed():
         return
-    values: list[Any] = [None] * dist.get_world_size()
+    values: list[str | None] = [None] * dist.get_world_size()
     dist.all_gather_object(values, value)
     if len(set(values)) > 1:
         listed = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
@@ -80,14 +83,14 @@ def _raise_others(messages: list[str | None], what: str) -> None:
         raise CheckpointError(f"{what} failed on another rank ({listed})")
 
 
-def run_shared(fn: Callable[[], T], what: str, group: Any = None) -> T:
+def run_shared(fn: Callable[[], T], what: str, group: ProcessGroup | None = None) -> T:
     """Run ``fn`` on every rank; if it raises anywhere, raise on every rank (the original error where it happened).
     ``group``: the process group to agree on (an asynchronous save's background group; default: the default one).
 
     One all-reduce of a failure flag when nothing failed; the messages are gathered only after a failure."""
     result, error, message = _attempt(fn)
     if is_distributed() and _any_failed(error is not None, group):
-        messages: list[Any] = [None] * dist.get_world_size(group)
+        messages: list[str | None] = [None] * dist.get_world_size(group)
         dist.all_gather_object(messages, message, group=group)
         if error is None:
             _raise_others(messages, what)
@@ -96,7 +99,7 @@ def run_shared(fn: Callable[[], T], what: str, group: Any = None) -> T:
     return result
 
 
-def gather_shared(fn: Callable[[], T], what: str, group: Any = None) -> list[T]:
+def gather_shared(fn: Callable[[], T], what: str, group: ProcessGroup | None = None) -> list[T]:
     """:func:`run_shared` that also returns every rank's result (in rank order), in one all-gather."""
     result, error, message = _attempt(fn)
     if not is_distributed():
@@ -111,7 +114,7 @@ def gather_shared(fn: Callable[[], T], what: str, group: Any = None) -> list[T]:
     return [value for _, value in gathered]
 
 
-def _any_failed(failed: bool, group: Any) -> bool:
+def _any_failed(failed: bool, group: ProcessGroup | None) -> bool:
     """Collective: True on every rank when ``failed`` is True on any (one all-reduce, on the group's device)."""
     import torch
 
@@ -121,8 +124,8 @@ def _any_failed(failed: bool, group: Any) -> bool:
     return bool(flag.item())
 
 
-def prepare_agreed(value: str, what_value: str, fn: Callable[[], T], what: str, leader: bool, group: Any = None,
-                   joining: str | None = None) -> T:
+def prepare_agreed(value: str, what_value: str, fn: Callable[[], T], what: str, leader: bool,
+                   group: ProcessGroup | None = None, joining: str | None = None) -> T:
     """One collective for three steps: every rank passed the same ``value`` (else a CheckpointError naming each
     rank's, as :func:`agree`), ``fn`` ran on the leader(s) (a failure raised on every rank, as :func:`run_shared`),
     and every rank returns rank 0's result (as :func:`on_leader`). ``group``: as :func:`run_shared`'s. ``joining``:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from impel.config.run_config import ConfigError
 
@@ -22,14 +21,14 @@ _MAP_LOCATIONS = (None, "cpu", "on_device")
 
 @dataclass(frozen=True)
 class SaveOptions:
-    engine_kwargs: Mapping[str, Any] = field(default_factory=dict)  # DeepSpeed's save_checkpoint
+    engine_kwargs: Mapping[str, object] = field(default_factory=dict)  # DeepSpeed's save_checkpoint
     shared_dir: bool = True  # every rank writes into the same directory (False: save_on_each_node)
 
 
 @dataclass(frozen=True)
 class LoadOptions:
     strict: bool = True
-    engine_kwargs: Mapping[str, Any] = field(default_factory=dict)  # DeepSpeed's load_checkpoint
+    engine_kwargs: Mapping[str, object] = field(default_factory=dict)  # DeepSpeed's load_checkpoint
 
 
 # the defaults of the ``options`` parameters (frozen, so one shared instance is safe)
@@ -37,7 +36,7 @@ DEFAULT_SAVE = SaveOptions()
 DEFAULT_LOAD = LoadOptions()
 
 
-def save_options(kwargs: Mapping[str, Any], deepspeed: bool) -> SaveOptions:
+def save_options(kwargs: Mapping[str, object], deepspeed: bool) -> SaveOptions:
     if not kwargs:
         return SaveOptions()
     if not deepspeed:
@@ -50,7 +49,8 @@ def save_options(kwargs: Mapping[str, Any], deepspeed: bool) -> SaveOptions:
     return SaveOptions(dict(kwargs))
 
 
-def load_options(load_kwargs: Mapping[str, Any] | None, kwargs: Mapping[str, Any], deepspeed: bool) -> LoadOptions:
+def load_options(load_kwargs: Mapping[str, object] | None, kwargs: Mapping[str, object],
+                 deepspeed: bool) -> LoadOptions:
     for key, value in (load_kwargs or {}).items():
         if key == "map_location":
             _check_map_location(value, "load_kwargs")
@@ -79,11 +79,11 @@ def load_options(load_kwargs: Mapping[str, Any] | None, kwargs: Mapping[str, Any
     return LoadOptions(strict=strict, engine_kwargs=rest)
 
 
-def _check_map_location(value: Any, where: str) -> None:
+def _check_map_location(value: object, where: str) -> None:
     if value not in _MAP_LOCATIONS:
         raise ConfigError(f"load_state({where}={value!r}) must be None, 'cpu' or 'on_device' (Accelerate's values); "
                           "impel reads onto the CPU and copies into the prepared objects wherever they live")
 
 
-def _show(kwargs: Mapping[str, Any]) -> str:
+def _show(kwargs: Mapping[str, object]) -> str:
     return ", ".join(f"{k}={v!r}" for k, v in kwargs.items())

@@ -28,12 +28,18 @@ import functools
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from impel.checkpoint.io import digests
 from impel.checkpoint.io.direct_io import DirectFile
 from impel.checkpoint.saving.staging import Deferred
 from impel.checkpoint.store.layout import CheckpointError
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from impel.checkpoint.saving.stager import Stager
 
 __all__ = ["SaveSession"]
 
@@ -42,12 +48,12 @@ class SaveSession:
     """One ``save_state`` on this rank (see the module docstring)."""
 
     def __init__(self, directory: Path | None, final: Path | None = None, *, leader: bool = True,
-                 group: Any = None) -> None:
+                 group: ProcessGroup | None = None) -> None:
         self.directory = Path(directory) if directory is not None else None
         self._final = final
         self.leader = leader
         self.group = group
-        self.metadata: dict[str, Any] = {}  # the checkpoint's metadata, taken when the save is called
+        self.metadata: dict[str, object] = {}  # the checkpoint's metadata, taken when the save is called
         self._staged: Deferred | None = None  # an asynchronous save while it stages: writes are recorded
         self._sealer: digests.Sealer | None = None  # while the files are written: hashed, fsynced in the background
 
@@ -74,7 +80,7 @@ class SaveSession:
         return self._staged is not None
 
     @contextmanager
-    def staging(self, stager: Any) -> Iterator[Deferred]:
+    def staging(self, stager: Stager) -> Iterator[Deferred]:
         """An asynchronous save's call: :meth:`write` records each write, its state staged by ``stager``; the
         yielded :class:`~impel.checkpoint.saving.staging.Deferred` replays them (on the background thread)."""
         if self._staged is not None or self._sealer is not None:
@@ -97,7 +103,7 @@ class SaveSession:
                 self._sealer = None
 
     # --- writing ----------------------------------------------------------------------------------------------
-    def write(self, fn: Callable[..., None], state: Any, *args: Any, **kwargs: Any) -> None:
+    def write(self, fn: Callable[..., None], state: object, *args: object, **kwargs: object) -> None:
         """``fn(self, state, *args, **kwargs)`` now; while staging, ``state`` copied to CPU memory now and the
         call recorded (replayed by the background job with the staged copy)."""
         if self._staged is not None:
@@ -114,7 +120,7 @@ class SaveSession:
                                   "stages the state now and writes it in the background")
         return self._sealer
 
-    def open(self, path: Path) -> AbstractContextManager[Any]:
+    def open(self, path: Path) -> AbstractContextManager[Any]:  # torch.save wants IO[bytes]; these only append
         """An append-only file for ``torch.save`` and DCP (``digests.appending``): sealed in the background during
         the save, else fsynced before the block ends."""
         return digests.appending(path, self._writing(path))
@@ -123,7 +129,7 @@ class SaveSession:
         """This rank's byte ranges of a file several ranks write (``cooperative``): ``digests.finish_ranges``."""
         digests.finish_ranges(file, size, ranges, self._writing(file.path))
 
-    def contribute(self, path: Path, part: Any) -> bool:
+    def contribute(self, path: Path, part: Metadata) -> bool:
         """This rank's part of a file the committing rank writes from every rank's (a DCP directory's metadata);
         False outside a sealed save (the caller writes the file)."""
         return digests.contribute(path, part, self._writing(path))

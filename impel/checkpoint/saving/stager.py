@@ -14,11 +14,15 @@ the previous staged copy: ``save_state`` waits for the pending save first.
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-Path = tuple[Any, ...]
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+
+Path = tuple[object, ...]  # the save's key, then the keys and indices down to a tensor
+Shared = tuple[torch.device, int, int]  # a source storage: its device, address and length
 
 
 _IMMUTABLE = frozenset({int, float, bool, complex, str, bytes, type(None)})
@@ -30,13 +34,13 @@ class _Shard:
 
     __slots__ = ("local", "spec", "mesh", "placements", "shape", "stride")
 
-    def __init__(self, local: torch.Tensor, source: Any) -> None:
+    def __init__(self, local: torch.Tensor, source: DTensor) -> None:
         self.local = local
         self.spec = getattr(source, "_spec", None)
         self.mesh, self.placements = source.device_mesh, source.placements
         self.shape, self.stride = source.shape, source.stride()
 
-    def wrap(self) -> Any:
+    def wrap(self) -> DTensor:
         from torch.distributed.tensor import DTensor
 
         if self.spec is not None:
@@ -71,7 +75,7 @@ class Stager:
         self.pin_memory = pin_memory
         self._buffers: dict[Path, torch.UntypedStorage] = {}
 
-    def stage(self, state: Any, key: Any = None, rewrap: bool = True) -> Any:
+    def stage(self, state: Any, key: object = None, rewrap: bool = True) -> Any:
         """A copy of ``state`` whose tensors live in this stager's buffers for ``key`` (the same key next time:
         the same buffers, reallocated only where a size changed). ``rewrap=False``: DTensors come back as
         placeholders holding the staged local shard, for :func:`rewrapped` to wrap again later (off the caller's
@@ -86,7 +90,7 @@ class Stager:
     def held_bytes(self) -> int:
         return sum(buffer.nbytes() for buffer in self._buffers.values())
 
-    def _copy(self, obj: Any, path: Path, memo: dict[Any, torch.UntypedStorage]) -> Any:
+    def _copy(self, obj: Any, path: Path, memo: dict[Shared, torch.UntypedStorage]) -> Any:
         if type(obj) in _IMMUTABLE:  # as deepcopy would: the object itself (a Python RNG state holds 625 ints,
             return obj               # deep-copied one by one that was 1 ms of an asynchronous save's call)
         from torch.distributed.tensor import DTensor
@@ -101,7 +105,7 @@ class Stager:
             return self._container(obj, path, memo)
         return copy.deepcopy(obj)
 
-    def _container(self, obj: Any, path: Path, memo: dict[Any, torch.UntypedStorage]) -> Any:
+    def _container(self, obj: Any, path: Path, memo: dict[Shared, torch.UntypedStorage]) -> Any:
         if isinstance(obj, dict):
             out = type(obj)()
             for k, v in obj.items():
@@ -110,7 +114,7 @@ class Stager:
         items = [self._copy(v, (*path, i), memo) for i, v in enumerate(obj)]
         return items if isinstance(obj, list) else tuple(items)
 
-    def _tensor(self, tensor: torch.Tensor, path: Path, memo: dict[Any, torch.UntypedStorage]) -> torch.Tensor:
+    def _tensor(self, tensor: torch.Tensor, path: Path, memo: dict[Shared, torch.UntypedStorage]) -> torch.Tensor:
         tensor = tensor.detach()
         if tensor.is_meta or tensor.layout != torch.strided or type(tensor) is not torch.Tensor:
             return copy.deepcopy(tensor)

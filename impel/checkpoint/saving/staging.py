@@ -28,7 +28,7 @@ import sys
 import threading
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -37,25 +37,30 @@ from impel.checkpoint.saving.stager import Stager, rewrapped
 from impel.checkpoint.store.layout import CheckpointError
 from impel.runtime.ranks.collectives import is_distributed
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+R = TypeVar("R")
+
 
 class Deferred:
     """The writes one ``save_state`` recorded instead of doing them, each with its state already staged, and the
     checkpoint metadata taken at the call (``SaveSession.staging``)."""
 
-    def __init__(self, stager: Any) -> None:
+    def __init__(self, stager: Stager) -> None:
         self.stager = stager
-        self.writes: list[Callable[[], Any]] = []
-        self.metadata: dict[str, Any] = {}
+        self.writes: list[Callable[[], object]] = []
+        self.metadata: dict[str, object] = {}
         self.error: BaseException | None = None  # staging failed on this rank (``Checkpointer._stage``)
 
-    def record(self, fn: Callable[..., Any], state: Any, *args: Any, **kwargs: Any) -> None:
+    def record(self, fn: Callable[..., object], state: object, *args: object, **kwargs: object) -> None:
         """``fn(staged state, *args, **kwargs)`` recorded, ``state`` staged now."""
         # the write's position in the save keys its buffers: the next save of the same layout reuses them
         # DTensors are wrapped again on the background thread (rewrapped), not on the caller's critical path
         staged = self.stager.stage(state, key=len(self.writes), rewrap=False) if state is not None else None
         self.writes.append(functools.partial(_rewrapped_call, fn, staged, args, kwargs))
 
-    def run(self) -> dict[str, Any]:
+    def run(self) -> dict[str, object]:
         """Do the recorded writes in order (on the background thread; the staged copies are dropped as they go);
         the checkpoint metadata."""
         while self.writes:
@@ -63,7 +68,7 @@ class Deferred:
         return self.metadata
 
 
-def _rewrapped_call(fn: Callable[..., Any], staged: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _rewrapped_call(fn: Callable[..., R], staged: object, args: tuple[object, ...], kwargs: dict[str, object]) -> R:
     return fn(rewrapped(staged), *args, **kwargs)
 
 
@@ -82,7 +87,7 @@ def group_ready() -> bool:
     return not is_distributed() or bool(_group and _group[0] is dist.distributed_c10d._get_default_group())
 
 
-def background_group(timeout: timedelta) -> Any:
+def background_group(timeout: timedelta) -> ProcessGroup | None:
     """The gloo group background saves coordinate on (None on one process). Collective on the default group the
     first time (and after the default group changed): every rank calls it at the same point of ``save_state``.
     It also agrees a random 128-bit secret for the job there, from which :func:`temp_token` names the saves'

@@ -8,20 +8,25 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from impel.checkpoint.store.layout import CheckpointError
 
+if TYPE_CHECKING:
+    from impel.runtime.loaders.prepared_loader import PreparedLoader
+    from impel.runtime.step.accumulation import GradientState
+    from impel.runtime.step.optimizer import AcceleratedOptimizer
+
 logger = logging.getLogger("impel")
 
 
 # --- RNG -------------------------------------------------------------------------------------------------------
-def collect_rng_state(device: torch.device, dataloaders: Sequence[Any] = ()) -> dict[str, Any]:
+def collect_rng_state(device: torch.device, dataloaders: Sequence[PreparedLoader] = ()) -> dict[str, object]:
     """This rank's python, numpy, torch and accelerator RNG states, and each dataloader's RNG state of its fetched
     but unused batch (``PreparedLoader.fetch_rng_state``: a collator that draws random masks resumes exactly)."""
-    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    state: dict[str, object] = {"python": random.getstate(), "torch": torch.get_rng_state()}
     fetches = [getattr(dl, "fetch_rng_state", lambda: None)() for dl in dataloaders]
     if any(f is not None for f in fetches):
         state["dataloader_fetch"] = fetches
@@ -43,7 +48,7 @@ def collect_rng_state(device: torch.device, dataloaders: Sequence[Any] = ()) -> 
     return state
 
 
-def restore_rng_state(state: dict[str, Any], device: torch.device, dataloaders: Sequence[Any] = ()) -> None:
+def restore_rng_state(state: dict[str, Any], device: torch.device, dataloaders: Sequence[PreparedLoader] = ()) -> None:
     """Put back what :func:`collect_rng_state` returned (the dataloaders' positions restored first)."""
     for dl, fetch in zip(dataloaders, state.get("dataloader_fetch", [])):
         if hasattr(dl, "resume_fetch_rng"):
@@ -64,8 +69,8 @@ def restore_rng_state(state: dict[str, Any], device: torch.device, dataloaders: 
 
 
 # --- counters, dataloaders, precision ---------------------------------------------------------------------------
-def collect_training_state(step: int, gradient_state: Any, optimizers: Sequence[Any], dataloaders: Sequence[Any],
-                           precision: dict[str, Any]) -> dict[str, Any]:
+def collect_training_state(step: int, gradient_state: GradientState, optimizers: Sequence[AcceleratedOptimizer],
+                           dataloaders: Sequence[PreparedLoader], precision: dict[str, object]) -> dict[str, object]:
     """Counters of the Accelerator and its prepared objects, dataloader positions and the GradScaler's state
     (``precision``, the strategy's ``precision_state_dict()``)."""
     return {
@@ -78,8 +83,8 @@ def collect_training_state(step: int, gradient_state: Any, optimizers: Sequence[
     }
 
 
-def restore_training_state(state: dict[str, Any], gradient_state: Any, optimizers: Sequence[Any],
-                           dataloaders: Sequence[Any]) -> int:
+def restore_training_state(state: dict[str, Any], gradient_state: GradientState,
+                           optimizers: Sequence[AcceleratedOptimizer], dataloaders: Sequence[PreparedLoader]) -> int:
     """Restore counters and dataloader positions (the precision state is loaded first, separately); return step."""
     gradient_state.load_state_dict(state["gradient_state"])
     for opt, counters in zip(optimizers, state["optimizers"]):
@@ -90,7 +95,7 @@ def restore_training_state(state: dict[str, Any], gradient_state: Any, optimizer
     return int(state["step"])
 
 
-def _with_batch(loader: Any) -> dict[str, Any]:
+def _with_batch(loader: PreparedLoader) -> dict[str, object]:
     """A loader's state plus its global batch (samples per step over all ranks), so that a run on another world
     size finds the same place in the sample stream."""
     state = dict(loader.state_dict())
@@ -100,7 +105,7 @@ def _with_batch(loader: Any) -> dict[str, Any]:
     return state
 
 
-def _rescaled(loader: Any, state: dict[str, Any]) -> dict[str, Any]:
+def _rescaled(loader: PreparedLoader, state: dict[str, Any]) -> dict[str, Any]:
     """``state`` for ``loader`` when its global batch differs from the saving run's (another world size): the
     position that has consumed the same samples of the epoch's order; a CheckpointError when none does."""
     saved, now = state.get("global_batch"), getattr(loader, "total_batch_size", None)
@@ -116,13 +121,13 @@ def _rescaled(loader: Any, state: dict[str, Any]) -> dict[str, Any]:
 
 
 # --- registered objects -----------------------------------------------------------------------------------------
-def describe(obj: Any) -> str:
+def describe(obj: object) -> str:
     """``module.Class`` of an object, for messages."""
     cls = type(obj)
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def check_registrable(objects: Sequence[Any]) -> None:
+def check_registrable(objects: Sequence[object]) -> None:
     """Every object needs callable ``state_dict`` and ``load_state_dict``; a ValueError (as Accelerate's) naming
     each that lacks them ("Item at index N, its type, has no ...")."""
     bad = []

@@ -17,7 +17,7 @@ import re
 import secrets
 import shutil
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -246,7 +246,7 @@ def build_manifest(directory: Path, known: dict[str, dict[str, Any]] | None = No
     return {rel: entries[rel] for rel in sorted(entries)}
 
 
-def commit(temp: Path, final: Path, metadata: dict[str, Any], known: dict[str, dict[str, Any]] | None = None,
+def commit(temp: Path, final: Path, metadata: Mapping[str, object], known: dict[str, dict[str, Any]] | None = None,
            keep: Callable[[Path, Path], object] | None = None) -> None:
     """Seal ``temp`` (manifest, metadata, marker, fsync) and rename it to ``final``, replacing an old checkpoint.
 

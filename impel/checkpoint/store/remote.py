@@ -28,9 +28,10 @@ _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 # the extra that installs a scheme's fsspec implementation
 _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
 STAGING_ENV = "IMPEL_STAGING_DIR"  # read by impel.config.environment.staging_dir
+Location = str | os.PathLike[str] | None  # a checkpoint location as given: a path, a URL, or none
 
 
-def scheme_of(value: Any) -> str | None:
+def scheme_of(value: Any) -> str | None:  # Any: callers pass what users gave (HF's resume flag too)
     """The URL scheme of a checkpoint location (``None``: a path; ``file://`` counts as a path)."""
     if value is None:
         return None
@@ -92,7 +93,7 @@ def parse(value: Any, what: str) -> Remote | None:
     return Remote(text, fs)
 
 
-def save_target(output_dir: Any, project_dir: Any, automatic_naming: bool, iteration: int,
+def save_target(output_dir: Location, project_dir: Location, automatic_naming: bool, iteration: int,
                 save_on_each_node: bool) -> Remote | None:
     """A save's object-storage target (``project_dir/checkpoints/checkpoint_N`` under automatic naming), or None
     for a local one."""
@@ -108,7 +109,7 @@ def save_target(output_dir: Any, project_dir: Any, automatic_naming: bool, itera
     return url
 
 
-def locate(input_dir: Any, project_dir: Any, automatic_naming: bool) -> tuple[Path, str, int] | None:
+def locate(input_dir: Location, project_dir: Location, automatic_naming: bool) -> tuple[Path, str, int] | None:
     """``load_state``'s object-storage source downloaded: (the local copy, its URL, the next free iteration), or
     None when the source is local. Without ``input_dir``: the newest committed checkpoint under
     ``project_dir/checkpoints``."""
@@ -127,7 +128,7 @@ def locate(input_dir: Any, project_dir: Any, automatic_naming: bool) -> tuple[Pa
     return download(newest), newest.url, next_free_iteration(root)
 
 
-def source_url(local: Path, input_dir: Any, project_dir: Any, automatic_naming: bool) -> str | None:
+def source_url(local: Path, input_dir: Location, project_dir: Location, automatic_naming: bool) -> str | None:
     """The URL a ``load_state`` read from (its local copy: ``local``), on every rank; None for a local source."""
     if input_dir is not None:
         url = parse(input_dir, "load_state(input_dir)")

@@ -7,14 +7,17 @@ import os
 import re
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from impel.checkpoint.store import layout, ownership, storage
+
+if TYPE_CHECKING:
+    import torch
 
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
 
-def local_path(value: Any, what: str) -> Path:
+def local_path(value: str | os.PathLike[str], what: str) -> Path:
     """A checkpoint location as a local (or mounted) path: ``file://`` URLs become their path; any other URL
     (``s3://``, ``gs://``, ...) raises instead of becoming a local folder named ``s3:``."""
     text = os.fspath(value)
@@ -76,9 +79,9 @@ class NeededBytes:
     states (a prepared model's tensors keep their sizes; an optimizer's states appear with its first step)."""
 
     def __init__(self) -> None:
-        self._last: tuple[Any, int] | None = None
+        self._last: tuple[object, int] | None = None  # (the objects' identities and state counts, their bytes)
 
-    def __call__(self, models: Iterable[Any], optimizers: Iterable[Any]) -> int:
+    def __call__(self, models: Iterable[torch.nn.Module], optimizers: Iterable[torch.optim.Optimizer]) -> int:
         models, optimizers = list(models), list(optimizers)
         key = (tuple(map(id, models)), tuple((id(o), _state_count(o)) for o in optimizers))
         if self._last is None or self._last[0] != key:
@@ -86,6 +89,6 @@ class NeededBytes:
         return self._last[1]
 
 
-def _state_count(optimizer: Any) -> int:
+def _state_count(optimizer: object) -> int:
     state = getattr(optimizer, "state", None)
     return len(state) if isinstance(state, Mapping) else -1

@@ -28,7 +28,6 @@ inside attention and the MLP, by tp (by tp throughout with sequence parallel nor
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1, "adagrad": 1, "rmsprop": 1}
@@ -86,7 +85,7 @@ class Estimate:
     def device_total(self) -> float:
         return self.params + self.grads + self.optimizer + self.transient + (self.activations or 0.0)
 
-    def row(self, device_memory: float | None) -> dict[str, Any]:
+    def row(self, device_memory: float | None) -> dict[str, object]:
         gb = 1e9
         out = {"strategy": self.strategy, "params_GB": self.params / gb, "grads_GB": self.grads / gb,
                "optimizer_GB": self.optimizer / gb, "transient_GB": self.transient / gb,

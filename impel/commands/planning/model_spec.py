@@ -12,13 +12,18 @@ import ast
 import importlib
 import os
 import re
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from impel.commands.planning.estimate import ModelFacts, TensorParallelFacts
 from impel.config.run_config import ConfigError
 
+if TYPE_CHECKING:
+    import torch
+    from transformers import PretrainedConfig
 
-def _config_call(spec: str) -> tuple[str, dict[str, Any]] | None:
+
+def _config_call(spec: str) -> tuple[str, dict[str, object]] | None:
     try:
         node = ast.parse(spec.strip(), mode="eval").body
     except SyntaxError:
@@ -33,7 +38,7 @@ def _config_call(spec: str) -> tuple[str, dict[str, Any]] | None:
         raise ConfigError(f"model spec {spec!r}: config arguments must be literals (numbers, strings)") from None
 
 
-def _from_transformers_config(config: Any) -> Any:
+def _from_transformers_config(config: PretrainedConfig) -> torch.nn.Module:
     import transformers
 
     for arch in getattr(config, "architectures", None) or []:
@@ -48,7 +53,7 @@ def _from_transformers_config(config: Any) -> Any:
     raise ConfigError(f"no transformers model class builds {type(config).__name__}; pass module:callable instead")
 
 
-def _built(factory: Any, spec: str) -> Any:
+def _built(factory: object, spec: str) -> torch.nn.Module:
     """``factory()`` of a module:callable spec: a Python function or class taking no arguments that returns a
     ``torch.nn.Module`` (a builtin such as ``os:system`` is not called)."""
     import inspect
@@ -68,7 +73,7 @@ def _built(factory: Any, spec: str) -> Any:
     return model
 
 
-def build_meta_model(spec: str) -> tuple[Any, str]:
+def build_meta_model(spec: str) -> tuple[torch.nn.Module, str]:
     """(model on the meta device, a display name)."""
     import torch
 
@@ -113,11 +118,11 @@ def _reason(exc: BaseException) -> str:
     return lines[0].rstrip(".") if lines else type(exc).__name__
 
 
-def _count(module: Any) -> int:
+def _count(module: torch.nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-def model_tp_plan(model: Any) -> dict[str, Any] | None:
+def model_tp_plan(model: torch.nn.Module) -> dict[str, object] | None:
     """The tensor-parallel plan a transformers model carries, with full module paths: the one impel's tensor
     parallel applies (``strategies.tensor_parallel.model_plan``: the model's merged plan, task head included,
     else its config's ``base_model_tp_plan`` under the base model's prefix). None without a plan."""
@@ -135,11 +140,11 @@ _NO_PARAMETERS = {"replicate", "replicated_with_grad_allreduce", "all_reduce", "
                   "preparemoduleoutput", "preparemoduleinputoutput"} | _SEQUENCE
 
 
-def _style_name(style: Any) -> str:
+def _style_name(style: object) -> str:
     return style.lower() if isinstance(style, str) else type(style).__name__.lower()
 
 
-def _split_dim(style: str, module: Any, param: str) -> int | None:
+def _split_dim(style: str, module: torch.nn.Module, param: str) -> int | None:
     """The dimension of ``module.<param>`` the style splits, or None when the parameter stays whole."""
     import torch
 
@@ -153,7 +158,7 @@ def _split_dim(style: str, module: Any, param: str) -> int | None:
     return None
 
 
-def tensor_parallel_facts(model: Any, plan: dict[str, Any], source: str) -> TensorParallelFacts:
+def tensor_parallel_facts(model: Any, plan: Mapping[str, object], source: str) -> TensorParallelFacts:
     """Which parameters ``plan`` ({module path pattern: style}) splits, with the sizes that tp_size must divide."""
     import torch
 
@@ -192,7 +197,7 @@ def tensor_parallel_facts(model: Any, plan: dict[str, Any], source: str) -> Tens
                                sequence_parallel=sequence, logits_sharded=logits, replicated=tuple(replicated))
 
 
-def model_facts(model: Any, name: str, tp_plan: dict[str, Any] | None = None) -> ModelFacts:
+def model_facts(model: torch.nn.Module, name: str, tp_plan: Mapping[str, object] | None = None) -> ModelFacts:
     """Parameter counts (tied weights once), the transformer shape when the model has a config, and what its
     tensor-parallel plan splits (``tp_plan``, keys relative to ``model``; default: the config's plan)."""
     params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import functools
 import pickle
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, NoReturn, ParamSpec, TypeAlias, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -27,6 +27,12 @@ from impel.runtime.ranks.collectives import (
 )
 from impel.runtime.ranks.collectives import is_distributed, is_torch_tensor, recursively_apply, reduce
 
+T = TypeVar("T")
+S = TypeVar("S", bound=Sequence[object])
+P = ParamSpec("P")
+R = TypeVar("R")
+# what ``tensor[...]`` takes
+TensorIndex: TypeAlias = slice | int | torch.Tensor | tuple[slice | int | torch.Tensor | None, ...] | None
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
@@ -38,38 +44,39 @@ class TensorInformation:
     dtype: torch.dtype
 
 
-def is_tensor_information(tensor_info: Any) -> bool:
+def is_tensor_information(tensor_info: object) -> bool:
     return isinstance(tensor_info, TensorInformation)
 
 
-def is_namedtuple(data: Any) -> bool:
+def is_namedtuple(data: object) -> bool:
     """Whether ``data`` is a ``namedtuple`` instance."""
     return isinstance(data, tuple) and hasattr(data, "_asdict") and hasattr(data, "_fields")
 
 
-def honor_type(obj: Any, generator: Iterable[Any]) -> Any:
+def honor_type(obj: S, generator: Iterable[object]) -> S:
     """The items of ``generator`` in a container of ``obj``'s type (list, tuple or namedtuple)."""
+    rebuild: Callable[..., S] = type(obj)
     if is_namedtuple(obj):
-        return type(obj)(*list(generator))
-    return type(obj)(generator)
+        return rebuild(*list(generator))
+    return rebuild(generator)
 
 
-def listify(data: Any) -> Any:
+def listify(data: object) -> Any:
     """Tensors in a nested structure become (nested) Python lists of numbers (bf16 through fp32)."""
-    def to_list(t: torch.Tensor) -> Any:
+    def to_list(t: torch.Tensor) -> object:
         t = t.detach().cpu()
         return (t.float() if t.dtype == torch.bfloat16 else t).tolist()
 
     return recursively_apply(to_list, data)
 
 
-def concatenate(data: list[Any] | tuple[Any, ...], dim: int = 0) -> Any:
+def concatenate(data: Sequence[Any], dim: int = 0) -> Any:
     """Concatenate a list of same-structured nested tensors along ``dim`` (a list of one item is returned as is)."""
     first = data[0]
     if isinstance(first, (tuple, list)):
         return honor_type(first, (concatenate([d[i] for d in data], dim=dim) for i in range(len(first))))
     if isinstance(first, Mapping):
-        rebuild: Callable[..., Any] = type(first)
+        rebuild: Callable[..., object] = type(first)
         return rebuild({k: concatenate([d[k] for d in data], dim=dim) for k in first})
     if isinstance(first, torch.Tensor):
         return torch.cat(list(data), dim=dim)
@@ -78,7 +85,7 @@ def concatenate(data: list[Any] | tuple[Any, ...], dim: int = 0) -> Any:
     raise TypeError(f"concatenate can only join tensors (in lists, tuples or dicts), got {type(first).__name__}")
 
 
-def find_batch_size(data: Any) -> int:
+def find_batch_size(data: object) -> int:
     """The first dimension of the first tensor found in a nested structure."""
     if isinstance(data, (tuple, list, Mapping)) and len(data) == 0:
         raise ValueError(f"cannot find the batch size of an empty {type(data).__name__}; pass a batch of tensors")
@@ -91,7 +98,7 @@ def find_batch_size(data: Any) -> int:
     return int(data.shape[0])
 
 
-def ignorant_find_batch_size(data: Any) -> int | None:
+def ignorant_find_batch_size(data: object) -> int | None:
     """:func:`find_batch_size`, or None where it raises."""
     try:
         return find_batch_size(data)
@@ -99,7 +106,7 @@ def ignorant_find_batch_size(data: Any) -> int | None:
         return None
 
 
-def find_device(data: Any) -> torch.device | None:
+def find_device(data: object) -> torch.device | None:
     """The device of the first tensor found in a nested structure (None without one)."""
     if isinstance(data, Mapping):
         data = list(data.values())
@@ -112,57 +119,57 @@ def find_device(data: Any) -> torch.device | None:
     return data.device if isinstance(data, torch.Tensor) else None
 
 
-def get_data_structure(data: Any) -> Any:
+def get_data_structure(data: object) -> Any:
     """The structure of ``data`` with each tensor replaced by its :class:`TensorInformation`."""
     return recursively_apply(lambda t: TensorInformation(shape=t.shape, dtype=t.dtype), data)
 
 
-def initialize_tensors(data_structure: Any) -> Any:
+def initialize_tensors(data_structure: object) -> Any:
     """Empty tensors in place of each :class:`TensorInformation` of ``data_structure``."""
     return recursively_apply(lambda info: torch.empty(*info.shape, dtype=info.dtype), data_structure,
                              test_type=is_tensor_information)
 
 
-def slice_tensors(data: Any, tensor_slice: Any, process_index: int | None = None,
-                  num_processes: int | None = None) -> Any:
+def slice_tensors(data: T, tensor_slice: TensorIndex, process_index: int | None = None,
+                  num_processes: int | None = None) -> T:
     """``t[tensor_slice]`` for every tensor in a nested structure."""
     return recursively_apply(lambda t: t[tensor_slice], data)
 
 
-def convert_to_fp32(tensor: Any) -> Any:
+def convert_to_fp32(tensor: T) -> T:
     """fp16 / bf16 tensors in a nested structure become fp32; the rest is returned as it is."""
     return recursively_apply(lambda t: t.float(), tensor,
                              test_type=lambda t: hasattr(t, "dtype") and t.dtype in _LOW_PRECISION)
 
 
-class ConvertOutputsToFp32:
+class ConvertOutputsToFp32(Generic[P, R]):
     """Wrap a forward so its fp16 / bf16 outputs come back in fp32 (not picklable, as Accelerate's)."""
 
-    def __init__(self, model_forward: Callable[..., Any]) -> None:
+    def __init__(self, model_forward: Callable[P, R]) -> None:
         self.model_forward = model_forward
         functools.update_wrapper(self, model_forward)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         return convert_to_fp32(self.model_forward(*args, **kwargs))
 
-    def __getstate__(self) -> Any:
+    def __getstate__(self) -> NoReturn:
         raise pickle.PicklingError("cannot pickle a forward wrapped to return fp32; unwrap the model with "
                                    "accelerator.unwrap_model(model) before pickling it")
 
 
-def convert_outputs_to_fp32(model_forward: Callable[..., Any]) -> Callable[..., Any]:
+def convert_outputs_to_fp32(model_forward: Callable[P, R]) -> Callable[P, R]:
     """``model_forward`` returning fp32 outputs; ``__wrapped__`` holds the wrapper, as Accelerate's (so
     :func:`impel.utils.extract_model_from_parallel` with ``keep_fp32_wrapper=False`` removes it)."""
     wrapped = ConvertOutputsToFp32(model_forward)
 
-    def forward(*args: Any, **kwargs: Any) -> Any:
+    def forward(*args: P.args, **kwargs: P.kwargs) -> R:
         return wrapped(*args, **kwargs)
 
     forward.__wrapped__ = wrapped  # type: ignore[attr-defined]
     return forward
 
 
-def pad_input_tensors(tensor: Any, batch_size: int, num_processes: int, dim: int = 0) -> Any:
+def pad_input_tensors(tensor: T, batch_size: int, num_processes: int, dim: int = 0) -> T:
     """Zero-pad each tensor's first dimension from ``batch_size`` to a size that splits over ``num_processes`` as
     Accelerate's ``pad_input_tensors`` does."""
     def one(t: torch.Tensor) -> torch.Tensor:
@@ -191,7 +198,7 @@ def copy_tensor_to_devices(tensor: torch.Tensor | None = None) -> torch.Tensor:
             raise ValueError("copy_tensor_to_devices(None) on one process: there is no tensor to copy; pass one")
         return tensor
     info = [None if tensor is None else (tuple(tensor.shape), _DTYPE_CODES.index(tensor.dtype))]
-    everyone: list[Any] = [None] * dist.get_world_size()
+    everyone: list[tuple[tuple[int, ...], int] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, info[0])
     shape, code = next(i for i in everyone if i is not None)
     if tensor is None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Final, Literal, TypeAlias, TypeVar, overload
 
 import torch
 import torch.distributed as dist
@@ -14,19 +14,23 @@ import torch.distributed as dist
 from impel.config import environment as env
 from impel.runtime.ranks import rank_health
 
+T = TypeVar("T")
+# a process group, None (every rank) or :data:`SELF` (this process alone)
+Group: TypeAlias = dist.ProcessGroup | Literal["self"] | None
+
 
 def is_distributed() -> bool:
     """True when a process group of more than one rank exists: the one test of "do collectives run?"."""
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def is_torch_tensor(tensor: Any) -> bool:
+def is_torch_tensor(tensor: object) -> bool:
     return isinstance(tensor, torch.Tensor)
 
 
-def recursively_apply(func: Callable[..., Any], data: Any, *args: Any,
+def recursively_apply(func: Callable[..., object], data: object, *args: object,
                       test_type: Callable[[Any], bool] = is_torch_tensor, error_on_other_type: bool = False,
-                      **kwargs: Any) -> Any:
+                      **kwargs: object) -> Any:
     """Apply ``func(leaf, *args, **kwargs)`` to every leaf passing ``test_type`` (a tensor by default) in nested
     lists, tuples, namedtuples and mappings (Accelerate's signature); other leaves are returned unchanged, or with
     ``error_on_other_type=True`` raise a TypeError."""
@@ -37,7 +41,7 @@ def recursively_apply(func: Callable[..., Any], data: Any, *args: Any,
     if isinstance(data, Mapping):
         out = {k: recursively_apply(func, v, *args, test_type=test_type, error_on_other_type=error_on_other_type,
                                     **kwargs) for k, v in data.items()}
-        rebuild: Callable[..., Any] = type(data)  # the concrete mapping class (dict, BatchEncoding, ...)
+        rebuild: Callable[..., object] = type(data)  # the concrete mapping class (dict, BatchEncoding, ...)
         try:
             return rebuild(out)
         except TypeError:
@@ -52,15 +56,16 @@ def recursively_apply(func: Callable[..., Any], data: Any, *args: Any,
                     "should be passed.")
 
 
-def _tensors(fn: Callable[[torch.Tensor], Any], data: Any) -> Any:
-    """``recursively_apply`` for the collectives: every leaf must be a tensor."""
+def _tensors(fn: Callable[[torch.Tensor], torch.Tensor], data: T) -> T:
+    """``recursively_apply`` for the collectives: every leaf must be a tensor, and stays one (so the result has
+    ``data``'s type: the same containers, tensors in them)."""
     return recursively_apply(fn, data, error_on_other_type=True)
 
 
-SELF = "self"  # a ``group`` of this process alone (a data-parallel group of one: tensor parallelism only)
+SELF: Final = "self"  # a ``group`` of this process alone (a data-parallel group of one: tensor parallelism only)
 
 
-def _size(group: Any) -> int:
+def _size(group: Group) -> int:
     """Members of ``group`` (None: every rank) taking part in a collective; 1 means none runs."""
     if group == SELF or not is_distributed():
         return 1
@@ -90,16 +95,16 @@ def set_debug_mode(on: bool | None) -> None:
     _DEBUG["on"] = on
 
 
-def _shapes(data: Any) -> Any:
+def _shapes(data: object) -> object:
     return recursively_apply(lambda t: list(t.shape), data)
 
 
-def _verify(operation: str, data: Any, group: Any = None, dims_only: bool = False) -> None:
+def _verify(operation: str, data: object, group: Group = None, dims_only: bool = False) -> None:
     """Debug mode's check before ``operation``: the same (nested) shapes on every rank (with ``dims_only``, the same
     number of dimensions), else :class:`DistributedOperationException` listing each rank's."""
     if _size(group) == 1 or not debug_mode():
         return
-    everyone: list[Any] = [None] * _size(group)
+    everyone: list[object] = [None] * _size(group)
     mine = recursively_apply(lambda t: t.ndim, data) if dims_only else _shapes(data)
     dist.all_gather_object(everyone, mine, group=group)
     if any(s != everyone[0] for s in everyone):
@@ -109,7 +114,7 @@ def _verify(operation: str, data: Any, group: Any = None, dims_only: bool = Fals
             f"\n\nOperation: `impel.utils.operations.{operation}`\nInput shapes:\n  - {listed}")
 
 
-def _gather_one(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
+def _gather_one(tensor: torch.Tensor, group: Group = None) -> torch.Tensor:
     if tensor.ndim == 0:
         tensor = tensor[None]
     size = _size(group)
@@ -122,7 +127,7 @@ def _gather_one(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
 
 
 @rank_health.blocking("gather")
-def gather(tensor: Any, group: Any = None) -> Any:
+def gather(tensor: T, group: Group = None) -> T:
     """Concatenate each tensor across ranks along dim 0 (0-d tensors become 1-d); shapes must match (checked, a
     :class:`DistributedOperationException` naming each rank's shapes). ``group``: a process group (default every
     rank) or :data:`SELF`."""
@@ -134,23 +139,23 @@ def gather(tensor: Any, group: Any = None) -> Any:
     return _tensors(lambda t: _gather_one(t, group), tensor)
 
 
-def _check_same_shapes(data: Any, group: Any = None) -> None:
+def _check_same_shapes(data: object, group: Group = None) -> None:
     """One tiny all_gather of a shape fingerprint; the detailed (pickled) exchange only when they differ."""
-    shapes: list[Any] = []
-    _tensors(lambda t: shapes.append(tuple(t.shape)), data)
+    shapes: list[tuple[int, ...]] = []
+    recursively_apply(lambda t: shapes.append(tuple(t.shape)), data, error_on_other_type=True)
     mine = torch.tensor([hash(tuple(shapes)) & (2**62 - 1)], dtype=torch.int64)
     prints = [torch.empty_like(mine) for _ in range(_size(group))]
     dist.all_gather(prints, mine, group=group)
     if all(torch.equal(p, mine) for p in prints):
         return
-    everyone: list[Any] = [None] * _size(group)
+    everyone: list[object] = [None] * _size(group)
     dist.all_gather_object(everyone, shapes, group=group)
     raise DistributedOperationException(f"gather needs the same shapes on every rank, got {everyone}; call "
                                         "pad_across_processes first")
 
 
 @rank_health.blocking("gather_object")
-def gather_object(object: Any, group: Any = None) -> list[Any]:  # noqa: A002 (Accelerate's keyword)
+def gather_object(object: T, group: Group = None) -> list[Any]:  # noqa: A002 (Accelerate's keyword)
     """Gather picklable objects; lists are flattened one level (as Accelerate does)."""
     if _size(group) == 1:
         return list(object) if isinstance(object, list) else [object]
@@ -165,7 +170,7 @@ _REDUCE_OPS = {"sum": "SUM", "mean": "SUM", "max": "MAX", "min": "MIN"}
 
 
 @rank_health.blocking("reduce")
-def reduce(tensor: Any, reduction: str = "mean", scale: float = 1.0) -> Any:
+def reduce(tensor: T, reduction: str = "mean", scale: float = 1.0) -> T:
     """Reduce each tensor across ranks: ``reduction`` 'mean' (the default, as Accelerate's), 'sum', 'max', 'min' or
     'none' (each rank keeps its own); the result is multiplied by ``scale``. The Accelerator's ``reduce`` defaults
     to 'sum', as Accelerate's."""
@@ -185,7 +190,7 @@ def reduce(tensor: Any, reduction: str = "mean", scale: float = 1.0) -> Any:
 
 
 @rank_health.blocking("broadcast")
-def broadcast(tensor: Any, from_process: int = 0) -> Any:
+def broadcast(tensor: T, from_process: int = 0) -> T:
     """Tensors are broadcast in place; other objects are sent pickled. Returns the received value."""
     if not is_distributed():
         return tensor
@@ -199,13 +204,13 @@ def broadcast(tensor: Any, from_process: int = 0) -> Any:
 
 
 @rank_health.blocking("broadcast_object_list")
-def broadcast_object_list(object_list: list[Any], from_process: int = 0) -> list[Any]:
+def broadcast_object_list(object_list: list[T], from_process: int = 0) -> list[T]:
     if is_distributed():
         dist.broadcast_object_list(object_list, src=from_process)
     return object_list
 
 
-def pad_across_processes(tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
+def pad_across_processes(tensor: T, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> T:
     """Pad each tensor along ``dim`` to the largest size any rank holds, so it can be gathered."""
 
     def one(t: torch.Tensor) -> torch.Tensor:
@@ -238,7 +243,7 @@ def pad_across_processes(tensor: Any, dim: int = 0, pad_index: int = 0, pad_firs
                                             "details.") from error
 
 
-def truncate(data: Any, length: int) -> Any:
+def truncate(data: T, length: int) -> T:
     """Keep the first ``length`` rows of each gathered tensor (drops even-batches padding)."""
     return _tensors(lambda t: t[:length], data)
 
@@ -250,8 +255,14 @@ def wait_for_everyone() -> None:
         dist.barrier()
 
 
+@overload
+def send_to_device(tensor: torch.Tensor, device: torch.device | str | int, non_blocking: bool = False,
+                   skip_keys: str | list[str] | None = None) -> torch.Tensor: ...
+@overload
+def send_to_device(tensor: T, device: torch.device | str | int, non_blocking: bool = False,
+                   skip_keys: str | list[str] | None = None) -> T: ...
 def send_to_device(tensor: Any, device: torch.device | str | int, non_blocking: bool = False,
-                   skip_keys: str | list[str] | None = None) -> Any:
+                   skip_keys: str | list[str] | None = None) -> object:
     """Move every tensor inside dicts, lists, tuples, namedtuples and ``.to``-able objects to ``device``; the values
     of a mapping under ``skip_keys`` (a key or a list of keys) stay where they are."""
     cls = type(tensor)
@@ -268,7 +279,7 @@ def send_to_device(tensor: Any, device: torch.device | str | int, non_blocking: 
         skip = [skip_keys] if isinstance(skip_keys, str) else (skip_keys or [])
         moved_map = {k: v if k in skip else send_to_device(v, device, non_blocking, skip_keys)
                      for k, v in tensor.items()}
-        rebuild: Callable[..., Any] = type(tensor)  # the concrete mapping class (dict, BatchEncoding, ...)
+        rebuild: Callable[..., object] = type(tensor)  # the concrete mapping class (dict, BatchEncoding, ...)
         try:
             return rebuild(moved_map)
         except TypeError:

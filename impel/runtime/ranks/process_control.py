@@ -10,9 +10,13 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, overload
 
 from impel.config.run_config import ConfigError
+
+P = ParamSpec("P")
+R = TypeVar("R")
+T = TypeVar("T")
 
 
 class ProcessControl:
@@ -52,24 +56,37 @@ class ProcessControl:
         if leader:
             self.wait_for_everyone()
 
-    def on_main_process(self, function: Callable[..., Any]) -> Callable[..., Any]:
+    def on_main_process(self, function: Callable[P, R]) -> Callable[P, R | None]:
         return self._only(function, lambda: self.is_main_process)
 
-    def on_local_main_process(self, function: Callable[..., Any]) -> Callable[..., Any]:
+    def on_local_main_process(self, function: Callable[P, R]) -> Callable[P, R | None]:
         return self._only(function, lambda: self.is_local_main_process)
 
-    def on_last_process(self, function: Callable[..., Any]) -> Callable[..., Any]:
+    def on_last_process(self, function: Callable[P, R]) -> Callable[P, R | None]:
         return self._only(function, lambda: self.is_last_process)
 
-    def on_process(self, function: Callable[..., Any] | None = None, process_index: int | None = None) -> Any:
+    @overload
+    def on_process(self, function: Callable[P, R], process_index: int | None = None) -> Callable[P, R | None]: ...
+    @overload
+    def on_process(self, function: None = None,
+                   process_index: int | None = None) -> Callable[[Callable[P, R]], Callable[P, R | None]]: ...
+    def on_process(self, function: Callable[P, R] | None = None,
+                   process_index: int | None = None) -> Callable[..., object]:
+        """Run the decorated function only on the process with this index (``@on_process(process_index=N)``)."""
         if function is None:
             return functools.partial(self.on_process, process_index=process_index)
         if process_index is None:
             raise ConfigError("on_process needs process_index=N")
         return self._only(function, lambda: self.process_index == process_index)
 
-    def on_local_process(self, function: Callable[..., Any] | None = None,
-                         local_process_index: int | None = None) -> Any:
+    @overload
+    def on_local_process(self, function: Callable[P, R],
+                         local_process_index: int | None = None) -> Callable[P, R | None]: ...
+    @overload
+    def on_local_process(self, function: None = None, local_process_index: int | None = None
+                         ) -> Callable[[Callable[P, R]], Callable[P, R | None]]: ...
+    def on_local_process(self, function: Callable[P, R] | None = None,
+                         local_process_index: int | None = None) -> Callable[..., object]:
         """Run the decorated function only on the process with this local (per-machine) index."""
         if function is None:
             return functools.partial(self.on_local_process, local_process_index=local_process_index)
@@ -78,19 +95,19 @@ class ProcessControl:
         return self._only(function, lambda: self.local_process_index == local_process_index)
 
     @staticmethod
-    def _only(function: Callable[..., Any], predicate: Callable[[], bool]) -> Callable[..., Any]:
+    def _only(function: Callable[P, R], predicate: Callable[[], bool]) -> Callable[P, R | None]:
         @functools.wraps(function)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
+        def wrapper(*args: P.args, **kwargs: P.kwargs) -> R | None:
             return function(*args, **kwargs) if predicate() else None
 
         return wrapper
 
-    def print(self, *args: Any, **kwargs: Any) -> None:
+    def print(self, *args: object, **kwargs: Any) -> None:
         if self.is_main_process:
             print(*args, **kwargs)
 
     @contextlib.contextmanager
-    def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> Iterator[Any]:
+    def split_between_processes(self, inputs: T, apply_padding: bool = False) -> Iterator[T]:
         """Yield this rank's contiguous share of a list, tuple, dict of sequences or tensor."""
         from impel.runtime.ranks.splitting import split_for_rank
 

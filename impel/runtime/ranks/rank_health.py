@@ -26,9 +26,27 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypedDict, TypeVar
 
 from impel.config import environment as env
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+P = ParamSpec("P")
+R = TypeVar("R")
+# one rank's heartbeat, as published on the store (JSON): the call it is in (None: outside impel's collectives),
+# the last call's number and name, for how long (s), the wall time of the beat, and the script's line it waits in
+Beat = TypedDict("Beat", {"in": str | None, "call": int, "what": str, "for": float, "wall": float,
+                          "site": str | None}, total=False)
+
+
+class HeartbeatStore(Protocol):
+    """What the watchdog uses of a rendezvous store (``torch.distributed.Store``'s methods)."""
+
+    def set(self, key: str, value: str) -> None: ...
+    def get(self, key: str) -> bytes: ...
+    def check(self, keys: list[str]) -> bool: ...
 
 logger = logging.getLogger("impel")
 
@@ -64,18 +82,18 @@ class blocking:  # noqa: N801 - used as a function: ``with blocking("gather"):``
         with _lock:
             _current = self.outer
 
-    def __call__(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def __call__(self, fn: Callable[P, R]) -> Callable[P, R]:
         what = self.what
 
         @functools.wraps(fn)
-        def marked(*args: Any, **kwargs: Any) -> Any:
+        def marked(*args: P.args, **kwargs: P.kwargs) -> R:
             with blocking(what):
                 return fn(*args, **kwargs)
 
         return marked
 
 
-def _snapshot() -> dict[str, Any]:
+def _snapshot() -> Beat:
     with _lock:
         current, last = _current, _last
     now = time.monotonic()
@@ -86,7 +104,7 @@ def _snapshot() -> dict[str, Any]:
 class Watchdog:
     """The heartbeat thread of one rank."""
 
-    def __init__(self, store: Any, rank: int, world_size: int, stall_s: float, timeout_s: float,
+    def __init__(self, store: HeartbeatStore, rank: int, world_size: int, stall_s: float, timeout_s: float,
                  lost_exits: bool = False) -> None:
         self.store, self.rank, self.world_size = store, rank, world_size
         self.stall_s, self.timeout_s = stall_s, timeout_s
@@ -94,7 +112,8 @@ class Watchdog:
         self.stop = threading.Event()
         self.next_warning = stall_s
         self.lost_exits = lost_exits  # an elastic job with restarts left: a lost peer ends this rank (restart)
-        self.unchanged: dict[int, tuple[Any, float]] = {}  # peer -> (its last beat's stamp, when this rank saw it)
+        # peer -> (its last beat's stamp, when this rank saw it)
+        self.unchanged: dict[int, tuple[float | None, float]] = {}
         self.exit: Callable[[int], object] = os._exit  # the main thread waits in a collective that never returns
         self.thread = threading.Thread(target=self._run, name="impel-watchdog", daemon=True)
 
@@ -122,7 +141,7 @@ class Watchdog:
         self.next_warning = mine["for"] + self.stall_s
         print(self.line(mine, self.peers()), file=sys.stderr, flush=True)
 
-    def exit_if_lost(self, mine: dict[str, Any]) -> None:
+    def exit_if_lost(self, mine: Beat) -> None:
         """While this rank waits: a peer that beat before and whose beat has not changed for ``stall_s / 2`` (this
         rank's own clock: machines' clocks may differ) is lost; say so and exit, so the agent restarts the job."""
         now = time.monotonic()
@@ -139,15 +158,15 @@ class Watchdog:
                       file=sys.stderr, flush=True)
                 self.exit(1)
 
-    def peers(self) -> dict[int, dict[str, Any] | None]:
-        out: dict[int, dict[str, Any] | None] = {}
+    def peers(self) -> dict[int, Beat | None]:
+        out: dict[int, Beat | None] = {}
         for r in range(self.world_size):
             if r != self.rank:
                 key = f"hb/{r}"
                 out[r] = json.loads(self.store.get(key)) if self.store.check([key]) else None
         return out
 
-    def line(self, mine: dict[str, Any], peers: dict[int, dict[str, Any] | None]) -> str:
+    def line(self, mine: Beat, peers: dict[int, Beat | None]) -> str:
         now = time.time()
         waited_for: list[str] = []
         for r, beat in sorted(peers.items()):
@@ -215,7 +234,7 @@ def _restart_heals() -> bool:
     return launch.get("min_machines") is not None and env.restarts_left() > 0
 
 
-def torch_prefix(store: Any) -> Any:
+def torch_prefix(store: dist.Store) -> dist.PrefixStore:
     import torch.distributed as dist
 
     return dist.PrefixStore("impel/watchdog", store)

@@ -3,11 +3,20 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Protocol, TypeGuard, TypeVar
 
 import torch
 
 from impel.config.run_config import ConfigError
+
+D = TypeVar("D", bound="Selectable")
+
+
+class Selectable(Protocol):
+    """A ``datasets.Dataset`` as splitting uses it: its length and ``select`` (the rows, in a dataset of its type)."""
+
+    def __len__(self) -> int: ...
+    def select(self: D, indices: list[int]) -> D: ...
 
 
 def _bounds(n: int, world: int, rank: int) -> tuple[int, int]:
@@ -16,7 +25,7 @@ def _bounds(n: int, world: int, rank: int) -> tuple[int, int]:
     return start, start + base + (1 if rank < extra else 0)
 
 
-def split_for_rank(inputs: Any, world: int, rank: int, apply_padding: bool = False) -> Any:
+def split_for_rank(inputs: object, world: int, rank: int, apply_padding: bool = False) -> Any:
     """Contiguous shares, the first ``n % world`` ranks getting one more; ``apply_padding`` repeats the last
     element so every rank gets the same count (useful before a gather)."""
     if isinstance(inputs, Mapping):
@@ -24,7 +33,7 @@ def split_for_rank(inputs: Any, world: int, rank: int, apply_padding: bool = Fal
         if len(lengths) > 1:
             raise ConfigError(f"split_between_processes got a dict whose values have different lengths {lengths}; "
                               "give every value the same length")
-        rebuild: Callable[..., Any] = type(inputs)  # the concrete mapping class (dict, BatchEncoding, ...)
+        rebuild: Callable[..., object] = type(inputs)  # the concrete mapping class (dict, BatchEncoding, ...)
         return rebuild({k: split_for_rank(v, world, rank, apply_padding) for k, v in inputs.items()})
     if _is_hf_dataset(inputs):
         return _split_dataset(inputs, world, rank, apply_padding)
@@ -45,12 +54,12 @@ def split_for_rank(inputs: Any, world: int, rank: int, apply_padding: bool = Fal
     return part
 
 
-def _is_hf_dataset(inputs: Any) -> bool:
+def _is_hf_dataset(inputs: object) -> TypeGuard[Selectable]:
     datasets = sys.modules.get("datasets")  # a Dataset exists only once the package is imported
     return datasets is not None and isinstance(inputs, datasets.Dataset)
 
 
-def _split_dataset(inputs: Any, world: int, rank: int, apply_padding: bool) -> Any:
+def _split_dataset(inputs: D, world: int, rank: int, apply_padding: bool) -> D:
     """This rank's rows of a ``datasets.Dataset`` (``select``); padding repeats the last row."""
     n = len(inputs)
     start, end = _bounds(n, world, rank)
