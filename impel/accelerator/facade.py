@@ -277,7 +277,7 @@ class Accelerator(ProcessMethods, RunSettings, NotProvidedMembers):
         return self.config.min_machines is not None and "generator" in rng \
             and not self.dataloader_config.use_seedable_sampler
 
-    def prepare_scheduler(self, scheduler: Any) -> AcceleratedScheduler:
+    def prepare_scheduler(self, scheduler: object) -> AcceleratedScheduler:
         if isinstance(scheduler, AcceleratedScheduler):
             return scheduler
         scheduler = self.strategy.resolve_scheduler(scheduler)
@@ -311,7 +311,7 @@ class Accelerator(ProcessMethods, RunSettings, NotProvidedMembers):
         if scaled:  # otherwise no micro-step was opened (before_forward opens one only when accumulating)
             gs.end_auto()
 
-    def item_windows(self, dataloader: Any, count: Callable[[Any], Any] | None = None) -> ItemWindows:
+    def item_windows(self, dataloader: Any, count: Callable[[Any], object] | None = None) -> ItemWindows:
         """impel: iterate ``dataloader`` so that ``backward`` makes token-level losses exact under accumulation and
         across ranks (each window's loss items counted on all ranks; :mod:`impel.runtime.step.item_windows`)."""
         return ItemWindows(dataloader, self.gradient_state, lambda t: self.reduce(t, "sum"), self.num_processes,
@@ -475,7 +475,7 @@ class Accelerator(ProcessMethods, RunSettings, NotProvidedMembers):
         where = self.project_configuration.logging_dir or self.project_configuration.project_dir or "."
         self._tracking.start(project_name, str(where), config, init_kwargs, self.is_main_process)
 
-    def log(self, values: dict[str, Any], step: int | None = None, log_kwargs: dict[str, Any] | None = None) -> None:
+    def log(self, values: Options, step: int | None = None, log_kwargs: Mapping[str, Options] | None = None) -> None:
         """Log ``values`` at ``step`` to every tracker, with ``log_kwargs[name]`` (a no-op without trackers)."""
         self._tracking.log(values, step, log_kwargs, jsonl_step=self.step)
 

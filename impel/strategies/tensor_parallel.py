@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -36,10 +36,14 @@ from torch import nn
 from impel.config.run_config import ConfigError
 from impel.strategies.fsdp_loading import ParamReplacements
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.parallel import ParallelStyle
+
 logger = logging.getLogger("impel")
 
 
-def torch_style(name: str) -> Any:
+def torch_style(name: str) -> ParallelStyle | None:
     """A fresh torch ParallelStyle for a plan's style name (None for 'replicate')."""
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
@@ -63,7 +67,7 @@ def torch_style(name: str) -> Any:
     return table[name]()
 
 
-def is_dtensor(tensor: Any) -> bool:
+def is_dtensor(tensor: object) -> bool:
     from torch.distributed.tensor import DTensor
 
     return isinstance(tensor, DTensor)
@@ -74,7 +78,7 @@ def has_dtensor(model: nn.Module) -> bool:
     return any(is_dtensor(p) for p in model.parameters())
 
 
-def model_plan(model: nn.Module) -> dict[str, Any] | None:
+def model_plan(model: nn.Module) -> dict[str, object] | None:
     """A transformers model's own plan with full module paths, or None."""
     for attr in ("tp_plan", "_tp_plan"):  # transformers 5 / 4.5x keep the merged, prefixed plan on the instance
         plan = getattr(model, attr, None)
@@ -93,10 +97,10 @@ def _pattern(key: str) -> re.Pattern[str]:
     return re.compile(re.escape(key).replace(r"\*", r"[^.]+"))
 
 
-def expand(model: nn.Module, plan: Mapping[str, Any]) -> tuple[dict[str, Any], set[str]]:
+def expand(model: nn.Module, plan: Mapping[str, object]) -> tuple[dict[str, Any], set[str]]:
     """The plan on concrete module names (``*`` is one path component), and the keys that matched a module."""
     names = [name for name, _ in model.named_modules() if name]
-    concrete: dict[str, Any] = {}
+    concrete: dict[str, Any] = {}  # torch ParallelStyles (a plan's values: a style name or one)
     matched: set[str] = set()
     for key, style in plan.items():
         pattern = _pattern(key)
@@ -114,7 +118,7 @@ def _candidates(model: nn.Module) -> str:
     return ", ".join(repr(n) for n in linear[:6]) + (", ..." if len(linear) > 6 else "") or "none"
 
 
-def _check_divisible(model: nn.Module, concrete: Mapping[str, Any], tp_size: int) -> None:
+def _check_divisible(model: nn.Module, concrete: Mapping[str, object], tp_size: int) -> None:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     config = getattr(model, "config", None)
@@ -133,7 +137,7 @@ def _check_divisible(model: nn.Module, concrete: Mapping[str, Any], tp_size: int
                                   f"({type(style).__name__}); pick a tp_size that divides it")
 
 
-def parallelize(model: nn.Module, tp_mesh: Any, plan: Mapping[str, Any] | None,
+def parallelize(model: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, object] | None,
                 replacements: ParamReplacements) -> set[str]:
     """Apply tensor parallelism to ``model`` on ``tp_mesh`` in place; returns the user plan's keys that matched.
 
@@ -184,14 +188,14 @@ def _grads_like_params(model: nn.Module) -> None:
             param.register_post_accumulate_grad_hook(like_param)
 
 
-def _replicate_rest(model: nn.Module, tp_mesh: Any) -> None:
+def _replicate_rest(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     """Parameters the plan left alone (norms, ...) become replicated DTensors on the tp mesh, their modules taking
     and returning plain tensors (torch's ``distribute_module``), as Accelerate and torchtitan do: every parameter is
     then a DTensor on one mesh, which foreach optimizers, gradient clipping and FSDP's 2-D sharding need (a list
     mixing plain tensors and DTensors fails in torch's foreach kernels)."""
     from torch.distributed.tensor import DTensor, Replicate, distribute_module, distribute_tensor
 
-    def partition(name: str, module: nn.Module, mesh: Any) -> None:
+    def partition(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
         if name:
             return  # only the module's own parameters (its children are handled as modules of their own)
         for key, param in list(module._parameters.items()):
@@ -199,11 +203,11 @@ def _replicate_rest(model: nn.Module, tp_mesh: Any) -> None:
                 replicated = distribute_tensor(param.detach(), mesh, [Replicate()], src_data_rank=None)
                 module._parameters[key] = nn.Parameter(replicated, requires_grad=param.requires_grad)
 
-    def to_dtensor(module: nn.Module, inputs: Any, mesh: Any) -> Any:
+    def to_dtensor(module: nn.Module, inputs: tuple[object, ...], mesh: DeviceMesh) -> Any:  # torch types it -> None
         return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False)
                      if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x for x in inputs)
 
-    def to_local(module: nn.Module, outputs: Any, mesh: Any) -> Any:
+    def to_local(module: nn.Module, outputs: object, mesh: DeviceMesh) -> Any:
         if isinstance(outputs, DTensor):
             return outputs.to_local()
         if isinstance(outputs, tuple):
@@ -238,7 +242,7 @@ def _retie(owners: list[tuple[nn.Parameter, nn.Module, str]]) -> None:
             module._parameters[name] = first
 
 
-def check_user_plan(plan: Mapping[str, Any] | None, matched: set[str], models: Iterable[nn.Module]) -> None:
+def check_user_plan(plan: Mapping[str, object] | None, matched: set[str], models: Iterable[nn.Module]) -> None:
     """Every key of a user plan names a module of at least one of the models prepared together."""
     if plan is None:
         return
@@ -280,7 +284,7 @@ def clip_by_total_norm(parameters: Iterable[torch.Tensor], max_norm: float, norm
 
     params = [p for p in parameters if p.grad is not None]
     total = total_grad_norm([p.grad for p in params if p.grad is not None], float(norm_type))
-    groups: dict[Any, list[torch.Tensor]] = {}
+    groups: dict[int | None, list[torch.Tensor]] = {}
     for p in params:  # torch's foreach kernels take one kind of tensor (and one mesh) per call
         grad = p.grad
         groups.setdefault(id(grad.device_mesh) if isinstance(grad, DTensor) else None, []).append(p)

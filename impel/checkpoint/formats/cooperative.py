@@ -37,7 +37,11 @@ from impel.checkpoint.io.direct_io import DirectFile, reserve
 from impel.checkpoint.store.layout import CheckpointError
 
 if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.placement_types import Placement
+
     from impel.checkpoint.saving.session import SaveSession
+    from impel.types import JSON
 
 ALIASES_KEY = "impel_aliases"
 OPTIMIZER_GROUPS_KEY = "impel_param_groups"
@@ -87,8 +91,8 @@ def runs(shape: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...
 # mesh -> (global shape, placements) -> (this rank writes its box, the box's offsets): a function of the layout
 # only, the same for every tensor of that shape and at every save (computing it costs ~60 us a tensor, ~15 ms a
 # save of a 6-layer GPT-2 with AdamW); weak on the mesh, so a finished run's meshes are not kept
-_BOXES: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], tuple[bool, tuple[int, ...]]]] = \
-    weakref.WeakKeyDictionary()
+_BOXES: weakref.WeakKeyDictionary[DeviceMesh, dict[tuple[tuple[int, ...], tuple[Placement, ...]],
+                                                   tuple[bool, tuple[int, ...]]]] = weakref.WeakKeyDictionary()
 
 
 def _part(name: str, value: torch.Tensor, rank: int) -> _Part:
@@ -112,7 +116,7 @@ def _part(name: str, value: torch.Tensor, rank: int) -> _Part:
 
 def _header(parts: list[_Part], metadata: Mapping[str, str]) -> tuple[bytes, dict[str, int]]:
     """The safetensors header (8-byte length + JSON padded to 8 bytes) and each tensor's data offset."""
-    entries: dict[str, Any] = {"__metadata__": dict(metadata)}
+    entries: dict[str, object] = {"__metadata__": dict(metadata)}
     starts: dict[str, int] = {}
     at = 0
     for part in parts:
@@ -207,7 +211,7 @@ class _Ranges:
     def __init__(self) -> None:
         self.done: list[tuple[int, int, str]] = []
         self._start = self._end = -1
-        self._hash: Any = None
+        self._hash: hashing.BlockHasher | None = None
 
     def add(self, offset: int, data: memoryview) -> None:
         if offset != self._end or self._hash is None:
@@ -252,7 +256,7 @@ def optimizer_state_from(tensors: Mapping[str, torch.Tensor], metadata: Mapping[
     return {"state": state, "param_groups": _untagged(json.loads(metadata[OPTIMIZER_GROUPS_KEY]))}
 
 
-def _tagged(value: Any) -> Any:
+def _tagged(value: object) -> JSON:
     """JSON cannot tell a tuple (AdamW's betas) from a list: tuples are tagged, so they come back as tuples."""
     if isinstance(value, tuple):
         return {"__tuple__": [_tagged(v) for v in value]}

@@ -48,7 +48,8 @@ def folder_name(index: int) -> str:
 
 
 def save_engines(engines: Sequence[Any], directory: Path, *, stages: Sequence[int], trained: AbstractSet[int],
-                 world: int, dtype: torch.dtype, engine_kwargs: Mapping[str, Any] = {}) -> dict[str, Any]:  # noqa: B006
+                 world: int, dtype: torch.dtype,
+                 engine_kwargs: Mapping[str, object] = {}) -> Mapping[str, object]:  # noqa: B006
     """Every rank writes its part; returns the ``strategy`` section of the checkpoint metadata. ``engines``:
     DeepSpeedEngine modules (typed Any: deepspeed has no type information); ``stages``: each engine's ZeRO stage
     (engines built under several DeepSpeed plugins differ); ``trained``: the indices of engines with an optimizer.
@@ -71,7 +72,7 @@ def save_engines(engines: Sequence[Any], directory: Path, *, stages: Sequence[in
 
 def load_engines(engines: Sequence[Any], directory: Path, metadata: Mapping[str, Any],
                  skip: AbstractSet[int], *, stages: Sequence[int], world: int,
-                 engine_kwargs: Mapping[str, Any] = {}) -> None:  # noqa: B006
+                 engine_kwargs: Mapping[str, object] = {}) -> None:  # noqa: B006
     """Restore module, float32 masters and optimizer states of each engine (schedulers are impel's)."""
     _check_loadable(directory, metadata, skip, stage=max(stages, default=0), world=world)
     saved = metadata.get("zero_stages")

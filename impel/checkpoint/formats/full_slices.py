@@ -21,7 +21,7 @@ import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -30,6 +30,10 @@ from impel.checkpoint.formats import cooperative
 from impel.checkpoint.io import safetensors_stream
 from impel.checkpoint.io.verified import Manifest, open_checked
 from impel.checkpoint.store.layout import CheckpointError
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    from torch.nn.modules.module import _IncompatibleKeys
 
 Shape = tuple[int, ...]
 
@@ -40,7 +44,7 @@ class _Target:
 
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
-    like: Any  # the model's DTensor (mesh, placements, device), or the plain tensor for unsharded values
+    like: torch.Tensor  # the model's DTensor (mesh, placements, device), or the plain tensor for unsharded values
 
 
 def target_of(value: torch.Tensor) -> _Target:
@@ -121,7 +125,7 @@ def _plan(path: Path, entries: Mapping[str, Any], aliases: Mapping[str, str], ta
     return out, reads
 
 
-def as_sharded(local: torch.Tensor, like: Any) -> Any:
+def as_sharded(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """``local`` on ``like``'s device, wrapped as a DTensor with ``like``'s mesh and placements when ``like`` is one."""
     from torch.distributed.tensor import DTensor
 
@@ -133,8 +137,8 @@ def as_sharded(local: torch.Tensor, like: Any) -> Any:
     return local
 
 
-def load_model(manifest: Manifest | None, model: nn.Module, path: Path, options: Any,
-               check: Callable[[Mapping[str, Shape]], None]) -> Any:
+def load_model(manifest: Manifest | None, model: nn.Module, path: Path, options: StateDictOptions | None,
+               check: Callable[[Mapping[str, Shape]], None]) -> _IncompatibleKeys:
     """Load a full ``model*.safetensors`` into a (sharded) prepared model, each rank reading its own boxes; returns
     ``set_model_state_dict``'s result (missing / unexpected keys under ``strict=False``). ``check(shapes)``: raises
     when the file's names and global shapes do not fit the model, before anything is read."""
@@ -157,7 +161,7 @@ def load_model(manifest: Manifest | None, model: nn.Module, path: Path, options:
 
 
 def load_optimizer(manifest: Manifest | None, model: nn.Module, optimizer: torch.optim.Optimizer, path: Path,
-                   options: Any) -> bool:
+                   options: StateDictOptions | None) -> bool:
     """Load a cooperatively written ``optimizer*.safetensors`` into the optimizer of a (sharded) prepared model,
     each rank reading its own boxes of the state tensors shaped like their parameter; False when the optimizer was
     saved before its first step (no state: the caller restores its hyper-parameters)."""
