@@ -25,9 +25,12 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from impel.config.run_config import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger("impel")
 
@@ -77,7 +80,7 @@ def _check_process(partial: Any, accelerator: Any) -> None:
                           "sets it) or TrainingArguments(use_cpu=True) before Accelerate's state is first created")
 
 
-def _device(device: Any) -> str:
+def _device(device: torch.device) -> str:
     return "cpu" if device.type == "cpu" else str(device)  # Accelerate names the CPU "cpu:0" on several ranks
 
 

@@ -19,10 +19,15 @@ Example::
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from types import TracebackType
+
+    from impel.accelerator.facade import Accelerator
 
 _WHY_NOT = {"FSDP": "shards the parameters across the ranks", "DEEPSPEED": "hands the model to DeepSpeed's engine"}
 
@@ -33,7 +38,7 @@ class LocalSGD:
     ``enabled=False`` (or a single process) keeps plain synchronous training: ``step()`` only counts.
     """
 
-    def __init__(self, accelerator: Any, model: nn.Module, local_sgd_steps: int, enabled: bool = True) -> None:
+    def __init__(self, accelerator: Accelerator, model: nn.Module, local_sgd_steps: int, enabled: bool = True) -> None:
         distributed_type = str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type))
         if not accelerator.strategy.whole_model:
             why = _WHY_NOT.get(distributed_type, "keeps no whole replica of the model on each rank")
@@ -49,7 +54,7 @@ class LocalSGD:
         self.accelerator = accelerator
         self.model = model
         self.local_sgd_steps = local_sgd_steps
-        self._no_sync: contextlib.AbstractContextManager[Any] | None = None
+        self._no_sync: contextlib.AbstractContextManager[object] | None = None
 
     def __enter__(self) -> LocalSGD:
         if self.enabled:
@@ -59,7 +64,8 @@ class LocalSGD:
             self._no_sync.__enter__()
         return self
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         if self._no_sync is None:
             return
         try:

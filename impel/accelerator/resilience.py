@@ -21,12 +21,16 @@ from impel.config.run_config import ConfigError
 from impel.runtime.ranks import rank_health
 
 if TYPE_CHECKING:  # torch is imported lazily: `impel launch` imports this module for its exit code
+    from types import FrameType
+
     import torch
 
     from impel.accelerator.prepared import TrainingRun
     from impel.accelerator.save_load import Checkpointer
     from impel.config.plugins import ProjectConfiguration
     from impel.config.run_config import RunConfig
+    from impel.runtime.loaders.prepared_loader import PreparedLoader
+    from impel.runtime.step.optimizer import AcceleratedOptimizer
 
 logger = logging.getLogger("impel")
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "temporary failure, try again"
@@ -121,7 +125,7 @@ class Resilience:
             return
         self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
 
-    def _on_sigterm(self, signum: int, frame: Any) -> None:
+    def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
         if not self.preempt_requested:
             print(f"impel: SIGTERM on rank {self.run.process_index}: saving a checkpoint at the next step boundary",
                   flush=True)
@@ -133,7 +137,7 @@ class Resilience:
             self._previous_handler = None
 
     # --- dataloader hooks -------------------------------------------------------------------------------------
-    def on_iter_start(self, loader: Any) -> None:
+    def on_iter_start(self, loader: PreparedLoader) -> None:
         self.resume_now()
 
     def resume_now(self) -> str | None:
@@ -144,7 +148,7 @@ class Resilience:
         self.resume_pending = False
         return self._resume()
 
-    def before_batch(self, loader: Any) -> None:
+    def before_batch(self, loader: PreparedLoader) -> None:
         if not self.handle_preemption or not self.run.gradient_state.sync_gradients:
             return  # mid-group: the boundary is after the group's optimizer step
         if _any_rank(self.preempt_requested, self.run.device):
@@ -211,7 +215,7 @@ class Resilience:
         bad = ~torch.isfinite(loss.detach()).all()
         self._bad_loss = bad if self._bad_loss is None else (self._bad_loss | bad)
 
-    def allow_step(self, optimizer: Any) -> bool:
+    def allow_step(self, optimizer: AcceleratedOptimizer) -> bool:
         """Called before a real optimizer step: False skips it on every rank (``nonfinite_loss='skip'``)."""
         if self.nonfinite == "ignore":
             return True

@@ -49,6 +49,7 @@ from impel.strategies.deepspeed_plugins import PluginConfigs
 
 if TYPE_CHECKING:
     from impel.config.deepspeed_json import Resolved
+    from impel.config.plugins import AutocastKwargs
     from impel.runtime.loaders.prepared_loader import PreparedLoader
     from impel.runtime.ranks.process import ProcessState
     from impel.runtime.step.accumulation import GradientState
@@ -92,7 +93,8 @@ class EnginePrecision(AutocastPrecision):
     """Autocast at the engine's dtype inside the prepared forward (inputs of any float dtype meet 16-bit weights);
     loss scaling, unscaling and the optimizer step belong to the engine."""
 
-    def __init__(self, mode: str, dtype: torch.dtype, device: torch.device, autocast_kwargs: Any) -> None:
+    def __init__(self, mode: str, dtype: torch.dtype, device: torch.device,
+                 autocast_kwargs: AutocastKwargs | None) -> None:
         super().__init__(device, autocast_kwargs)
         self.mode = mode
         self.dtype = dtype
@@ -165,7 +167,7 @@ class DeepSpeedStrategy(Strategy):
                     "on this machine: the libaio library and headers were not found. Install them (Debian/Ubuntu: "
                     f"apt-get install libaio-dev) and retry, or set offload_{what}_device to 'cpu'")
 
-    def _register_with_transformers(self) -> Any:
+    def _register_with_transformers(self) -> _Zero3Announcement | None:
         """With zero3_init_flag, transformers' ``from_pretrained`` loads straight into ZeRO-3 partitions when it
         can see the config (the Accelerator must exist before ``from_pretrained``)."""
         if not (self.resolved.stage == 3 and self.resolved.zero3_init):
@@ -222,7 +224,7 @@ class DeepSpeedStrategy(Strategy):
             owners.append(owner)
         return owners
 
-    def _build_engine(self, model: nn.Module, optimizer: Any, place: bool) -> Any:
+    def _build_engine(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, place: bool) -> Any:
         from impel.runtime.step.precision_report import dtype_of
 
         if not place:
@@ -237,7 +239,7 @@ class DeepSpeedStrategy(Strategy):
                            model=model)
         if optimizer is not None:  # an engine without optimizer (a frozen reference model) never accumulates
             self._check_accumulation(cfg)
-        kwargs: dict[str, Any] = {"model": model, "config": cfg}
+        kwargs: dict[str, object] = {"model": model, "config": cfg}
         if isinstance(optimizer, DummyOptim):
             kwargs["model_parameters"] = optimizer.params
         elif optimizer is not None:
@@ -271,7 +273,7 @@ class DeepSpeedStrategy(Strategy):
         plugin = self.configs.plugin
         return min(sizes) if plugin is None or plugin.is_train_batch_min else max(sizes)
 
-    def _check_accumulation(self, cfg: Mapping[str, Any]) -> None:
+    def _check_accumulation(self, cfg: Mapping[str, object]) -> None:
         gs = self.gradient_state
         if gs is None:
             return

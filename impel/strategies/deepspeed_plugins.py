@@ -17,7 +17,7 @@ import copy
 import dataclasses
 import functools
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from impel.config.deepspeed_json import _ABSENT, AUTO, get, put
 from impel.config.deepspeed_plugin_members import attach, mark_selected, publish
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from impel.runtime.step.run_record import RunRecord
 
 
-def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
+def _flat(node: object, prefix: str = "") -> dict[str, object]:
     if isinstance(node, Mapping) and node:
         return {k: v for key, value in node.items() for k, v in _flat(value, f"{prefix}{key}.").items()}
     return {prefix[:-1]: node}
@@ -45,7 +45,7 @@ class PluginConfigs:
         self._entries: dict[str | None, tuple[DeepSpeedPlugin | None, Resolved]] = {
             name: (plugin, resolved) for name, plugin, resolved in named}
         self.active: str | None = named[0][0]
-        self._published: dict[str | None, dict[str, Any]] = {}
+        self._published: dict[str | None, dict[str, object]] = {}
         self._on_select = on_select
         for index, (name, plugin, resolved) in enumerate(named):
             if plugin is not None:
@@ -96,14 +96,14 @@ class PluginConfigs:
             raise ConfigError(self._refusal(removed[0], "<removed>", get(ds, removed[0])))
         return dataclasses.replace(resolved, ds=ds)
 
-    def _refusal(self, key: str, value: Any, settled: Any) -> str:
+    def _refusal(self, key: str, value: object, settled: object) -> str:
         name = "" if self.active is None else f"[{self.active!r}]"
         return (f"deepspeed_plugin{name}.deepspeed_config[{key!r}] was set to {value!r} after the Accelerator settled "
                 f"it to {settled!r} (stage, offload, clipping, precision and accumulation are fixed when the "
                 "Accelerator is built); give the value in the plugin's JSON (hf_ds_config) or as a DeepSpeedPlugin "
                 "argument. Values the JSON leaves \"auto\" (batch sizes, bucket sizes) may be set before prepare()")
 
-    def publish(self, config: Mapping[str, Any]) -> None:
+    def publish(self, config: Mapping[str, object]) -> None:
         """The engine just built under the active plugin ran with ``config``: the plugin shows it."""
         plugin = self._entries[self.active][0]
         if plugin is not None:

@@ -51,7 +51,8 @@ from impel.strategies.fsdp_wrap import check_requested, checkpoint_units, select
 from impel.strategies.tensor_parallel import clip_by_total_norm
 
 if TYPE_CHECKING:
-    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
 
     from impel.runtime.ranks.process import ProcessState
     from impel.runtime.step.accumulation import GradientState
@@ -87,7 +88,7 @@ class FSDPStrategy(Strategy):
         self.fsdp = self.config.fsdp
         self.compiler = Compiler(record.dynamo_plugin, per_block=True)  # torch.compile per block, before sharding
         self.sharding_strategy = self.fsdp.resolved_sharding_strategy
-        self._mesh: Any = None
+        self._mesh: DeviceMesh | None = None
         self._upcast = False
         state.ensure_process_group()  # one process: FSDP2 still needs a (1-rank) process group
         if self.fsdp.cpu_ram_efficient_loading:
@@ -109,7 +110,7 @@ class FSDPStrategy(Strategy):
         plugin.cpu_offload = self.offload_policy
         plugin.reshard_after_forward = reshards_after_forward(self.sharding_strategy)
 
-    def _policies(self) -> tuple[Any, Any]:
+    def _policies(self) -> tuple[MixedPrecisionPolicy, OffloadPolicy]:
         from torch.distributed.fsdp import (
             CPUOffloadPolicy,
             MixedPrecisionPolicy,
@@ -123,7 +124,7 @@ class FSDPStrategy(Strategy):
         return mp, offload
 
     @property
-    def mesh(self) -> Any:
+    def mesh(self) -> DeviceMesh:
         """The mesh FSDP shards over: the parallelism config's ``dp_shard`` x ``cp`` (with ``dp_replicate`` first:
         HSDP), else the sharding strategy's own."""
         if self._mesh is None and self.parallelism is not None and self.device_mesh is not None:
@@ -181,8 +182,9 @@ class FSDPStrategy(Strategy):
         if self.fsdp.activation_checkpointing:
             units = checkpoint_units(model, units)
         self.compiler.before_shard(model)  # torch.compile per block, before sharding (as torchtitan)
-        options = {"mesh": self.mesh, "reshard_after_forward": reshards_after_forward(self.sharding_strategy),
-                   "mp_policy": self.mp_policy, "offload_policy": self.offload_policy}
+        options: dict[str, Any] = {"mesh": self.mesh,  # fully_shard's keywords, each of its own type
+                                   "reshard_after_forward": reshards_after_forward(self.sharding_strategy),
+                                   "mp_policy": self.mp_policy, "offload_policy": self.offload_policy}
         sharded_units = [fully_shard(unit, **options) for unit in units]  # each returns its module, now an FSDPModule
         sharded_root = fully_shard(model, **options)
         if on_meta:
