@@ -45,7 +45,7 @@ class Prepared:
         return {"models": len(self.models), "optimizers": len(self.optimizers), "schedulers": len(self.schedulers),
                 "dataloaders": len(self.dataloaders), "registered objects": len(self.registered)}
 
-    def forget(self, obj: Any) -> None:
+    def forget(self, obj: object) -> None:
         """Drop one prepared object (e.g. a one-off evaluation loader) so it is no longer checkpointed."""
         for group in (self.models, self.optimizers, self.schedulers, self.dataloaders):
             for i, item in enumerate(group):

@@ -137,7 +137,7 @@ class DirectFile:
         self._open = True
 
     # -- the caller's side ------------------------------------------------------------------------------------
-    def write(self, data: Any) -> int:
+    def write(self, data: bytes | bytearray | memoryview) -> int:
         view = memoryview(data).cast("B")
         n = view.nbytes
         while view.nbytes:
@@ -150,7 +150,7 @@ class DirectFile:
         self.offset += n
         return n
 
-    def write_at(self, offset: int, data: Any) -> None:
+    def write_at(self, offset: int, data: bytes | bytearray | memoryview) -> None:
         """Write ``data`` at ``offset`` (``shared`` files; not mixed with :meth:`write`)."""
         view = memoryview(data).cast("B")
         end = offset + view.nbytes

@@ -48,7 +48,7 @@ class BlockHasher:
         index = len(self.digests)
         return self.ends[index] - self._start if index < len(self.ends) else 1 << 62
 
-    def update(self, data: Any) -> None:
+    def update(self, data: bytes | bytearray | memoryview) -> None:
         view = memoryview(data).cast("B")
         while view.nbytes:
             length = self._length()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -24,9 +24,23 @@ _NAMES = {name: dtype for dtype, name in _DTYPES.items()}
 _MAX_HEADER = 100 << 20  # safetensors' own limit
 
 
+class Reader(Protocol):
+    """What reading a safetensors file calls on its stream (a file, ``verified``'s checking reader)."""
+
+    def readinto(self, buffer: memoryview, /) -> int | None: ...
+
+    def seek(self, offset: int, whence: int = ..., /) -> int: ...
+
+
+class Writer(Protocol):
+    """What writing a safetensors file calls on its stream (``SaveSession.open``'s file)."""
+
+    def write(self, data: bytes | memoryview, /) -> int: ...
+
+
 def header(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> bytes:
     """The 8-byte length and the padded JSON header of ``tensors`` stored in their mapping order."""
-    entries: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
+    entries: dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
     at = 0
     for name, tensor in tensors.items():
         if tensor.dtype not in _DTYPES:
@@ -39,7 +53,7 @@ def header(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> 
     return len(text).to_bytes(8, "little") + text
 
 
-def write(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str], stream: Any) -> None:
+def write(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str], stream: Writer) -> None:
     """Write CPU tensors (contiguous or not) and string metadata to ``stream`` as one safetensors file."""
     tensors = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
     stream.write(header(tensors, metadata))
@@ -54,7 +68,7 @@ def _bytes(tensor: torch.Tensor) -> memoryview:
     return view
 
 
-def read_header(stream: Any) -> tuple[dict[str, Any], dict[str, str], int]:
+def read_header(stream: Reader) -> tuple[dict[str, Any], dict[str, str], int]:
     """A safetensors file's tensor entries (name -> dtype, shape, data_offsets), its string metadata and the file
     offset where the data starts; ValueError names what is malformed."""
     length = int.from_bytes(_exactly(stream, 8), "little")
@@ -77,7 +91,7 @@ def dtype_of(entry: dict[str, Any]) -> torch.dtype:
     return _NAMES[entry["dtype"]]
 
 
-def read(stream: Any) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def read(stream: Reader) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Every tensor of a safetensors file (in file order) and its metadata; ValueError names what is malformed."""
     entries, metadata, base = read_header(stream)
     tensors: dict[str, torch.Tensor] = {}
@@ -90,13 +104,13 @@ def read(stream: Any) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     return tensors, metadata
 
 
-def _exactly(stream: Any, n: int) -> bytes:
+def _exactly(stream: Reader, n: int) -> bytes:
     data = bytearray(n)
     fill(stream, memoryview(data))
     return bytes(data)
 
 
-def fill(stream: Any, view: memoryview) -> None:
+def fill(stream: Reader, view: memoryview) -> None:
     """Read exactly ``view``'s bytes from ``stream`` into it (ValueError when the file ends first)."""
     while view.nbytes:
         got = stream.readinto(view)

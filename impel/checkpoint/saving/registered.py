@@ -34,7 +34,7 @@ def write_registered(session: SaveSession, index: int, obj: Any, path: Path) -> 
         session.write(_store_registered, state, what, path)  # staging: a deep copy of the state, taken now
 
 
-def _store_registered(session: SaveSession, state: Any, what: str, path: Path) -> None:
+def _store_registered(session: SaveSession, state: object, what: str, path: Path) -> None:
     with _storable(what):
         write_torch(session, state, path)
     session.settle(path)  # finished in the background: the read-back waits for it

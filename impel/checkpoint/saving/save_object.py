@@ -9,12 +9,12 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import IO
 
 logger = logging.getLogger("impel")
 
 
-def save(obj: Any, f: str | os.PathLike[str] | Any, save_on_each_node: bool = False,
+def save(obj: object, f: str | os.PathLike[str] | IO[bytes], save_on_each_node: bool = False,
          safe_serialization: bool = False) -> None:
     """Write ``obj`` to ``f`` on the main process (each machine's local main with ``save_on_each_node``); other
     processes do nothing and nobody waits. ``safe_serialization=True`` writes safetensors: ``obj`` must be a
@@ -33,7 +33,7 @@ def save(obj: Any, f: str | os.PathLike[str] | Any, save_on_each_node: bool = Fa
     torch.save(obj, f)
 
 
-def _save_safetensors(obj: Any, f: Any) -> None:
+def _save_safetensors(obj: object, f: str | os.PathLike[str] | IO[bytes]) -> None:
     import torch
 
     if not isinstance(obj, Mapping) or not all(isinstance(v, torch.Tensor) for v in obj.values()):

@@ -18,7 +18,6 @@ import shutil
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -26,7 +25,7 @@ NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT})
 READ_ONLY = frozenset({errno.EROFS, errno.EACCES, errno.EPERM})
 
 
-def _tensor_bytes(value: Any) -> int:
+def _tensor_bytes(value: object) -> int:
     if not isinstance(value, torch.Tensor):
         return 0
     numel = getattr(value, "ds_numel", None)  # a DeepSpeed ZeRO-3 partitioned parameter holds an empty tensor
