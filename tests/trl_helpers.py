@@ -2,7 +2,8 @@
 
 ``run_trl(kind, route, output_dir, **overrides)`` trains one TRL trainer as TRL's documentation writes it, on
 Accelerate (``route="accelerate"``: TRL's class itself) or on impel (``route="impel"``: ``on_impel(cls)``, the
-documented route), and returns the final weights, the logged losses and the Accelerator's module.
+documented route), and returns the final weights, the logged losses and rewards and the Accelerator's module;
+``gradient_free(kind, output_dir)``: the elements of its model that take no gradient.
 ``kind``: "sft", "sft_lora" (a LoRA ``peft_config``), "dpo", "dpo_sync" (``sync_ref_model``), "reward", "grpo".
 """
 from __future__ import annotations
@@ -103,6 +104,12 @@ def _weights(model: Any) -> dict[str, torch.Tensor]:
     return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in state.items()}
 
 
+def _reward(row: dict[str, Any]) -> Any:
+    """GRPO's mean reward, DPO's chosen reward, the reward model's margin (chosen minus rejected: its rewards
+    themselves hold ln_f's bias, which no pairwise loss trains)."""
+    return row.get("reward", row.get("rewards/chosen", row.get("margin")))
+
+
 def run_trl(kind: str, route: str, output_dir: str, resume: str | None = None, **overrides: Any) -> dict[str, Any]:
     """Train one TRL trainer; return its weights, logged losses (and GRPO's rewards), the Accelerator's module."""
     if "accelerate" in __import__("sys").modules:  # each run starts from no Accelerate state, as a fresh script
@@ -114,7 +121,7 @@ def run_trl(kind: str, route: str, output_dir: str, resume: str | None = None, *
     history = trainer.state.log_history
     model = trainer.accelerator.unwrap_model(trainer.model)
     return {"weights": _weights(model), "loss": [row["loss"] for row in history if "loss" in row],
-            "reward": [row.get("reward", row.get("rewards/chosen")) for row in history if "loss" in row],
+            "reward": [_reward(row) for row in history if "loss" in row],
             "accelerator": type(trainer.accelerator).__module__, "step": trainer.state.global_step,
             "checkpoints": sorted(d for d in os.listdir(output_dir) if d.startswith("checkpoint-"))
             if os.path.isdir(output_dir) else []}
@@ -138,6 +145,28 @@ def run_kinds(kinds: tuple[str, ...], route: str, output_dir: str, overrides: di
     return results
 
 
-def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+def gradient_free(kind: str, output_dir: str, **overrides: Any) -> dict[str, torch.Tensor]:
+    """The parameter elements of ``kind``'s model that take no gradient, per parameter name (boolean masks): the
+    float64 gradient of every micro-batch of the one-process run (accumulation 4), at the initial weights, is below
+    1e-9 of the largest one (float64 noise is 1e-16 of it; a true gradient is orders above)."""
+    trainer = _trainer(kind, "impel", output_dir, dict({"bf16": False, "gradient_accumulation_steps": 4}, **overrides))
+    model = trainer.model.double().train()
+    if getattr(trainer, "ref_model", None) is not None:
+        trainer.ref_model.double()
+    largest: dict[str, torch.Tensor] = {}
+    for batch in trainer.get_train_dataloader():
+        model.zero_grad()
+        trainer.compute_loss(model, batch).backward()
+        for name, param in model.named_parameters():
+            if param.grad is not None:
+                largest[name] = torch.maximum(largest.get(name, torch.zeros_like(param)), param.grad.abs())
+    scale = max(grad.max() for grad in largest.values())
+    return {name: grad <= 1e-9 * scale for name, grad in largest.items()}
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor],
+             excluded: dict[str, torch.Tensor] | None = None) -> float:
+    """The largest elementwise difference; ``excluded``: masks of elements left out, per name."""
     assert a.keys() == b.keys()
-    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+    kept = {k: ~excluded[k] if excluded and k in excluded else torch.ones_like(a[k], dtype=torch.bool) for k in a}
+    return max(((a[k].float() - b[k].float()).abs() * kept[k]).max().item() for k in a)

@@ -1,9 +1,9 @@
 """TRL 1.16's trainers on 2 CPU ranks through ``impel.trainer.on_impel``: the same weights, losses and rewards as TRL
 on Accelerate under the same launch (``ACCELERATE_USE_CPU=1``), each resumed under DDP from a mid-run checkpoint
-to the uninterrupted run, and under impel's FSDP2 a LoRA run (adapter-only
-checkpoints), a DPO run (its reference model sharded by TRL with the plugin's policies) and a DPO run with
-``sync_ref_model`` (the policy mixed into that reference model) train like one process at the same global batch and
-resume from a mid-run checkpoint exactly."""
+to the uninterrupted run, and under impel's FSDP2 plain SFT, a LoRA run (adapter-only checkpoints), a DPO run (its
+reference model sharded by TRL with the plugin's policies), a DPO run with ``sync_ref_model`` (the policy mixed into
+that reference model) and a reward model train like one process at the same global batch and resume from a mid-run
+checkpoint exactly; GRPO under FSDP2 trains like GRPO under DDP on the same 2 ranks."""
 from __future__ import annotations
 
 import os
@@ -15,13 +15,13 @@ pytest.importorskip("trl")
 pytest.importorskip("peft")
 
 from impel.testing import run_on_ranks  # noqa: E402
-from trl_helpers import KINDS, max_diff, run_kinds, run_trl  # noqa: E402
+from trl_helpers import KINDS, gradient_free, max_diff, run_kinds, run_trl  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
 
 # fp32 (TRL's configs default to bf16, which FSDP2 applies to the parameters, autocast on one process to the matmuls)
 FSDP = {"fsdp": "full_shard", "fsdp_config": {"transformer_layer_cls_to_wrap": ["GPT2Block"]}, "bf16": False}
-FSDP_KINDS = ("sft_lora", "dpo", "dpo_sync")
+FSDP_KINDS = ("sft", "sft_lora", "dpo", "dpo_sync", "reward")
 
 
 def test_trl_trainers_on_two_ranks_equal_trl_on_accelerate(tmp_path):
@@ -51,20 +51,45 @@ def _fsdp_runs(output_dir: str) -> dict[str, dict]:
                                              resume=os.path.join(run, "checkpoint-2"), **FSDP)
         saved = torch.load(os.path.join(run, "checkpoint-2", "pytorch_model_fsdp.bin"), weights_only=True)
         results[kind]["saved keys"] = sorted(saved)
+    results["grpo"] = run_trl("grpo", "impel", os.path.join(output_dir, "grpo"), **FSDP)
+    results["grpo ddp"] = run_trl("grpo", "impel", os.path.join(output_dir, "grpo-ddp"), bf16=False)
     return results
 
 
-def test_lora_and_dpo_under_fsdp2_train_like_one_process_and_resume_from_a_checkpoint_exactly(tmp_path):
+def _no_true_gradient(kind: str, output_dir: str) -> dict[str, torch.Tensor]:
+    """The elements of ``kind``'s full model that take no gradient (float64, one process), checked to be those
+    that cannot: the attention's key bias (a third of ``c_attn.bias``: it shifts every key's score by the same
+    amount, which softmax ignores), in the pairwise reward model ``ln_f.bias`` (it adds the same score to the
+    chosen and the rejected sample, and only their difference is trained), and embedding rows of positions (and, in
+    the reward model whose head is not tied to them, tokens) that no sample holds."""
+    free = gradient_free(kind, output_dir)
+    expected = {f"transformer.h.{i}.attn.c_attn.bias" for i in range(2)} | {"transformer.wpe.weight"}
+    if kind == "reward":
+        expected |= {"transformer.ln_f.bias", "transformer.wte.weight"}
+        assert free["transformer.ln_f.bias"].all()
+    assert {name for name, mask in free.items() if mask.any()} == expected, kind
+    for i in range(2):  # q, k, v biases: exactly the key's (n_embd 32)
+        assert free[f"transformer.h.{i}.attn.c_attn.bias"].nonzero().flatten().tolist() == list(range(32, 64))
+    return free
+
+
+def test_trl_under_fsdp2_trains_like_one_process_and_resumes_from_a_checkpoint_exactly(tmp_path):
     """2 ranks x 2 samples x accumulation 2 against one process x 2 samples x accumulation 4: the same global batch
     of the same micro-batches (a micro-batch of 4 pads differently, which moves GPT-2's numbers by 1e-6 on its own).
-    Losses and rewards within 1e-6, the trained LoRA adapters within 1e-6; full models within 1e-4: the attention's
-    key bias has no true gradient (softmax ignores it), and AdamW turns its float noise (1e-10) into steps of the
-    learning rate's size, 6e-5 apart after 4 steps."""
+    Losses and rewards (the reward model's margins) within 1e-6, the trained LoRA adapters within 1e-6, full models
+    within 1e-5 on every element that takes a gradient (3.2e-6 measured, in the reward model's MLP, whose gradients
+    are differences of the chosen and the rejected samples' and keep their float noise, which AdamW's normalisation
+    scales up; a wrong gradient moves an element by up to the learning rate, 1e-2, per step). The elements that take
+    none (named and checked by ``_no_true_gradient``) move by steps of the learning rate's size from float noise
+    (1e-10), up to 8.5e-4 apart after 4 steps, and change nothing the loss sees. GRPO cannot be compared with one
+    process (each rank samples its completions from its own RNG stream): it is compared with the same 2 ranks under
+    DDP (proven equal to TRL + Accelerate above)."""
     results = run_on_ranks(_fsdp_runs, 2, args=(str(tmp_path),), timeout=240)[0]
     for kind in FSDP_KINDS:
         one = run_trl(kind, "impel", str(tmp_path / f"{kind}-one"), gradient_accumulation_steps=4, bf16=False)
-        bound = 1e-6 if kind == "sft_lora" else 1e-4
-        assert max_diff(results[kind]["weights"], one["weights"]) <= bound, kind
+        free = None if kind == "sft_lora" else _no_true_gradient(kind, str(tmp_path / f"{kind}-free"))
+        bound = 1e-6 if kind == "sft_lora" else 1e-5
+        assert max_diff(results[kind]["weights"], one["weights"], excluded=free) <= bound, kind
         assert results[kind]["loss"] == pytest.approx(one["loss"], abs=1e-6), kind
         assert results[kind]["reward"] == pytest.approx(one["reward"], abs=1e-6), kind
         assert results[kind]["checkpoints"] == ["checkpoint-2", "checkpoint-4"]
@@ -76,3 +101,7 @@ def test_lora_and_dpo_under_fsdp2_train_like_one_process_and_resume_from_a_check
     adapters = results["sft_lora"]["saved keys"]
     assert len(adapters) == 5 and [k for k in adapters if "lora_" not in k] == ["base_model.model.lm_head.weight"]
     assert len(results["dpo"]["saved keys"]) > len(adapters)  # a full model's holds every parameter
+    grpo, ddp = results["grpo"], results["grpo ddp"]
+    assert max_diff(grpo["weights"], ddp["weights"]) <= 1e-6
+    assert grpo["loss"] == pytest.approx(ddp["loss"], abs=1e-6)
+    assert grpo["reward"] == pytest.approx(ddp["reward"], abs=1e-6)
