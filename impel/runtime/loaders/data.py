@@ -21,7 +21,7 @@ from torch.utils.data.distributed import DistributedSampler
 from impel.config.plugins import DataLoaderConfiguration
 from impel.config.run_config import ConfigError
 from impel.runtime.loaders.dispatch import dispatching_loader
-from impel.runtime.loaders.prepared_loader import PreparedLoader
+from impel.runtime.loaders.prepared_loader import LoaderHooks, PreparedLoader
 from impel.runtime.loaders.samplers import (
     SeedableRandomSampler as SeedableRandomSampler,  # re-exported: Accelerate's path
 )
@@ -155,8 +155,8 @@ def _rebuild(loader: DataLoader, world: int, rank: int, per_rank: int, config: D
 
 
 def shard_dataloader(loader: DataLoader, *, world: int, rank: int, device: torch.device | None,
-                     config: DataLoaderConfiguration, gradient_state: object,
-                     rng_types: list[str] | None = None, hooks: object = None,
+                     config: DataLoaderConfiguration, gradient_state: GradientState,
+                     rng_types: list[str] | None = None, hooks: LoaderHooks | None = None,
                      slice_fn: Callable[..., object] | None = None) -> PreparedLoader:
     """Rebuild ``loader`` so this rank reads its shard; the result iterates like the original.
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, Self
 
 import torch
 from torch.utils.data import DataLoader, SequentialSampler
@@ -17,6 +17,17 @@ from impel.runtime.loaders.loader_attributes import loader_attributes
 from impel.runtime.loaders.samplers import SeedableRandomSampler
 from impel.runtime.loaders.seeding import synchronize_rng_states
 from impel.runtime.ranks.collectives import send_to_device
+
+if TYPE_CHECKING:
+    from impel.runtime.step.accumulation import GradientState
+
+
+class LoaderHooks(Protocol):
+    """What a prepared loader calls around its passes (``impel.accelerator.resilience:Resilience``: auto-resume
+    and preemption checks)."""
+
+    def on_iter_start(self, loader: PreparedLoader) -> None: ...
+    def before_batch(self, loader: PreparedLoader) -> None: ...
 
 _END = object()
 
@@ -40,8 +51,8 @@ class PreparedLoader(DataLoader[Any]):
 
     @classmethod
     def build(cls, loader: object, shard: object, device: torch.device | None, non_blocking: bool,
-              gradient_state: object, per_rank_batch: int, original: DataLoader,
-              rng_types: list[str] | None = None, hooks: object = None) -> Any:
+              gradient_state: GradientState, per_rank_batch: int, original: DataLoader,
+              rng_types: list[str] | None = None, hooks: LoaderHooks | None = None) -> Self:
         """A ``cls`` iterating ``loader`` (the rebuilt loader over this rank's ``shard``), built without running the
         subclass's constructor."""
         built = cls.__new__(cls)
@@ -49,8 +60,8 @@ class PreparedLoader(DataLoader[Any]):
         return built
 
     def _setup(self, loader: Any, shard: Any, device: torch.device | None, non_blocking: bool,
-               gradient_state: Any, per_rank_batch: int, original: DataLoader,
-               rng_types: list[str] | None = None, hooks: Any = None) -> None:
+               gradient_state: GradientState, per_rank_batch: int, original: DataLoader,
+               rng_types: list[str] | None = None, hooks: LoaderHooks | None = None) -> None:
         self.base_dataloader = loader
         self.rng_types = [t for t in rng_types or [] if t != "generator"]  # shared from rank 0 at each pass
         self.shard = shard
