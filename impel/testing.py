@@ -23,10 +23,16 @@ import socket
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from multiprocessing.context import ForkServerContext, SpawnContext
+    from multiprocessing.process import BaseProcess
+
+    import torch.distributed as dist
 
 GRACE_AFTER_FAILURE_S = 20.0  # the other ranks' time to fail or finish after one rank failed
 JOIN_TIMEOUT_S = 600.0  # a finished rank waits this long at most for its peers to finish (the job's timeout is less)
@@ -46,8 +52,8 @@ class RankFailed(RuntimeError):
     """A rank raised, crashed or timed out; the message carries its traceback."""
 
 
-def _child(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any], rank: int, environ: dict[str, str],
-           out_dir: str) -> None:
+def _child(fn: Callable[..., object], args: Sequence[object], kwargs: Mapping[str, object], rank: int,
+           environ: dict[str, str], out_dir: str) -> None:
     # The forkserver's own environment is the one it was started with (the first job of this process); the
     # caller's environment of *this* call replaces it, so a later os.environ change (monkeypatch.setenv) arrives.
     os.environ.clear()
@@ -101,7 +107,7 @@ def _join_peers(environ: dict[str, str], finished: bool) -> None:
         pass
 
 
-def _context() -> Any:
+def _context() -> SpawnContext | ForkServerContext:
     """A forkserver that has imported torch once: each rank then starts in milliseconds instead of seconds.
 
     Falls back to ``spawn`` where forkserver does not exist (Windows, macOS default builds still have it).
@@ -119,7 +125,7 @@ def _context() -> Any:
     return ctx
 
 
-def _rendezvous_store(world_size: int) -> Any:
+def _rendezvous_store(world_size: int) -> dist.TCPStore | None:
     """The job's TCPStore, hosted here on a port the OS picks while binding it (no free-port race), as torchrun's
     agent hosts it: the ranks connect as clients (``TORCHELASTIC_USE_AGENT_STORE``). None for one rank."""
     if world_size == 1:
@@ -129,7 +135,7 @@ def _rendezvous_store(world_size: int) -> Any:
     return dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
 
 
-def _wait(procs: list[Any], timeout: float) -> str:
+def _wait(procs: Sequence[BaseProcess], timeout: float) -> str:
     """Until every rank has exited; else why the ranks still running are stopped."""
     deadline = time.monotonic() + timeout
     failed_at: float | None = None
@@ -145,13 +151,13 @@ def _wait(procs: list[Any], timeout: float) -> str:
     return ""
 
 
-def _stacks_of(procs: list[Any], out_dir: str) -> dict[int, str]:
+def _stacks_of(procs: Sequence[BaseProcess], out_dir: str) -> dict[int, str]:
     """Ask the ranks still running for their Python stacks (faulthandler), then kill them."""
     alive = {r: p for r, p in enumerate(procs) if p.is_alive()}
     if alive and _STACK_SIGNAL is not None:
-        for p in alive.values():
+        for pid in (p.pid for p in alive.values() if p.pid is not None):  # a started process has one
             try:
-                os.kill(p.pid, _STACK_SIGNAL)
+                os.kill(pid, _STACK_SIGNAL)
             except ProcessLookupError:  # it exited meanwhile
                 pass
         time.sleep(1.0)
@@ -166,8 +172,8 @@ def _stacks_of(procs: list[Any], out_dir: str) -> dict[int, str]:
     return stacks
 
 
-def run_on_ranks(fn: Callable[..., Any], world_size: int = 2, args: Sequence[Any] = (),
-                 kwargs: dict[str, Any] | None = None, timeout: float = 180.0,
+def run_on_ranks(fn: Callable[..., object], world_size: int = 2, args: Sequence[object] = (),
+                 kwargs: Mapping[str, object] | None = None, timeout: float = 180.0,
                  env: dict[str, str] | None = None) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return each rank's result, in rank order.
 
@@ -194,7 +200,7 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int = 2, args: Sequence[Any
         del store  # the last reference: its server stops
 
 
-def _collect(procs: list[Any], out_dir: str, stacks: dict[int, str], why: str, timeout: float) -> list[Any]:
+def _collect(procs: Sequence[BaseProcess], out_dir: str, stacks: dict[int, str], why: str, timeout: float) -> list[Any]:
     results: list[Any] = []
     errors: list[str] = []
     for r, p in enumerate(procs):

@@ -126,7 +126,7 @@ def by_name(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str,
                               f"prepared {type(optimizer).__name__} has {live}; build the optimizer as the Accelerate "
                               "run did")
     names = param_names(model)
-    index: dict[Any, str] = {}
+    index: dict[object, str] = {}  # the saved position -> the parameter's name
     renamed = []
     for group, mine in zip(groups, optimizer.param_groups):
         fqns = [names[id(p)] for p in mine["params"]]

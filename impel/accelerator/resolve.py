@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from impel.config.deepspeed_json import get, json_source, load_json, resolve_static, settle_deepspeed
 from impel.config.elastic import scaled_accumulation
@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from impel.config.environment import Topology
 
 
-def resolve(launched: Mapping[str, Any] | None, args: RunArguments, topology: Topology) -> RunRecord:
+def resolve(launched: Mapping[str, object] | None, args: RunArguments, topology: Topology) -> RunRecord:
     """Settle every value from the launched config, the code's arguments and plugins, and the DeepSpeed JSON."""
     asked = requested(args.parallelism_config)  # the code's, or Accelerate's launcher variables
     code = {**_code_arguments(args), **(asked.code_arguments() if asked is not None else {})}
@@ -146,8 +146,8 @@ def _deepspeed_plugins(given: GivenDeepSpeed) -> tuple[DeepSpeedPlugin | None, s
     return plugin, str(name), tuple((str(key), value) for key, value in others)
 
 
-def _settle_named(launched: Mapping[str, Any] | None, args: RunArguments, asked: Any, run: RunConfig,
-                  first: Resolved) -> tuple[tuple[str, DeepSpeedPlugin, Resolved], ...]:
+def _settle_named(launched: Mapping[str, object] | None, args: RunArguments, asked: ParallelismConfig | None,
+                  run: RunConfig, first: Resolved) -> tuple[tuple[str, DeepSpeedPlugin, Resolved], ...]:
     """Every named DeepSpeed plugin with its settled JSON (Accelerate's several plugins: the first is active). The
     others settle as the first would (launch config < Accelerator arguments < the plugin < its JSON), at the run's
     mixed precision and, where their JSON leaves it open, its accumulation steps."""
@@ -168,7 +168,7 @@ def _settle_named(launched: Mapping[str, Any] | None, args: RunArguments, asked:
     return tuple(named)
 
 
-def _check_same_precision(ds: Mapping[str, Any], source: str, mode: str, name: str, first: str) -> None:
+def _check_same_precision(ds: Mapping[str, object], source: str, mode: str, name: str, first: str) -> None:
     for section in ("bf16", "fp16"):
         enabled = get(ds, f"{section}.enabled")
         if isinstance(enabled, bool) and enabled != (mode == section):
@@ -194,13 +194,13 @@ def planned_world(config: RunConfig, topology: Topology) -> int:
     return config.num_processes or config.num_machines * topology.local_world_size
 
 
-def _code_arguments(args: RunArguments) -> dict[str, Any]:
+def _code_arguments(args: RunArguments) -> dict[str, object]:
     steps = args.gradient_accumulation_steps
     if args.gradient_accumulation_plugin is not None and steps not in (None, 1):
         raise ConfigError("pass either gradient_accumulation_steps or gradient_accumulation_plugin, not both")
     if args.gradient_accumulation_plugin is not None:
         steps = args.gradient_accumulation_plugin.num_steps
-    code: dict[str, Any] = {"mixed_precision": args.mixed_precision, "use_cpu": args.cpu or None,
+    code: dict[str, object] = {"mixed_precision": args.mixed_precision, "use_cpu": args.cpu or None,
                             "gradient_accumulation_steps": steps, "nonfinite_loss": args.nonfinite_loss}
     if args.fsdp_plugin is not None and args.deepspeed_plugin is not None:
         raise ConfigError("pass either fsdp_plugin or deepspeed_plugin, not both")
@@ -213,7 +213,7 @@ def _code_arguments(args: RunArguments) -> dict[str, Any]:
     return code
 
 
-def _check_topology(config: RunConfig, launched: Mapping[str, Any] | None, topology: Topology) -> None:
+def _check_topology(config: RunConfig, launched: Mapping[str, object] | None, topology: Topology) -> None:
     wanted = config.num_processes
     if config.min_machines is not None:  # elastic: any whole number of machines from min_machines up
         world, local = topology.world_size, topology.local_world_size

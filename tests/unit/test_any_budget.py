@@ -1,8 +1,8 @@
 """``Any`` in impel's annotations, counted per folder, may only go down.
 
 Counted as issue 40 counts it: every ``Any`` inside a parameter, return or variable annotation (``dict[str, Any]``
-counts one, ``Callable[..., Any]`` one, a string annotation naming ``Any`` one). An alias of ``Any`` under another
-name would hide one from this count, so ``impel/types.py`` is checked to hold none. Lower a row when you remove some;
+counts one, ``Callable[..., Any]`` one, a string annotation naming ``Any`` one, a use of an alias such as
+``Entry = dict[str, Any]`` the alias's). ``impel/types.py`` is checked to hold none. Lower a row when you remove some;
 a row may never rise (type the new code instead: ``impel.types``, ``object``, a ``Protocol``, a ``TypeVar``).
 """
 from __future__ import annotations
@@ -14,15 +14,15 @@ PACKAGE = Path(__file__).resolve().parents[2] / "impel"
 
 # folder (or top-level module) -> the most ``Any`` its annotations may hold
 BUDGET = {
-    "accelerator": 55,
-    "checkpoint": 89,
+    "accelerator": 50,
+    "checkpoint": 97,
     "commands": 24,
     "config": 104,
-    "runtime": 280,
+    "runtime": 151,
     "strategies": 28,
     "trackers": 11,
     "trainer": 11,
-    "*": 16,  # the top-level modules (testing.py, exports.py)
+    "*": 5,  # the top-level modules (testing.py, exports.py)
 }
 
 
@@ -32,29 +32,51 @@ def _anys(node: ast.AST) -> int:
                or (isinstance(x, ast.Constant) and isinstance(x.value, str) and "Any" in x.value))
 
 
-def count(path: Path) -> int:
-    """``Any`` in every annotation of one file."""
+def aliases() -> dict[str, int]:
+    """Module-level type aliases that spell ``Any`` (``Entry = dict[str, Any]``): each use in an annotation counts
+    the ``Any`` its definition holds, so an alias does not hide them."""
+    out: dict[str, int] = {}
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.parse(path.read_text()).body:
+            target, value = ((node.targets[0], node.value) if isinstance(node, ast.Assign) and len(node.targets) == 1
+                             else (node.target, node.value) if isinstance(node, ast.AnnAssign) else (None, None))
+            if (isinstance(target, ast.Name) and isinstance(value, ast.Subscript | ast.BinOp)
+                    and (n := _anys(value))):
+                out[target.id] = n
+    return out
+
+
+def _anys_with_aliases(node: ast.AST, spelled: dict[str, int]) -> int:
+    used = sum(spelled.get(x.id if isinstance(x, ast.Name) else x.attr, 0) for x in ast.walk(node)
+               if isinstance(x, ast.Name | ast.Attribute))
+    return _anys(node) + used
+
+
+def count(path: Path, spelled: dict[str, int] | None = None) -> int:
+    """``Any`` in every annotation of one file (with the ``Any`` of the aliases it uses)."""
+    spelled = aliases() if spelled is None else spelled
     n = 0
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             a = node.args
             for arg in [*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg]:
                 if arg is not None and arg.annotation is not None:
-                    n += _anys(arg.annotation)
+                    n += _anys_with_aliases(arg.annotation, spelled)
             if node.returns is not None:
-                n += _anys(node.returns)
+                n += _anys_with_aliases(node.returns, spelled)
         elif isinstance(node, ast.AnnAssign):
-            n += _anys(node.annotation)
+            n += _anys_with_aliases(node.annotation, spelled)
     return n
 
 
 def per_folder() -> dict[str, int]:
     counts = dict.fromkeys(BUDGET, 0)
+    spelled = aliases()
     for path in PACKAGE.rglob("*.py"):
         rel = path.relative_to(PACKAGE).parts
         key = rel[0] if len(rel) > 1 else "*"
         if key in counts:  # Accelerate's thin module faces (utils/) are not budgeted: they hold none
-            counts[key] += count(path)
+            counts[key] += count(path, spelled)
     return counts
 
 

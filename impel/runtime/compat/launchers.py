@@ -25,12 +25,12 @@ from impel.config import environment as env
 from impel.config.run_config import ConfigError, PrecisionType
 
 
-def _entrypoint(function: Callable[..., Any]) -> Callable[..., None]:
+def _entrypoint(function: Callable[..., object]) -> Callable[..., None]:
     """What each (forked) rank runs: the user's function, then impel's process group is destroyed before the rank
     exits. Named after the function: the agent labels workers and events by it."""
 
     @functools.wraps(function)
-    def run_rank(*args: Any) -> None:
+    def run_rank(*args: object) -> None:
         function(*args)
         from impel.runtime.ranks.process import ProcessState
 
@@ -49,7 +49,7 @@ def _check_fresh_process(launcher: str) -> None:
                           "the notebook kernel if a cell created one)")
 
 
-def _launch(function: Callable[..., Any], args: Sequence[Any], num_processes: int, config: dict[str, Any],
+def _launch(function: Callable[..., object], args: Sequence[Any], num_processes: int, config: dict[str, Any],
             rendezvous: dict[str, Any]) -> None:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -58,7 +58,7 @@ def _launch(function: Callable[..., Any], args: Sequence[Any], num_processes: in
         elastic_launch(launch, _entrypoint(function))(*args)
 
 
-def debug_launcher(function: Callable[..., Any], args: Sequence[Any] = (), num_processes: int = 2) -> None:
+def debug_launcher(function: Callable[..., object], args: Sequence[Any] = (), num_processes: int = 2) -> None:
     """Run ``function(*args)`` on ``num_processes`` CPU ranks over gloo (for debugging and tests); returns when
     every rank is done and raises if one failed."""
     if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
@@ -69,7 +69,7 @@ def debug_launcher(function: Callable[..., Any], args: Sequence[Any] = (), num_p
     _launch(function, args, num_processes, {"use_cpu": True, "num_processes": num_processes}, rendezvous)
 
 
-def notebook_launcher(function: Callable[..., Any], args: Sequence[Any] = (), num_processes: int | None = None,
+def notebook_launcher(function: Callable[..., object], args: Sequence[Any] = (), num_processes: int | None = None,
                       mixed_precision: str = "no", use_port: str | int = "29500", master_addr: str = "127.0.0.1",
                       node_rank: int = 0, num_nodes: int = 1, rdzv_backend: str = "static", rdzv_endpoint: str = "",
                       rdzv_conf: dict[str, Any] | None = None, rdzv_id: str = "none", max_restarts: int = 0,

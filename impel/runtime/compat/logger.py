@@ -28,12 +28,12 @@ def _state() -> Any:
 class MultiProcessAdapter(logging.LoggerAdapter):
     """A ``logging.LoggerAdapter`` whose calls take ``main_process_only`` (default True) and ``in_order``."""
 
-    def process(self, msg: Any, kwargs: MutableMapping[str, Any]) -> tuple[Any, MutableMapping[str, Any]]:
+    def process(self, msg: object, kwargs: MutableMapping[str, Any]) -> tuple[Any, MutableMapping[str, Any]]:
         msg, kwargs = super().process(msg, kwargs)
         kwargs.setdefault("stacklevel", 2)  # report the caller's line, not this adapter's
         return f"[RANK {_state().process_index}] {msg}", kwargs
 
-    def log(self, level: int, msg: Any, *args: Any, **kwargs: Any) -> None:
+    def log(self, level: int, msg: object, *args: object, **kwargs: object) -> None:
         """Log on the main process (``main_process_only=True``, the default), on every process (False), or on
         every process in rank order (``in_order=True``, which waits for each rank: call it on all of them)."""
         main_process_only = kwargs.pop("main_process_only", True)
@@ -52,7 +52,7 @@ class MultiProcessAdapter(logging.LoggerAdapter):
             state.wait_for_everyone()
 
     @functools.lru_cache(None)  # noqa: B019 - one warning per distinct message for the process's lifetime
-    def warning_once(self, *args: Any, **kwargs: Any) -> None:
+    def warning_once(self, *args: object, **kwargs: Any) -> None:
         """``warning()``, emitted once per distinct arguments."""
         self.warning(*args, **kwargs)
 

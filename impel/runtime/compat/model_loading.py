@@ -117,7 +117,7 @@ def _device_for(name: str, device_map: Mapping[str, Any] | None, current: torch.
     return torch.device("cpu") if current.device.type == "meta" else current.device
 
 
-def _unsupported(**given: Any) -> None:
+def _unsupported(**given: object) -> None:
     for name, value in given.items():
         if value:
             raise ValueError(f"load_checkpoint_in_model({name}={value!r}) is not supported: impel loads full weights "
@@ -125,7 +125,7 @@ def _unsupported(**given: Any) -> None:
 
 
 def load_checkpoint_in_model(model: nn.Module, checkpoint: str | os.PathLike[str],
-                             device_map: Mapping[str, Any] | None = None, offload_folder: Any = None,
+                             device_map: Mapping[str, Any] | None = None, offload_folder: object = None,
                              dtype: str | torch.dtype | None = None, offload_state_dict: bool = False,
                              offload_buffers: bool = False, keep_in_fp32_modules: Sequence[str] | None = None,
                              offload_8bit_bnb: bool = False, strict: bool = False, full_state_dict: bool = True,

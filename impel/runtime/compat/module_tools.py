@@ -23,7 +23,7 @@ def id_tensor_storage(tensor: torch.Tensor) -> tuple[torch.device, int, int]:
     return tensor.device, pointer, storage.nbytes()
 
 
-def find_tied_parameters(model: nn.Module, **kwargs: Any) -> list[list[str]]:
+def find_tied_parameters(model: nn.Module, **kwargs: object) -> list[list[str]]:
     """Groups (sorted names) of parameters of ``model`` that are the same tensor."""
     names: dict[int, list[str]] = defaultdict(list)
     for name, param in model.named_parameters(remove_duplicate=False):
@@ -53,7 +53,7 @@ def convert_file_size_to_int(size: int | str) -> int:
 
 
 def compute_module_sizes(model: nn.Module, dtype: torch.dtype | None = None,
-                         **kwargs: Any) -> dict[str, int]:
+                         **kwargs: object) -> dict[str, int]:
     """Bytes held by each submodule (by name; ``""`` is the whole model), parameters and buffers, counted in
     ``dtype`` where given (floating tensors only)."""
     sizes: dict[str, int] = defaultdict(int)
@@ -66,7 +66,7 @@ def compute_module_sizes(model: nn.Module, dtype: torch.dtype | None = None,
     return dict(sizes)
 
 
-def is_peft_model(model: Any) -> bool:
+def is_peft_model(model: object) -> bool:
     """Whether ``model`` is a PEFT model (peft installed and a ``PeftModel``)."""
     import sys
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 
-def tqdm(*args: Any, main_process_only: bool = True, **kwargs: Any) -> Any:
+def tqdm(*args: object, main_process_only: bool = True, **kwargs: object) -> Any:
     """``tqdm.auto.tqdm(*args, **kwargs)``, disabled on every process but local rank 0 unless
     ``main_process_only=False`` (an explicit ``disable=True`` always wins)."""
     try:

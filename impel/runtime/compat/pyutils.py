@@ -38,14 +38,14 @@ def merge_dicts(source: dict[str, Any], destination: dict[str, Any]) -> dict[str
     return destination
 
 
-def get_pretty_name(obj: Any) -> str:
+def get_pretty_name(obj: object) -> str:
     """The ``__qualname__`` / ``__name__`` of ``obj`` (or of its class), else ``str(obj)``."""
     if not hasattr(obj, "__qualname__") and not hasattr(obj, "__name__"):
         obj = getattr(obj, "__class__", obj)
     return str(getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None) or obj)
 
 
-def recursive_getattr(obj: Any, attr: str) -> Any:
+def recursive_getattr(obj: object, attr: str) -> Any:
     """``obj.a.b.c`` for ``attr="a.b.c"``."""
     return functools.reduce(getattr, attr.split("."), obj)
 
@@ -88,9 +88,9 @@ def check_os_kernel() -> None:
 def purge_accelerate_environment(func_or_cls: T) -> T:
     """Decorate a function, or a test class's ``test*`` methods (its subclasses' too), so that the ``ACCELERATE_*``
     variables are after each call what they were before it (TrainingArguments(fp16=True) sets one, for example)."""
-    def wrap(func: Callable[..., Any]) -> Callable[..., Any]:
+    def wrap(func: Callable[..., object]) -> Callable[..., Any]:
         @functools.wraps(func)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
+        def wrapper(*args: object, **kwargs: object) -> Any:
             with env.restored_prefix("ACCELERATE_"):
                 return func(*args, **kwargs)
         wrapper._accelerate_is_purged_environment_wrapped = True  # type: ignore[attr-defined]

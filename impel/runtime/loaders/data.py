@@ -62,7 +62,7 @@ def _unbatched(loader: DataLoader) -> bool:
     return loader.batch_size is None and loader.batch_sampler is None and not isinstance(loader.sampler, BatchSampler)
 
 
-def agree_on_generator(sampler: Any) -> None:
+def agree_on_generator(sampler: object) -> None:
     """Give ``sampler`` rank 0's generator, so every rank draws the same order (several ranks, map-style; an
     elastic job's rank alone too, so that its order is the one of several).
 
@@ -79,7 +79,7 @@ def agree_on_generator(sampler: Any) -> None:
         sampler.generator.set_state(collectives.broadcast(sampler.generator.get_state(), from_process=0))
 
 
-def _order_sampler(sampler: Any, world: int, config: DataLoaderConfiguration, share_generator: bool) -> Any:
+def _order_sampler(sampler: object, world: int, config: DataLoaderConfiguration, share_generator: bool) -> Any:
     """The sampler that orders one epoch's indices: the user's, made seedable or agreed across ranks."""
     if isinstance(sampler, RandomSampler) and config.use_seedable_sampler:
         seed = config.data_seed if config.data_seed is not None else torch.initial_seed()
@@ -155,9 +155,9 @@ def _rebuild(loader: DataLoader, world: int, rank: int, per_rank: int, config: D
 
 
 def shard_dataloader(loader: DataLoader, *, world: int, rank: int, device: torch.device | None,
-                     config: DataLoaderConfiguration, gradient_state: Any,
-                     rng_types: list[str] | None = None, hooks: Any = None,
-                     slice_fn: Callable[..., Any] | None = None) -> PreparedLoader:
+                     config: DataLoaderConfiguration, gradient_state: object,
+                     rng_types: list[str] | None = None, hooks: object = None,
+                     slice_fn: Callable[..., object] | None = None) -> PreparedLoader:
     """Rebuild ``loader`` so this rank reads its shard; the result iterates like the original.
 
     A :class:`DataLoaderShard`, or with ``config.dispatch_batches`` a :class:`DataLoaderDispatcher`. ``slice_fn``
@@ -189,7 +189,7 @@ def shard_dataloader(loader: DataLoader, *, world: int, rank: int, device: torch
     return built
 
 
-def _refuse_mesh(torch_device_mesh: Any, name: str) -> None:
+def _refuse_mesh(torch_device_mesh: object, name: str) -> None:
     if torch_device_mesh is not None:
         raise ConfigError(f"{name}(torch_device_mesh=...): impel shards over the data-parallel ranks of the "
                           "Accelerator's mesh; use Accelerator(parallelism_config=...).prepare(dataloader)")
@@ -210,7 +210,7 @@ class DataLoaderShard(PreparedLoader):
     def __init__(self, dataset: Any, device: torch.device | None = None, rng_types: list[str] | None = None,
                  synchronized_generator: torch.Generator | None = None, skip_batches: int = 0,
                  use_stateful_dataloader: bool = False, _drop_last: bool = False, _non_blocking: bool = False,
-                 torch_device_mesh: Any = None, iteration: int = 0, **kwargs: Any) -> None:
+                 torch_device_mesh: object = None, iteration: int = 0, **kwargs: Any) -> None:
         _refuse_mesh(torch_device_mesh, "DataLoaderShard")
         loader = DataLoader(dataset, **kwargs)
         config = DataLoaderConfiguration(non_blocking=_non_blocking, use_stateful_dataloader=use_stateful_dataloader)
@@ -251,7 +251,7 @@ class DataLoaderDispatcher(PreparedLoader):
 
     def __init__(self, dataset: Any, split_batches: bool = False, skip_batches: int = 0,
                  use_stateful_dataloader: bool = False, _drop_last: bool = False, _non_blocking: bool = False,
-                 slice_fn: Callable[..., Any] | None = None, torch_device_mesh: Any = None, iteration: int = 0,
+                 slice_fn: Callable[..., Any] | None = None, torch_device_mesh: object = None, iteration: int = 0,
                  **kwargs: Any) -> None:
         _refuse_mesh(torch_device_mesh, "DataLoaderDispatcher")
         loader = DataLoader(dataset, **kwargs)
@@ -280,7 +280,7 @@ class _SkipBatchSampler(Sampler[list[int]]):
         yield from itertools.islice(self.batch_sampler, self.skip_count, None)
 
 
-def skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:
+def skip_first_batches(dataloader: object, num_batches: int = 0) -> Any:
     """A dataloader whose next pass starts ``num_batches`` batches in (the skipped ones are not loaded)."""
     if isinstance(dataloader, PreparedLoader):
         clone = copy.copy(dataloader)

@@ -26,14 +26,14 @@ from impel.config.run_config import ConfigError
 from impel.runtime.ranks.collectives import broadcast, broadcast_object_list, recursively_apply, send_to_device
 
 
-class DispatchingLoader(DataLoader[Any]):
+class DispatchingLoader(DataLoader[object]):
     """Rank 0 reads ``inner`` (the user's loader without its generator, as Accelerate rebuilds it); each rank gets
     its slice of every global batch. DataLoader attributes not defined here are ``inner``'s (a ``DataLoader``, as
     Accelerate's dispatcher's ``base_dataloader``, that never runs ``DataLoader.__init__``)."""
 
-    def __init__(self, inner: DataLoader[Any], original: DataLoader[Any], world: int, rank: int,
+    def __init__(self, inner: DataLoader[object], original: DataLoader[object], world: int, rank: int,
                  split_batches: bool, device: torch.device,
-                 slice_fn: Callable[..., Any] | None = None) -> None:
+                 slice_fn: Callable[..., object] | None = None) -> None:
         self.inner = inner
         self.slice_fn = slice_fn  # Accelerate's slice_fn_for_dispatch: (batch, slice, process_index=, num_processes=)
         self.world = world
@@ -57,7 +57,7 @@ class DispatchingLoader(DataLoader[Any]):
         return self.per_rank_batch
 
     @property
-    def sampler(self) -> Any:  # type: ignore[override]  # read-only: rank 0's sampler
+    def sampler(self) -> object:  # type: ignore[override]  # read-only: rank 0's sampler
         """The sampler ordering the epoch on rank 0 (None for an iterable dataset)."""
         batch_sampler = self.inner.batch_sampler
         return None if isinstance(self.inner.dataset, IterableDataset) else getattr(batch_sampler, "sampler", None)
@@ -77,9 +77,9 @@ class DispatchingLoader(DataLoader[Any]):
     def last_batch_size(self) -> int:
         return self.last_real
 
-    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # a generator, not torch's _BaseDataLoaderIter
+    def __iter__(self) -> Iterator[object]:  # type: ignore[override]  # a generator, not torch's _BaseDataLoaderIter
         source = iter(self.inner)  # on every rank: the same global RNG draws as under Accelerate
-        first: Any = None
+        first: object = None
         current = self._fetch(source)
         index = 0
         while current is not None:
@@ -99,12 +99,12 @@ class DispatchingLoader(DataLoader[Any]):
             index += 1
             current = upcoming
 
-    def _slice(self, batch: Any, part: slice) -> Any:
+    def _slice(self, batch: object, part: slice) -> object:
         if self.slice_fn is None:
             return _slice(batch, part)
         return self.slice_fn(batch, part, process_index=self.rank, num_processes=self.world)
 
-    def _fetch(self, source: Iterator[Any]) -> tuple[Any, Any] | None:
+    def _fetch(self, source: Iterator[object]) -> tuple[object, object] | None:
         """The next global batch on rank 0 and its layout on every rank; None when the pass is over."""
         batch = None
         if self.rank == 0:
@@ -121,16 +121,16 @@ class DispatchingLoader(DataLoader[Any]):
         broadcast_object_list(layout, from_process=0)
         return None if layout[0] is None else (batch, layout[0])
 
-    def _receive(self, fetched: tuple[Any, Any]) -> Any:
+    def _receive(self, fetched: tuple[object, object]) -> object:
         batch, layout = fetched
         if self.rank != 0:
             batch = _empty_like_layout(layout, self.device)
         return broadcast(batch, from_process=0)
 
 
-def dispatching_loader(loader: DataLoader[Any], extra: dict[str, Any], *, world: int, rank: int,
+def dispatching_loader(loader: DataLoader[object], extra: Mapping[str, Any], *, world: int, rank: int,
                        split_batches: bool, device: torch.device | None, seedable: bool,
-                       slice_fn: Callable[..., Any] | None = None) -> DispatchingLoader:
+                       slice_fn: Callable[..., object] | None = None) -> DispatchingLoader:
     """The user's loader rebuilt as Accelerate's dispatcher rebuilds it (same dataset and batch sampler, no
     generator), behind a :class:`DispatchingLoader`; raises for what the dispatcher cannot honour."""
     import torch.distributed as dist
@@ -162,22 +162,23 @@ class _TensorLayout:
         self.dtype = tensor.dtype
 
 
-def _layout(batch: Any) -> Any:
+def _layout(batch: object) -> object:
     return recursively_apply(_TensorLayout, batch, error_on_other_type=False)
 
 
-def _empty_like_layout(layout: Any, device: torch.device) -> Any:
+def _empty_like_layout(layout: object, device: torch.device) -> object:
     if isinstance(layout, _TensorLayout):
         return torch.empty(layout.shape, dtype=layout.dtype, device=device)
+    rebuild: Callable[..., object] = type(layout)  # the concrete container class (dict, namedtuple, ...)
     if isinstance(layout, Mapping):
-        return type(layout)({k: _empty_like_layout(v, device) for k, v in layout.items()})  # type: ignore[call-arg]
+        return rebuild({k: _empty_like_layout(v, device) for k, v in layout.items()})
     if isinstance(layout, (list, tuple)):
         items = [_empty_like_layout(v, device) for v in layout]
-        return type(layout)(*items) if hasattr(layout, "_fields") else type(layout)(items)
+        return rebuild(*items) if hasattr(layout, "_fields") else rebuild(items)
     return layout  # a non-tensor leaf travelled whole with the layout
 
 
-def _concatenate(batches: list[Any]) -> Any:
+def _concatenate(batches: list[Any]) -> object:
     """Batches of the same structure joined along their first dimension (tensors only)."""
     head = batches[0]
     if isinstance(head, torch.Tensor):
@@ -187,15 +188,16 @@ def _concatenate(batches: list[Any]) -> Any:
             raise ConfigError(f"dispatch_batches=True joins {len(batches)} batches into one global batch, but their "
                               f"shapes differ ({[tuple(b.shape) for b in batches]}): pad them to one shape in the "
                               "collate_fn, or pass split_batches=True (rank 0 reads one global batch)") from error
+    rebuild: Callable[..., object] = type(head)  # the concrete container class (dict, namedtuple, ...)
     if isinstance(head, Mapping):
-        return type(head)({k: _concatenate([b[k] for b in batches]) for k in head})  # type: ignore[call-arg]
+        return rebuild({k: _concatenate([b[k] for b in batches]) for k in head})
     if isinstance(head, (list, tuple)):
         parts = [_concatenate([b[i] for b in batches]) for i in range(len(head))]
-        return type(head)(*parts) if hasattr(head, "_fields") else type(head)(parts)
+        return rebuild(*parts) if hasattr(head, "_fields") else rebuild(parts)
     return head
 
 
-def _batch_size(batch: Any) -> int:
+def _batch_size(batch: object) -> int:
     sizes: list[int] = []
     recursively_apply(lambda t: sizes.append(int(t.shape[0])) if t.ndim else None, batch, error_on_other_type=False)
     if not sizes:
@@ -203,5 +205,5 @@ def _batch_size(batch: Any) -> int:
     return sizes[0]
 
 
-def _slice(batch: Any, part: slice) -> Any:
+def _slice(batch: object, part: slice) -> object:
     return recursively_apply(lambda t: t[part] if t.ndim else t, batch, error_on_other_type=False)

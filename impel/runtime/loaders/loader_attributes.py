@@ -28,7 +28,7 @@ _FROM_REBUILT = ("batch_sampler", "collate_fn", "num_workers", "generator", "pin
                  "prefetch_factor", "persistent_workers")
 
 
-def loader_attributes(rebuilt: DataLoader[Any], original: DataLoader[Any], sampler: Any,
+def loader_attributes(rebuilt: DataLoader[Any], original: DataLoader[Any], sampler: object,
                       per_rank_batch: int | None) -> dict[str, Any]:
     """The DataLoader attributes of a prepared loader (its instance ``__dict__`` entries)."""
     out = {name: getattr(rebuilt, name) for name in _FROM_REBUILT}

@@ -13,7 +13,7 @@ Example::
 from __future__ import annotations
 
 from abc import ABC
-from typing import Any, NoReturn
+from typing import NoReturn
 
 from impel.runtime.loaders.prepared_loader import PreparedLoader
 
@@ -24,7 +24,7 @@ class DataLoaderStateMixin(ABC):  # noqa: B024  # no abstract method: a mixin, a
     end_of_dataloader: bool = False
     remainder: int = -1
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
+    def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
         cls.end_of_dataloader = False
         cls.remainder = -1

@@ -71,7 +71,7 @@ class IterableDatasetShard(IterableShard):
 class SkipBatchSampler(_SkipBatchSampler):
     """``batch_sampler`` without its first ``skip_batches`` batches (Accelerate's class)."""
 
-    def __init__(self, batch_sampler: Any, skip_batches: int = 0) -> None:
+    def __init__(self, batch_sampler: object, skip_batches: int = 0) -> None:
         super().__init__(batch_sampler, skip_batches)
         self.skip_batches = skip_batches
 
@@ -100,7 +100,7 @@ class SkipDataLoader(DataLoader[Any]):
         return max(0, super().__len__() - self.skip_batches)
 
 
-def _refuse_unsupported(dispatch_batches: bool | None, put_on_device: bool, torch_device_mesh: Any) -> None:
+def _refuse_unsupported(dispatch_batches: bool | None, put_on_device: bool, torch_device_mesh: object) -> None:
     if dispatch_batches and not put_on_device:
         raise ConfigError("prepare_data_loader(dispatch_batches=True) broadcasts each batch on the process's device, "
                           "so it needs put_on_device=True (as Accelerate requires); pass it, or drop dispatch_batches")
@@ -113,9 +113,9 @@ def prepare_data_loader(dataloader: DataLoader[Any], device: torch.device | None
                         num_processes: int | None = None, process_index: int | None = None,
                         split_batches: bool = False, put_on_device: bool = False, rng_types: list[str] | None = None,
                         dispatch_batches: bool | None = None, even_batches: bool = True,
-                        slice_fn_for_dispatch: Callable[..., Any] | None = None, use_seedable_sampler: bool = False,
+                        slice_fn_for_dispatch: Callable[..., object] | None = None, use_seedable_sampler: bool = False,
                         data_seed: int | None = None, non_blocking: bool = False,
-                        use_stateful_dataloader: bool = False, torch_device_mesh: Any = None) -> PreparedLoader:
+                        use_stateful_dataloader: bool = False, torch_device_mesh: object = None) -> PreparedLoader:
     """Accelerate's ``prepare_data_loader`` outside an Accelerator: ``dataloader`` for rank ``process_index`` of
     ``num_processes`` (default :class:`PartialState`'s), the same batches as ``accelerator.prepare`` gives, on
     ``device`` (default the process's) when ``put_on_device``. With several processes a shuffling sampler takes rank

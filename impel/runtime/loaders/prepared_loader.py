@@ -39,9 +39,9 @@ class PreparedLoader(DataLoader[Any]):
     _skip_each_pass = 0  # Accelerate's skip_batches=N constructor argument: every pass starts N batches in
 
     @classmethod
-    def build(cls, loader: Any, shard: Any, device: torch.device | None, non_blocking: bool,
-              gradient_state: Any, per_rank_batch: int, original: DataLoader,
-              rng_types: list[str] | None = None, hooks: Any = None) -> Any:
+    def build(cls, loader: object, shard: object, device: torch.device | None, non_blocking: bool,
+              gradient_state: object, per_rank_batch: int, original: DataLoader,
+              rng_types: list[str] | None = None, hooks: object = None) -> Any:
         """A ``cls`` iterating ``loader`` (the rebuilt loader over this rank's ``shard``), built without running the
         subclass's constructor."""
         built = cls.__new__(cls)

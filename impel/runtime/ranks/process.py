@@ -18,7 +18,7 @@ import signal
 import sys
 import weakref
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -31,6 +31,14 @@ from impel.runtime.ranks.teardown import release_process_groups
 from impel.runtime.step.accumulation import (
     GradientState as GradientState,  # re-exported: impel.runtime.ranks.process.GradientState, as Accelerate's
 )
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from impel.config.parallelism import ParallelismConfig
+    from impel.config.plugins import DeepSpeedPlugin, FullyShardedDataParallelPlugin
+    from impel.runtime.step.compile import TorchDynamoPlugin
+    from impel.runtime.step.run_record import RunRecord
 
 logger = logging.getLogger("impel")
 
@@ -171,7 +179,7 @@ class ProcessState:
         by peer" (seen under load). torch dropped its own barrier after init (``TORCH_DIST_INIT_BARRIER``)."""
         dist.barrier()  # nccl: on the device given to init_process_group as device_id
 
-    def _attempt_store(self, topo: Any) -> Any:
+    def _attempt_store(self, topo: Any) -> dist.PrefixStore:
         """The rendezvous store under torchrun, with a prefix per restart attempt.
 
         After an elastic restart the store can still hold the previous attempt's keys (the agent keeps its store
@@ -233,7 +241,7 @@ class ProcessState:
         atexit.unregister(_destroy_at_exit)
         atexit.register(_destroy_at_exit)
 
-    def destroy_process_group(self, group: Any = None) -> None:
+    def destroy_process_group(self, group: dist.ProcessGroup | None = None) -> None:
         """Destroy the default process group if impel created it (a group the script made stays the script's).
 
         ``Accelerator.end_training()`` calls this after a final barrier, as Accelerate does; impel also calls it
@@ -280,7 +288,7 @@ class ProcessState:
         cls._shared.clear()
 
 
-def _default_store() -> Any:
+def _default_store() -> dist.Store | None:
     """The store of the default group (torch keeps it; None where this torch does not say)."""
     try:
         return dist.distributed_c10d._get_default_store()
@@ -331,7 +339,7 @@ class PartialState(ProcessState, ProcessControl):
         return DistributedType.MULTI_GPU if self.device.type == "cuda" else DistributedType.MULTI_CPU
 
     @property
-    def default_device(self) -> Any:
+    def default_device(self) -> torch.device:
         return self.device
 
     @property
@@ -361,11 +369,32 @@ def is_initialized() -> bool:
     return bool(ProcessState._shared.get("initialized"))
 
 
+class SettledAccelerator(Protocol):
+    """What ``AcceleratorState`` reads of the Accelerator that built it (its resolved settings)."""
+
+    @property
+    def record(self) -> RunRecord: ...
+    @property
+    def distributed_type(self) -> DistributedType: ...
+    @property
+    def mixed_precision(self) -> str: ...
+    @property
+    def deepspeed_plugin(self) -> DeepSpeedPlugin | None: ...
+    @property
+    def fsdp_plugin(self) -> FullyShardedDataParallelPlugin | None: ...
+    @property
+    def is_fsdp2(self) -> bool: ...
+    @property
+    def parallelism_config(self) -> ParallelismConfig | None: ...
+    @property
+    def torch_device_mesh(self) -> DeviceMesh | None: ...
+
+
 class AcceleratorState(PartialState):
     """``PartialState`` plus the settings the live Accelerator resolved; ``accelerator.state`` is one."""
 
     def __init__(self, cpu: bool = False, backend: str | None = None, timeout: timedelta | None = None,
-                 init_method: str | None = None, *, accelerator: Any = None) -> None:
+                 init_method: str | None = None, *, accelerator: SettledAccelerator | None = None) -> None:
         """``accelerator``: the Accelerator building this state (it passes itself); later ``AcceleratorState()``
         calls read its settings. Every live Accelerator is remembered (weakly; the newest answers), so a short-lived
         one that a helper builds and drops leaves the settings of the ones still alive readable, as Accelerate's
@@ -383,7 +412,7 @@ class AcceleratorState(PartialState):
         if reset_partial_state:
             PartialState._reset_state()
 
-    def _accelerator(self, what: str) -> Any:
+    def _accelerator(self, what: str) -> SettledAccelerator:
         for ref in reversed(self.__dict__.get("accelerator_refs", [])):
             accelerator = ref()
             if accelerator is not None:
@@ -400,18 +429,18 @@ class AcceleratorState(PartialState):
         return self._accelerator("mixed_precision").mixed_precision
 
     @property
-    def deepspeed_plugin(self) -> Any:
+    def deepspeed_plugin(self) -> DeepSpeedPlugin | None:
         return self._accelerator("deepspeed_plugin").deepspeed_plugin
 
     @property
-    def deepspeed_plugins(self) -> Any:
+    def deepspeed_plugins(self) -> dict[str, DeepSpeedPlugin] | DeepSpeedPlugin | None:
         """Accelerate's: ``{name: plugin}`` when the plugins were given as ``deepspeed_plugins={name: plugin, ...}``,
         else the plugin in effect; None without DeepSpeed."""
         accelerator = self._accelerator("deepspeed_plugins")
         named = accelerator.record.deepspeed_named
         return {name: plugin for name, plugin, _ in named} if named else accelerator.deepspeed_plugin
 
-    def get_deepspeed_plugin(self, name: str) -> Any:
+    def get_deepspeed_plugin(self, name: str) -> DeepSpeedPlugin:
         """The DeepSpeed plugin given as ``deepspeed_plugins={name: plugin, ...}``."""
         return self._named_deepspeed_plugin(name, "get_deepspeed_plugin")
 
@@ -421,7 +450,7 @@ class AcceleratorState(PartialState):
         it; the engines already built keep theirs."""
         self._named_deepspeed_plugin(name, "select_deepspeed_plugin").select(_from_accelerator_state=True)
 
-    def _named_deepspeed_plugin(self, name: str | None, what: str) -> Any:
+    def _named_deepspeed_plugin(self, name: str | None, what: str) -> DeepSpeedPlugin:
         plugins = self.deepspeed_plugins
         if plugins is None:  # set under DeepSpeed only
             raise ValueError(f"AcceleratorState().{what}({name!r}): DeepSpeed is not enabled; build the Accelerator "
@@ -436,11 +465,11 @@ class AcceleratorState(PartialState):
         return plugins[name]
 
     @property
-    def fsdp_plugin(self) -> Any:
+    def fsdp_plugin(self) -> FullyShardedDataParallelPlugin | None:
         return self._accelerator("fsdp_plugin").fsdp_plugin
 
     @property
-    def dynamo_plugin(self) -> Any:
+    def dynamo_plugin(self) -> TorchDynamoPlugin:
         """The resolved ``TorchDynamoPlugin`` (backend ``no`` when nothing is compiled)."""
         return self._accelerator("dynamo_plugin").record.dynamo_plugin
 
@@ -449,11 +478,11 @@ class AcceleratorState(PartialState):
         return bool(self._accelerator("is_fsdp2").is_fsdp2)
 
     @property
-    def parallelism_config(self) -> Any:
+    def parallelism_config(self) -> ParallelismConfig | None:
         """The settled ``ParallelismConfig`` (None without one)."""
         return self._accelerator("parallelism_config").parallelism_config
 
     @property
-    def device_mesh(self) -> Any:
+    def device_mesh(self) -> DeviceMesh | None:
         """The ``DeviceMesh`` built from it (``accelerator.torch_device_mesh``)."""
         return self._accelerator("device_mesh").torch_device_mesh

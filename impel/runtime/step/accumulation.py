@@ -16,10 +16,13 @@ import logging
 import weakref
 from collections.abc import Iterator
 from operator import attrgetter
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from impel.config.plugins import GradientAccumulationPlugin
 from impel.config.run_config import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger("impel")
 
@@ -67,7 +70,8 @@ class GradientState:
         self._warned_direct_backward = False
         self._step = 0  # Accelerate's ``accelerator.step``: micro-steps begun, reset when one ends a dataloader
         self._planned_group: int | None = None  # item_windows(): the window read ahead decides the group
-        self._item_scale: Any = None  # item_windows(): this batch's loss multiplier, replacing the division
+        # item_windows(): this batch's loss multiplier, replacing the division
+        self._item_scale: torch.Tensor | None = None
 
     @staticmethod
     def _reset_state() -> None:
@@ -173,17 +177,17 @@ class GradientState:
         self._step = int(value)
 
     # --- item_windows(): token-level losses -------------------------------------------------------------------
-    def set_item_window(self, length: int | None, item_scale: Any = None) -> None:
+    def set_item_window(self, length: int | None, item_scale: torch.Tensor | None = None) -> None:
         """The window ``item_windows()`` read ahead (its length decides the group, whatever the dataloader's end
         flag says) and the multiplier of the batch it yields; ``(None, None)`` when it is done."""
         self._planned_group = length
         self._item_scale = item_scale
 
     # --- dataloaders being iterated ---------------------------------------------------------------------------
-    def register_dataloader(self, dataloader: Any) -> None:
+    def register_dataloader(self, dataloader: object) -> None:
         self._dataloaders.append(dataloader)
 
-    def unregister_dataloader(self, dataloader: Any) -> None:
+    def unregister_dataloader(self, dataloader: object) -> None:
         if dataloader in self._dataloaders:
             self._dataloaders.remove(dataloader)
 

@@ -69,7 +69,7 @@ _PACKAGES = {  # backend -> (module it needs, how to get it)
 }
 
 
-def backend_member(value: Any) -> DynamoBackend:
+def backend_member(value: object) -> DynamoBackend:
     """``"inductor"``, ``"INDUCTOR"`` or ``DynamoBackend.INDUCTOR`` -> the member; anything else raises naming it."""
     name = value.value if isinstance(value, enum.Enum) else value
     if isinstance(name, str) and name.upper() in DynamoBackend:
@@ -158,7 +158,7 @@ def _section(keys: dict[str, Any]) -> DynamoConfig:
     return DynamoConfig(**{k[len(prefix):]: v for k, v in keys.items()}).validate()
 
 
-def dynamo_code_arguments(backend: Any, plugin: TorchDynamoPlugin | None) -> dict[str, Any]:
+def dynamo_code_arguments(backend: object, plugin: TorchDynamoPlugin | None) -> dict[str, Any]:
     """The Accelerator's ``dynamo_backend`` / ``dynamo_plugin`` as code arguments (``{}`` when neither is given)."""
     if backend is not None and plugin is not None:
         raise ConfigError("pass either dynamo_backend or dynamo_plugin, not both (as in Accelerate)")

@@ -34,7 +34,7 @@ from impel.runtime.step.accumulation import GradientState
 IGNORE_INDEX = -100
 
 
-def count_loss_items(batch: Any) -> torch.Tensor:
+def count_loss_items(batch: object) -> torch.Tensor:
     """The default ``count``: ``shift_labels`` != -100, else 2-D+ ``labels[..., 1:]`` != -100 (a causal LM's shifted
     targets), else 1-D ``labels`` != -100 (one item per sample)."""
     if not isinstance(batch, dict) or ("labels" not in batch and "shift_labels" not in batch):
@@ -67,7 +67,7 @@ class ItemWindows:
     def __len__(self) -> int:
         return len(self.dataloader)
 
-    def _items(self, batch: Any) -> torch.Tensor:
+    def _items(self, batch: object) -> torch.Tensor:
         return torch.as_tensor(self.count(batch), device=self.device).to(torch.float64)
 
     def __iter__(self) -> Iterator[Any]:

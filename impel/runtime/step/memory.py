@@ -42,7 +42,7 @@ def clear_device_cache(garbage_collection: bool = False) -> None:
         xpu.empty_cache()
 
 
-def release_memory(*objects: Any) -> list[None]:
+def release_memory(*objects: object) -> list[None]:
     """Drop the references passed in, collect garbage and empty device caches; returns ``[None] * len(objects)``
     to assign back (``a, b = release_memory(a, b)``)."""
     count = len(objects)
@@ -62,7 +62,7 @@ def should_reduce_batch_size(exception: BaseException) -> bool:
     return False
 
 
-def find_executable_batch_size(function: Callable[..., Any] | None = None, starting_batch_size: int = 128,
+def find_executable_batch_size(function: Callable[..., object] | None = None, starting_batch_size: int = 128,
                                reduce_batch_size_fn: Callable[[], int] | None = None) -> Any:
     """Decorator: call ``function(batch_size, *args, **kwargs)`` and, on an out-of-memory error, retry with a
     smaller batch size (``int(batch_size * 0.9)``, as Accelerate 1.15, or ``reduce_batch_size_fn()``) until it
@@ -82,7 +82,7 @@ def find_executable_batch_size(function: Callable[..., Any] | None = None, start
     next_size = reduce_batch_size_fn or shrink
 
     @functools.wraps(function)
-    def decorator(*args: Any, **kwargs: Any) -> Any:
+    def decorator(*args: object, **kwargs: object) -> Any:
         nonlocal batch_size
         clear_device_cache(garbage_collection=True)
         params = list(inspect.signature(function).parameters)

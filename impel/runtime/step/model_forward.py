@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -22,7 +22,13 @@ from impel.runtime.step.accumulation import GradientState
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
-def outputs_to_fp32(outputs: Any) -> Any:
+class GradSyncControl(Protocol):
+    """What a prepared forward asks of the strategy (``impel.strategies.base:Strategy.set_grad_sync``)."""
+
+    def set_grad_sync(self, model: nn.Module, enabled: bool) -> None: ...
+
+
+def outputs_to_fp32(outputs: object) -> Any:
     """fp16/bf16 tensors in (nested) outputs become fp32; everything else is returned as it is."""
     return recursively_apply(lambda t: t.float() if t.dtype in _LOW_PRECISION else t, outputs,
                              error_on_other_type=False)
@@ -31,8 +37,8 @@ def outputs_to_fp32(outputs: Any) -> Any:
 class ForwardContext:
     """What a prepared forward needs; shared, never copied with the model."""
 
-    def __init__(self, strategy: Any, gradient_state: GradientState,
-                 autocast: Callable[[], AbstractContextManager[Any]] | None, track: bool,
+    def __init__(self, strategy: GradSyncControl, gradient_state: GradientState,
+                 autocast: Callable[[], AbstractContextManager[object]] | None, track: bool,
                  cast_outputs: bool = False) -> None:
         self.strategy = strategy
         self.gradient_state = gradient_state
@@ -50,7 +56,7 @@ class ForwardContext:
             self.strategy.set_grad_sync(model, sync)
             self.sync_state = sync
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> ForwardContext:
+    def __deepcopy__(self, memo: dict[int, object]) -> ForwardContext:
         return self
 
 
@@ -61,14 +67,14 @@ class PreparedForward:
         self.__self__ = model
 
     @property
-    def __wrapped__(self) -> Callable[..., Any]:
+    def __wrapped__(self) -> Callable[..., object]:
         """The forward underneath (``inspect.signature`` follows it)."""
         return self.__self__.__dict__["_impel_original_forward"]
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: object, **kwargs: object) -> Any:
         model = self.__self__
         ctx: ForwardContext = model.__dict__["_impel_ctx"]
-        original: Callable[..., Any] = model.__dict__["_impel_original_forward"]  # where patch_forward put both
+        original: Callable[..., object] = model.__dict__["_impel_original_forward"]  # where patch_forward put both
         if ctx.track:
             ctx.before_forward(model)
         if ctx.autocast is None:

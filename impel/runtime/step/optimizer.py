@@ -8,12 +8,26 @@ optimizer step that really happened; never on skipped fp16 steps or on micro-ste
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
 
 import torch
 
 from impel.runtime.step.accumulation import GradientState
+
+
+class OptimizerSteps(Protocol):
+    """What the prepared optimizer asks of the strategy (``impel.strategies.base:Strategy``'s methods)."""
+
+    def plain_optimizer_calls(self) -> bool: ...
+    def zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool = True) -> None: ...
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> bool: ...
+
+
+class StepGuard(Protocol):
+    """Decides whether a step may run (``impel.accelerator.resilience:Resilience`` with ``nonfinite_loss``)."""
+
+    def allow_step(self, optimizer: AcceleratedOptimizer) -> bool: ...
 
 
 def optimizer_owners(models: Sequence[torch.nn.Module],
@@ -30,8 +44,8 @@ def optimizer_owners(models: Sequence[torch.nn.Module],
 class AcceleratedOptimizer(torch.optim.Optimizer):
     """Wraps a user's optimizer; everything not overridden reads through to it."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, strategy: Any, gradient_state: GradientState,
-                 guard: Any = None) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, strategy: OptimizerSteps, gradient_state: GradientState,
+                 guard: StepGuard | None = None) -> None:
         # Deliberately no super().__init__: this object is a view on ``optimizer``, which owns the state.
         self.optimizer = optimizer
         self.strategy = strategy
@@ -114,10 +128,10 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         if hasattr(self.optimizer, "eval"):
             self.optimizer.eval()
 
-    def __getstate__(self) -> dict[str, Any]:
+    def __getstate__(self) -> dict[str, object]:
         return self.__dict__.copy()
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
+    def __setstate__(self, state: Mapping[str, object]) -> None:
         self.__dict__.update(state)
 
     def __repr__(self) -> str:
@@ -142,7 +156,7 @@ class AcceleratedScheduler:
         self.step_with_optimizer = step_with_optimizer
         self.steps_per_update = steps_per_update
 
-    def step(self, *args: Any, **kwargs: Any) -> None:
+    def step(self, *args: Any, **kwargs: object) -> None:
         if not self.step_with_optimizer:
             self.scheduler.step(*args, **kwargs)
             return
@@ -167,7 +181,7 @@ class AcceleratedScheduler:
     def get_lr(self) -> Any:
         return self.scheduler.get_lr()
 
-    def print_lr(self, *args: Any, **kwargs: Any) -> Any:
+    def print_lr(self, *args: object, **kwargs: object) -> Any:
         return self.scheduler.print_lr(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:

@@ -20,17 +20,17 @@ class Precision:
 
     mode = "no"
     dtype: torch.dtype | None = None
-    scaler: Any = None
+    scaler: torch.amp.GradScaler | None = None
 
     def __init__(self, device: torch.device, autocast_kwargs: AutocastKwargs | None = None,
                  scaler_kwargs: GradScalerKwargs | None = None) -> None:
         self.device = device
         self.autocast_kwargs = autocast_kwargs or AutocastKwargs()
 
-    def autocast(self, enabled: bool | None = None) -> contextlib.AbstractContextManager[Any]:
+    def autocast(self, enabled: bool | None = None) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
 
-    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+    def backward(self, loss: torch.Tensor, **kwargs: object) -> None:
         loss.backward(**kwargs)
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
@@ -57,7 +57,7 @@ class AutocastPrecision(Precision):
     mode = "bf16"
     dtype = torch.bfloat16
 
-    def autocast(self, enabled: bool | None = None) -> contextlib.AbstractContextManager[Any]:
+    def autocast(self, enabled: bool | None = None) -> contextlib.AbstractContextManager[None]:
         kw = self.autocast_kwargs
         on = kw.enabled if enabled is None else enabled
         extra = {} if kw.cache_enabled is None else {"cache_enabled": kw.cache_enabled}
@@ -69,6 +69,8 @@ class ScaledPrecision(AutocastPrecision):
 
     mode = "fp16"
     dtype = torch.float16
+
+    scaler: torch.amp.GradScaler
 
     def __init__(self, device: torch.device, autocast_kwargs: AutocastKwargs | None = None,
                  scaler_kwargs: GradScalerKwargs | None = None) -> None:
@@ -89,7 +91,7 @@ class ScaledPrecision(AutocastPrecision):
             self.scaler.unscale_(optimizer)
             self._unscaled.add(id(optimizer))
 
-    def step(self, optimizer: torch.optim.Optimizer, closure: Any = None) -> bool:
+    def step(self, optimizer: torch.optim.Optimizer, closure: object = None) -> bool:
         scale_before = self.scaler.get_scale()
         self.scaler.step(optimizer) if closure is None else self.scaler.step(optimizer, closure)
         self.scaler.update()
