@@ -18,7 +18,7 @@ BUDGET = {
     "checkpoint": 97,
     "commands": 24,
     "config": 104,
-    "runtime": 171,
+    "runtime": 151,
     "strategies": 28,
     "trackers": 11,
     "trainer": 11,

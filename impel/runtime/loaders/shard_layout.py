@@ -11,9 +11,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from itertools import islice
-from typing import Any
+from typing import Any, TypeVar
 
 from torch.utils.data import BatchSampler, IterableDataset, Sampler
+
+T = TypeVar("T")
 
 
 class _ShardLayout:
@@ -34,13 +36,13 @@ class _ShardLayout:
         self.skip = 0
         self.last_real = -1
 
-    def _groups(self, items: Iterable[Any], per_rank: int, size: Callable[[list[Any]], int]) -> Iterator[list[Any]]:
+    def _groups(self, items: Iterable[T], per_rank: int, size: Callable[[list[T]], int]) -> Iterator[list[T]]:
         world, rank = self.world, self.rank
         g = per_rank * world
         mine = slice(rank * per_rank, (rank + 1) * per_rank)
         skip, self.skip = self.skip, 0
         it = iter(items)
-        initial: list[Any] | None = None  # the first group (padding of a short last one starts over from it)
+        initial: list[T] | None = None  # the first group (padding of a short last one starts over from it)
         produced = 0
         while buf := list(islice(it, g)):  # a group per C call: this runs once per batch
             if initial is None:
@@ -87,7 +89,7 @@ class _ShardLayout:
             if target is not None and hasattr(target, "set_epoch"):
                 target.set_epoch(epoch)
 
-    def _epoch_targets(self) -> tuple[Any, ...]:
+    def _epoch_targets(self) -> tuple[object, ...]:
         return ()
 
 
@@ -115,7 +117,7 @@ class ShardSampler(_ShardLayout, Sampler[list[int]]):
         rest = len(self.sampler) % g  # type: ignore[arg-type]  # a sized sampler, as in __len__
         return g if rest == 0 or self.drop_last else rest
 
-    def _epoch_targets(self) -> tuple[Any, ...]:
+    def _epoch_targets(self) -> tuple[object, ...]:
         return (self.sampler,)
 
     def __iter__(self) -> Iterator[list[int]]:
@@ -145,7 +147,7 @@ class BatchShardSampler(_ShardLayout, Sampler[list[int]]):
     def _sized(self) -> tuple[int, int] | None:
         return (len(self.batch_sampler), 1) if hasattr(self.batch_sampler, "__len__") else None
 
-    def _epoch_targets(self) -> tuple[Any, ...]:
+    def _epoch_targets(self) -> tuple[object, ...]:
         return (self.sampler, self.batch_sampler)
 
     def __iter__(self) -> Iterator[list[int]]:
@@ -166,7 +168,7 @@ class IterableShard(_ShardLayout, IterableDataset):
         self.dataset = dataset
         self.per_rank_batch = per_rank_batch
 
-    def _epoch_targets(self) -> tuple[Any, ...]:
+    def _epoch_targets(self) -> tuple[object, ...]:
         return (self.dataset,)
 
     def __len__(self) -> int:

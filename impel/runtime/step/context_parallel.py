@@ -23,9 +23,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING
 
 from impel.config.schema import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
 
 CP_COMM_STRATEGIES = ("allgather", "alltoall")
 CPU_LIMIT = ("torch's context_parallel has no CPU sharding rule for scaled_dot_product_attention (on CPU it fails "
@@ -45,7 +49,7 @@ def comm_strategy(value: object = None) -> str:
     return name
 
 
-def cp_mesh(mesh: Any) -> Any | None:
+def cp_mesh(mesh: DeviceMesh | None) -> DeviceMesh | None:
     """The "cp" sub-mesh of ``mesh`` (``mesh`` itself when it is a 1-D mesh named "cp" or unnamed); None when
     context parallel is off: no mesh, a mesh without a "cp" dimension, or a cp dimension of size 1."""
     if mesh is None:
@@ -61,7 +65,7 @@ def cp_mesh(mesh: Any) -> Any | None:
     return mesh if mesh.size() > 1 else None
 
 
-def check_device(mesh: Any) -> None:
+def check_device(mesh: DeviceMesh) -> None:
     """Refuse a cp mesh torch cannot run attention on, naming torch's limit and the fix."""
     import torch
 
@@ -72,7 +76,8 @@ def check_device(mesh: Any) -> None:
                           "1) to train on CPU, or run on CUDA devices")
 
 
-def _check_buffers(mesh: Any, buffers: Sequence[Any], seq_dims: Sequence[int], no_restore: set[Any]) -> None:
+def _check_buffers(mesh: DeviceMesh, buffers: Sequence[torch.Tensor], seq_dims: Sequence[int],
+                   no_restore: set[torch.Tensor]) -> None:
     if not buffers:
         raise ConfigError("context_parallel needs buffers to split over the sequence (input_ids, labels, ...) and "
                           "buffer_seq_dims giving each one's sequence dimension; none were passed")
@@ -91,8 +96,9 @@ def _check_buffers(mesh: Any, buffers: Sequence[Any], seq_dims: Sequence[int], n
 
 
 @contextmanager
-def context_parallel(mesh: Any, buffers: Sequence[Any] | None = None, buffer_seq_dims: Sequence[int] | None = None,
-                     no_restore_buffers: set[Any] | None = None, cp_comm_strategy: object = None) -> Iterator[None]:
+def context_parallel(mesh: DeviceMesh | None, buffers: Sequence[torch.Tensor] | None = None,
+                     buffer_seq_dims: Sequence[int] | None = None, no_restore_buffers: set[torch.Tensor] | None = None,
+                     cp_comm_strategy: object = None) -> Iterator[None]:
     """Split ``buffers`` along ``buffer_seq_dims`` over the cp ranks and run SDPA as ring attention inside; a
     no-op when ``mesh`` has no cp dimension larger than 1 (see the module docstring)."""
     strategy = comm_strategy(cp_comm_strategy)

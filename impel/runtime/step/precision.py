@@ -20,14 +20,14 @@ class Precision:
 
     mode = "no"
     dtype: torch.dtype | None = None
-    scaler: Any = None
+    scaler: torch.amp.GradScaler | None = None
 
     def __init__(self, device: torch.device, autocast_kwargs: AutocastKwargs | None = None,
                  scaler_kwargs: GradScalerKwargs | None = None) -> None:
         self.device = device
         self.autocast_kwargs = autocast_kwargs or AutocastKwargs()
 
-    def autocast(self, enabled: bool | None = None) -> contextlib.AbstractContextManager[Any]:
+    def autocast(self, enabled: bool | None = None) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
 
     def backward(self, loss: torch.Tensor, **kwargs: object) -> None:
@@ -57,7 +57,7 @@ class AutocastPrecision(Precision):
     mode = "bf16"
     dtype = torch.bfloat16
 
-    def autocast(self, enabled: bool | None = None) -> contextlib.AbstractContextManager[Any]:
+    def autocast(self, enabled: bool | None = None) -> contextlib.AbstractContextManager[None]:
         kw = self.autocast_kwargs
         on = kw.enabled if enabled is None else enabled
         extra = {} if kw.cache_enabled is None else {"cache_enabled": kw.cache_enabled}
@@ -69,6 +69,8 @@ class ScaledPrecision(AutocastPrecision):
 
     mode = "fp16"
     dtype = torch.float16
+
+    scaler: torch.amp.GradScaler
 
     def __init__(self, device: torch.device, autocast_kwargs: AutocastKwargs | None = None,
                  scaler_kwargs: GradScalerKwargs | None = None) -> None:
