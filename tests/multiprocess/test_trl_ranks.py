@@ -3,7 +3,8 @@ on Accelerate under the same launch (``ACCELERATE_USE_CPU=1``), each resumed und
 to the uninterrupted run, and under impel's FSDP2 plain SFT, a LoRA run (adapter-only checkpoints), a DPO run (its
 reference model sharded by TRL with the plugin's policies), a DPO run with ``sync_ref_model`` (the policy mixed into
 that reference model) and a reward model train like one process at the same global batch and resume from a mid-run
-checkpoint exactly; GRPO under FSDP2 trains like GRPO under DDP on the same 2 ranks."""
+checkpoint exactly; GRPO under FSDP2 trains like GRPO under DDP on the same 2 ranks, SFT in bf16 under FSDP2 like
+one FSDP2 process under the same mixed-precision policy."""
 from __future__ import annotations
 
 import os
@@ -15,13 +16,14 @@ pytest.importorskip("trl")
 pytest.importorskip("peft")
 
 from impel.testing import run_on_ranks  # noqa: E402
-from trl_helpers import KINDS, gradient_free, max_diff, run_kinds, run_trl  # noqa: E402
+from trl_helpers import KINDS, gradient_free, max_diff, run_kinds, run_trl, tiny_gpt2  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
 
 # fp32 (TRL's configs default to bf16, which FSDP2 applies to the parameters, autocast on one process to the matmuls)
 FSDP = {"fsdp": "full_shard", "fsdp_config": {"transformer_layer_cls_to_wrap": ["GPT2Block"]}, "bf16": False}
 FSDP_KINDS = ("sft", "sft_lora", "dpo", "dpo_sync", "reward")
+BF16 = dict(FSDP, bf16=True)  # the plugin's MixedPrecisionPolicy: bf16 parameters in the forward, fp32 reduction
 
 
 def test_trl_trainers_on_two_ranks_equal_trl_on_accelerate(tmp_path):
@@ -53,7 +55,34 @@ def _fsdp_runs(output_dir: str) -> dict[str, dict]:
         results[kind]["saved keys"] = sorted(saved)
     results["grpo"] = run_trl("grpo", "impel", os.path.join(output_dir, "grpo"), **FSDP)
     results["grpo ddp"] = run_trl("grpo", "impel", os.path.join(output_dir, "grpo-ddp"), bf16=False)
+    results["sft bf16"] = run_trl("sft", "impel", os.path.join(output_dir, "sft-bf16"), **BF16)
     return results
+
+
+def _one_fsdp_rank(output_dir: str) -> dict:
+    """SFT in bf16 on one FSDP2 rank (the same policy), fed the 2 ranks' micro-batches."""
+    return run_trl("sft", "impel", os.path.join(output_dir, "sft-bf16-one"), gradient_accumulation_steps=4, **BF16)
+
+
+def _update_gap(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """How far apart two runs' weights end, relative to how far ``b`` moved from the initial weights (norms)."""
+    start = tiny_gpt2().state_dict()
+    gap = sum(((a[k] - b[k]) ** 2).sum() for k in a)
+    return float((gap / sum(((b[k] - start[k]) ** 2).sum() for k in a)).sqrt())
+
+
+def _assert_bf16_like_one_fsdp_rank(two: dict, one: dict, fp32: dict) -> None:
+    """TRL's default bf16 under FSDP2 on 2 ranks against one FSDP2 process under the same MixedPrecisionPolicy
+    (Accelerate runs no FSDP on CPU; one process without FSDP autocasts only the matmuls: a bf16-sized gap, 1.3e-4
+    in the first loss, that would hide the 2 ranks' own). Until the fp32 weights' float noise flips a bf16 rounding
+    the two compute the same bf16 forwards and the same fp32-reduced update: the first 2 losses within 1e-6 (2.4e-7
+    measured). Then flipped roundings (2^-8 each) move the later losses by 4.5e-5 and the weights by 1.3% of their
+    update (measured): bounds 5e-4 and 3%, where bf16 itself (against fp32) moves the first loss by 8.9e-5, the
+    third by 1e-3 and the weights by 7%."""
+    assert abs(two["loss"][0] - fp32["loss"][0]) > 1e-5  # the bf16 policy is in effect
+    assert two["loss"][:2] == pytest.approx(one["loss"][:2], abs=1e-6)
+    assert two["loss"] == pytest.approx(one["loss"], abs=5e-4)
+    assert _update_gap(two["weights"], one["weights"]) <= 0.03
 
 
 def _no_true_gradient(kind: str, output_dir: str) -> dict[str, torch.Tensor]:
@@ -85,6 +114,8 @@ def test_trl_under_fsdp2_trains_like_one_process_and_resumes_from_a_checkpoint_e
     process (each rank samples its completions from its own RNG stream): it is compared with the same 2 ranks under
     DDP (proven equal to TRL + Accelerate above)."""
     results = run_on_ranks(_fsdp_runs, 2, args=(str(tmp_path),), timeout=240)[0]
+    _assert_bf16_like_one_fsdp_rank(results["sft bf16"], run_on_ranks(_one_fsdp_rank, 1, args=(str(tmp_path),))[0],
+                                    results["sft"])
     for kind in FSDP_KINDS:
         one = run_trl(kind, "impel", str(tmp_path / f"{kind}-one"), gradient_accumulation_steps=4, bf16=False)
         free = None if kind == "sft_lora" else _no_true_gradient(kind, str(tmp_path / f"{kind}-free"))
