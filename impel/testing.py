@@ -3,7 +3,7 @@
 Each rank is a fresh process, forked from a server that preloaded torch, with torchrun's variables set
 (127.0.0.1, OMP_NUM_THREADS=1) and the caller's environment as it is at the call.
 The whole job is bounded by ``timeout``: a dead or hung rank fails the call instead of hanging the test run, and a
-hung rank's Python stack comes back in the error.
+hung rank's Python stack (or a crashed one's: faulthandler, SIGSEGV / SIGABRT) comes back in the error.
 
 Example::
 
@@ -65,6 +65,7 @@ def _child(fn: Callable[..., object], args: Sequence[object], kwargs: Mapping[st
 
         stack_file = open(Path(out_dir) / f"rank{rank}.stack", "w")  # noqa: SIM115 - open until the process ends
         faulthandler.register(_STACK_SIGNAL, file=stack_file, all_threads=True)
+        faulthandler.enable(file=stack_file, all_threads=True)  # a native crash (SIGSEGV, SIGABRT) writes it too
     try:
         import torch
 
@@ -209,7 +210,10 @@ def _collect(procs: Sequence[BaseProcess], out_dir: str, stacks: dict[int, str],
             if r in stacks:
                 errors.append(f"rank {r} {why}; its Python stack:\n{stacks[r] or '(not available)'}")
             else:
-                errors.append(f"rank {r} exited with code {p.exitcode} without a result")
+                crash = Path(out_dir) / f"rank{r}.stack"
+                stack = crash.read_text(errors="replace")[-4000:] if crash.exists() else ""
+                errors.append(f"rank {r} exited with code {p.exitcode} without a result"
+                              + (f"; its Python stack when it crashed:\n{stack}" if stack else ""))
             results.append(None)
             continue
         with open(path, "rb") as f:

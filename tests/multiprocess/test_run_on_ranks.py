@@ -1,4 +1,5 @@
-"""impel.testing.run_on_ranks itself: the caller's current environment reaches the ranks, a hang reports the stack."""
+"""impel.testing.run_on_ranks itself: the caller's current environment reaches the ranks, a hang or a native crash
+reports the stack."""
 from __future__ import annotations
 
 import os
@@ -48,6 +49,25 @@ def test_a_hung_rank_comes_back_with_its_python_stack():
     message = str(err.value)
     assert "1 of 2 ranks failed" in message and "rank 1 timed out after 10s; its Python stack:" in message
     assert "_waiting_forever_here" in message  # the frame the rank hangs in, from faulthandler
+
+
+def _crashes_in_a_named_function() -> None:
+    _segfaulting_here()
+
+
+def _segfaulting_here() -> None:
+    import ctypes
+
+    ctypes.string_at(0)  # reads address 0: SIGSEGV
+
+
+def test_a_rank_that_crashes_natively_comes_back_with_its_python_stack():
+    """A SIGSEGV in a rank (issue 38 once saw one under load) names the Python frames it happened in."""
+    with pytest.raises(RankFailed) as err:
+        run_on_ranks(_crashes_in_a_named_function, 1, timeout=60)
+    message = str(err.value)
+    assert "rank 0 exited with code -11 without a result; its Python stack when it crashed:" in message
+    assert "Segmentation fault" in message and "_segfaulting_here" in message
 
 
 def _rank_zero_finishes_first(pid_dir: str) -> bool:
