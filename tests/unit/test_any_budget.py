@@ -8,6 +8,7 @@ a row may never rise (type the new code instead: ``impel.types``, ``object``, a 
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "impel"
@@ -32,6 +33,7 @@ def _anys(node: ast.AST) -> int:
                or (isinstance(x, ast.Constant) and isinstance(x.value, str) and "Any" in x.value))
 
 
+@functools.cache
 def aliases() -> dict[str, int]:
     """Module-level type aliases that spell ``Any`` (``Entry = dict[str, Any]``): each use in an annotation counts
     the ``Any`` its definition holds, so an alias does not hide them."""
@@ -46,37 +48,36 @@ def aliases() -> dict[str, int]:
     return out
 
 
-def _anys_with_aliases(node: ast.AST, spelled: dict[str, int]) -> int:
+def _anys_with_aliases(node: ast.AST) -> int:
+    spelled = aliases()
     used = sum(spelled.get(x.id if isinstance(x, ast.Name) else x.attr, 0) for x in ast.walk(node)
                if isinstance(x, ast.Name | ast.Attribute))
     return _anys(node) + used
 
 
-def count(path: Path, spelled: dict[str, int] | None = None) -> int:
+def count(path: Path) -> int:
     """``Any`` in every annotation of one file (with the ``Any`` of the aliases it uses)."""
-    spelled = aliases() if spelled is None else spelled
     n = 0
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             a = node.args
             for arg in [*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg]:
                 if arg is not None and arg.annotation is not None:
-                    n += _anys_with_aliases(arg.annotation, spelled)
+                    n += _anys_with_aliases(arg.annotation)
             if node.returns is not None:
-                n += _anys_with_aliases(node.returns, spelled)
+                n += _anys_with_aliases(node.returns)
         elif isinstance(node, ast.AnnAssign):
-            n += _anys_with_aliases(node.annotation, spelled)
+            n += _anys_with_aliases(node.annotation)
     return n
 
 
 def per_folder() -> dict[str, int]:
     counts = dict.fromkeys(BUDGET, 0)
-    spelled = aliases()
     for path in PACKAGE.rglob("*.py"):
         rel = path.relative_to(PACKAGE).parts
         key = rel[0] if len(rel) > 1 else "*"
         if key in counts:  # Accelerate's thin module faces (utils/) are not budgeted: they hold none
-            counts[key] += count(path, spelled)
+            counts[key] += count(path)
     return counts
 
 
@@ -89,8 +90,7 @@ def test_any_in_annotations_only_goes_down() -> None:
 def test_every_folder_is_budgeted() -> None:
     folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
     assert folders - {"utils"} <= set(BUDGET), folders - set(BUDGET)
-    spelled = aliases()
-    assert sum(count(p, spelled) for p in (PACKAGE / "utils").rglob("*.py")) == 0
+    assert sum(count(p) for p in (PACKAGE / "utils").rglob("*.py")) == 0
 
 
 def test_shared_type_names_hide_no_any() -> None:

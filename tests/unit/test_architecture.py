@@ -237,8 +237,7 @@ LAUNCH_CONFIG_READERS = {
 
 
 def test_only_resolve_reads_the_launch_config():
-    callers = {m for m, path in modules().items() if m != ENV_MODULE
-               for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+    callers = {m for m in modules() if m != ENV_MODULE for node in ast.walk(tree(m))
                if isinstance(node, ast.Attribute | ast.Name)
                and (node.attr if isinstance(node, ast.Attribute) else node.id) == "read_launch_config"}
     assert "impel.config.environment_settings" in callers  # the probe sees what it looks for

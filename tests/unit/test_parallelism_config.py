@@ -124,21 +124,14 @@ def test_accelerates_environment_variables_fill_unset_sizes(monkeypatch):
 def test_the_launched_section_reaches_the_code_as_accelerates_variables(tmp_path, monkeypatch):
     """``impel launch --parallelism_config_*`` exports Accelerate's ``PARALLELISM_CONFIG_*`` variables (as
     ``accelerate launch`` does); a ``ParallelismConfig()`` built in the script reads them, not the launch config."""
-    from impel.commands.flags import bool_values_joined
-    from impel.commands.launch import plan_launch
-    from impel.commands.main import build_parser
-
-    (tmp_path / "train.py").write_text("")
-    argv = ["launch", "--cpu", "--use_fsdp", "--num_processes", "4", "--parallelism_config_dp_shard_size", "2",
-            "--parallelism_config_tp_size", "2", "--parallelism_config_cp_comm_strategy", "alltoall",
-            str(tmp_path / "train.py")]
-    plan = plan_launch(build_parser().parse_args(bool_values_joined(argv)))
+    plan = _plan(tmp_path, "--use_fsdp", "--num_processes", "4", "--parallelism_config_dp_shard_size", "2",
+                 "--parallelism_config_tp_size", "2", "--parallelism_config_cp_comm_strategy", "alltoall")
     exported = {k: v for k, v in plan.rank_variables.items() if k.startswith("PARALLELISM_CONFIG_")}
     assert exported == {"PARALLELISM_CONFIG_DP_REPLICATE_SIZE": "1", "PARALLELISM_CONFIG_DP_SHARD_SIZE": "2",
                         "PARALLELISM_CONFIG_TP_SIZE": "2", "PARALLELISM_CONFIG_CP_SIZE": "1",
                         "PARALLELISM_CONFIG_CP_BACKEND": "torch", "PARALLELISM_CONFIG_CP_COMM_STRATEGY": "alltoall",
                         "PARALLELISM_CONFIG_SP_SIZE": "1", "PARALLELISM_CONFIG_SP_BACKEND": "deepspeed"}
-    assert not any(k.startswith("PARALLELISM_CONFIG_") for k in _plain_plan(tmp_path).rank_variables)
+    assert not any(k.startswith("PARALLELISM_CONFIG_") for k in _plan(tmp_path).rank_variables)
     for name, value in exported.items():
         monkeypatch.setenv(name, value)
     pc = ParallelismConfig(tp_size=4)  # a keyword still beats the launched value
@@ -150,12 +143,14 @@ def test_the_launched_section_reaches_the_code_as_accelerates_variables(tmp_path
     assert ParallelismConfig().dp_shard_size == 1
 
 
-def _plain_plan(tmp_path):
+def _plan(tmp_path, *flags):
     from impel.commands.flags import bool_values_joined
     from impel.commands.launch import plan_launch
     from impel.commands.main import build_parser
 
-    return plan_launch(build_parser().parse_args(bool_values_joined(["launch", "--cpu", str(tmp_path / "train.py")])))
+    (tmp_path / "train.py").write_text("")
+    argv = ["launch", "--cpu", *flags, str(tmp_path / "train.py")]
+    return plan_launch(build_parser().parse_args(bool_values_joined(argv)))
 
 
 # --- YAML, flags, impel config, the converter --------------------------------------------------------------------
